@@ -1,0 +1,36 @@
+"""zerofn: ZeRO stage 1 and 2 for PyTorch as pure functions over explicit state.
+
+The four stage functions (``shard_params``, ``reduce_grads``, ``step_shards``,
+``gather_params``) take immutable state and explicit process groups and return new
+state; ``zerofn.optim`` holds the functional optimizers they apply.
+"""
+
+from zerofn import checks, comm, optim
+from zerofn._tree import FrozenDict
+from zerofn.checks import RankMismatchError
+from zerofn.comm import CommPolicy, count_bytes
+from zerofn.layout import Bucket, ParamSpec, ShardLayout, make_layout
+from zerofn.stages import gather_params, reduce_grads, shard_params, step_shards
+from zerofn.state import StepInfo, ZeroState
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Bucket",
+    "CommPolicy",
+    "FrozenDict",
+    "ParamSpec",
+    "RankMismatchError",
+    "ShardLayout",
+    "StepInfo",
+    "ZeroState",
+    "checks",
+    "comm",
+    "count_bytes",
+    "gather_params",
+    "make_layout",
+    "optim",
+    "reduce_grads",
+    "shard_params",
+    "step_shards",
+]

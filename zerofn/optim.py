@@ -1,0 +1,446 @@
+"""Functional optimizers: pure ``init`` / ``update`` pairs with torch.optim's numerics.
+
+An :class:`Optimizer` is a value: a name, hyperparameters (per parameter group) and two
+pure functions. ``init(params)`` builds the state for a ``name -> tensor`` mapping;
+``update(grads, state, params)`` returns new params and new state and changes nothing it
+was given. zerofn calls them on 1-D shards, but they work on any tensors.
+
+The arithmetic is torch's own: ``update`` calls the functional kernels behind
+``torch.optim.SGD``, ``Adam`` and ``AdamW`` (``torch.optim.sgd.sgd``,
+``torch.optim.adam.adam``, ``torch.optim.adamw.adamw``) with the same ``foreach`` /
+``fused`` choice torch would make. Element-wise kernels give the same bits on a slice as
+on the whole tensor, so an update of shards is bitwise the update torch.optim makes on
+the full parameters, given bitwise-equal gradients.
+
+Parameter groups work as in torch, by name::
+
+    opt = zf.optim.adamw(lr=1e-3, weight_decay=0.1,
+                         param_groups=[{"params": ["fc.bias", "ln.weight"], "weight_decay": 0.0}])
+
+A name belongs to the first group that lists it (``"params"`` is a collection of names
+or a predicate ``name -> bool``); names no group lists use the factory's hyperparameters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import torch
+import torch.optim.adam as _torch_adam
+import torch.optim.sgd as _torch_sgd
+
+from zerofn._tree import FrozenDict
+
+__all__ = [
+    "AdamState",
+    "Optimizer",
+    "SGDState",
+    "adam",
+    "adamw",
+    "sgd",
+]
+
+Params = Mapping[str, torch.Tensor]
+NameSelector = Collection[str] | Callable[[str], bool]
+
+
+class SGDState(NamedTuple):
+    """State of :func:`sgd`.
+
+    Attributes:
+      momentum_buffer: name -> buffer shaped like the param (fp32 master dtype), or
+        ``None`` until the first step with ``momentum != 0`` (torch.optim's rule).
+    """
+
+    momentum_buffer: FrozenDict[torch.Tensor | None]
+
+
+class AdamState(NamedTuple):
+    """State of :func:`adam` and :func:`adamw`.
+
+    Attributes:
+      step: name -> 0-d float32 CPU tensor, steps taken by that param (as torch.optim).
+      exp_avg: name -> first moment, shaped like the param.
+      exp_avg_sq: name -> second moment, shaped like the param.
+      max_exp_avg_sq: name -> running max of ``exp_avg_sq``; empty unless ``amsgrad``.
+    """
+
+    step: FrozenDict[torch.Tensor]
+    exp_avg: FrozenDict[torch.Tensor]
+    exp_avg_sq: FrozenDict[torch.Tensor]
+    max_exp_avg_sq: FrozenDict[torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamGroup:
+    """Hyperparameter overrides for the parameters ``select`` picks."""
+
+    select: NameSelector
+    hyperparams: Mapping[str, Any]
+
+    def matches(self, name: str) -> bool:
+        return self.select(name) if callable(self.select) else name in self.select
+
+
+@dataclasses.dataclass(frozen=True)
+class Optimizer:
+    """A functional optimizer: hyperparameters plus pure ``init`` and ``update``.
+
+    Build one with :func:`sgd`, :func:`adam` or :func:`adamw`. ``with_hyperparams`` returns
+    a copy with new values (how an LR schedule drives it); the state never holds
+    hyperparameters, so the same state continues under the new values.
+
+    Attributes:
+      name: ``"sgd"``, ``"adam"`` or ``"adamw"``; the torch.optim class it mirrors is
+        ``torch_class``.
+      defaults: hyperparameters for names no group selects.
+      groups: per-group overrides, first match wins.
+    """
+
+    name: str
+    defaults: Mapping[str, Any]
+    groups: tuple[ParamGroup, ...]
+    _init: Callable[[Optimizer, Params], Any] = dataclasses.field(repr=False)
+    _update: Callable[..., tuple[dict[str, torch.Tensor], Any]] = dataclasses.field(repr=False)
+    torch_class: type[torch.optim.Optimizer] = dataclasses.field(repr=False, default=torch.optim.SGD)
+
+    def init(self, params: Params) -> Any:
+        """Fresh optimizer state for ``params`` (name -> tensor); reads only shapes/dtypes/devices."""
+        return self._init(self, params)
+
+    def update(
+        self, grads: Params, state: Any, params: Params, *, donate: bool = False
+    ) -> tuple[dict[str, torch.Tensor], Any]:
+        """One optimizer step for the names in ``grads``.
+
+        Args:
+          grads: name -> gradient, same shape and dtype as ``params[name]``. Names not in
+            ``grads`` (no gradient this step) keep their params and state, as torch.optim
+            skips params whose ``.grad`` is ``None``.
+          state: from ``init`` or a previous ``update``.
+          params: name -> current value.
+          donate: if True, update ``params`` and ``state`` tensors in place and return
+            them; the caller must not use the inputs afterwards. If False (default),
+            nothing given is changed.
+
+        Returns:
+          ``(new_params, new_state)``: ``new_params`` is a dict over all names of
+          ``params``; unchanged entries are the same tensor objects.
+        """
+        return self._update(self, grads, state, params, donate)
+
+    def hyperparams(self, name: str) -> Mapping[str, Any]:
+        """The hyperparameters in force for parameter ``name``."""
+        return {**self.defaults, **self._group_overrides(name)}
+
+    def group_index(self, name: str) -> int:
+        """Index of the group that selects ``name``; ``len(groups)`` for the defaults."""
+        for i, group in enumerate(self.groups):
+            if group.matches(name):
+                return i
+        return len(self.groups)
+
+    def _group_overrides(self, name: str) -> Mapping[str, Any]:
+        i = self.group_index(name)
+        return self.groups[i].hyperparams if i < len(self.groups) else {}
+
+    def with_hyperparams(self, group: int | None = None, **changes: Any) -> Optimizer:
+        """A copy with ``changes`` applied to group ``group`` (``None``: the defaults)."""
+        _check_hyperparams(self.name, changes)
+        if group is None:
+            return dataclasses.replace(self, defaults=FrozenDict({**self.defaults, **changes}))
+        groups = list(self.groups)
+        g = groups[group]
+        groups[group] = ParamGroup(g.select, FrozenDict({**g.hyperparams, **changes}))
+        return dataclasses.replace(self, groups=tuple(groups))
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _check_hyperparams(name: str, hp: Mapping[str, Any]) -> None:
+    """Reject values torch.optim would reject, with the name of the optimizer and field."""
+    for key in ("lr", "weight_decay", "momentum", "dampening", "eps"):
+        if key in hp:
+            value = hp[key]
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"zerofn.optim.{name}: {key} must be a finite number >= 0, got {value!r}")
+    if "betas" in hp:
+        betas = hp["betas"]
+        if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"zerofn.optim.{name}: betas must be two numbers in [0, 1), got {betas!r}")
+
+
+def _make_groups(name: str, param_groups: Sequence[Mapping[str, Any]] | None) -> tuple[ParamGroup, ...]:
+    groups = []
+    for i, g in enumerate(param_groups or ()):
+        if "params" not in g:
+            raise ValueError(f"zerofn.optim.{name}: param_groups[{i}] needs a 'params' entry (names or a predicate)")
+        hp = {k: v for k, v in g.items() if k != "params"}
+        _check_hyperparams(name, hp)
+        select = g["params"]
+        if isinstance(select, str):
+            raise TypeError(f"zerofn.optim.{name}: param_groups[{i}]['params'] must be a collection of names, not a str")
+        groups.append(ParamGroup(select if callable(select) else frozenset(select), FrozenDict(hp)))
+    return tuple(groups)
+
+
+def _by_group(opt: Optimizer, names: Sequence[str]) -> dict[int, list[str]]:
+    """Names bucketed by group index, order kept, so each group is one kernel call."""
+    out: dict[int, list[str]] = {}
+    for n in names:
+        out.setdefault(opt.group_index(n), []).append(n)
+    return out
+
+
+def _own(t: torch.Tensor, donate: bool) -> torch.Tensor:
+    """A tensor the update may write into: ``t`` itself if donated, else a fresh copy."""
+    return t if donate else t.clone()
+
+
+def _grads_in_order(opt: Optimizer, grads: Params, params: Params) -> list[str]:
+    unknown = [n for n in grads if n not in params]
+    if unknown:
+        raise KeyError(f"zerofn.optim.{opt.name}.update: gradients for unknown params {unknown}")
+    return [n for n in params if n in grads and grads[n] is not None]
+
+
+# --------------------------------------------------------------------------- sgd
+
+
+def _sgd_init(opt: Optimizer, params: Params) -> SGDState:
+    del opt
+    return SGDState(FrozenDict(dict.fromkeys(params)))
+
+
+def _sgd_update(
+    opt: Optimizer, grads: Params, state: SGDState, params: Params, donate: bool
+) -> tuple[dict[str, torch.Tensor], SGDState]:
+    names = _grads_in_order(opt, grads, params)
+    new_params = dict(params)
+    new_bufs = dict(state.momentum_buffer)
+    for gi, group_names in _by_group(opt, names).items():
+        hp = opt.hyperparams(group_names[0])
+        ps = [_own(params[n], donate) for n in group_names]
+        bufs = [
+            None if state.momentum_buffer[n] is None else _own(state.momentum_buffer[n], donate)
+            for n in group_names
+        ]
+        _torch_sgd.sgd(
+            ps,
+            [grads[n] for n in group_names],
+            bufs,
+            weight_decay=hp["weight_decay"],
+            momentum=hp["momentum"],
+            lr=hp["lr"],
+            dampening=hp["dampening"],
+            nesterov=hp["nesterov"],
+            maximize=hp["maximize"],
+            foreach=hp["foreach"],
+            fused=hp["fused"],
+        )
+        del gi
+        for n, p, b in zip(group_names, ps, bufs):
+            new_params[n] = p
+            new_bufs[n] = b
+    return new_params, SGDState(FrozenDict(new_bufs))
+
+
+def sgd(
+    lr: float = 1e-3,
+    momentum: float = 0.0,
+    dampening: float = 0.0,
+    weight_decay: float = 0.0,
+    nesterov: bool = False,
+    *,
+    maximize: bool = False,
+    foreach: bool | None = None,
+    fused: bool | None = None,
+    param_groups: Sequence[Mapping[str, Any]] | None = None,
+) -> Optimizer:
+    r"""Stochastic gradient descent with momentum, exactly as ``torch.optim.SGD``.
+
+    .. math::
+        g \leftarrow g + \lambda\theta,\quad
+        b \leftarrow \mu b + (1-\tau) g \ (b \leftarrow g \text{ at the first step}),\quad
+        \theta \leftarrow \theta - \eta\,(g + \mu b \text{ if nesterov else } b)
+
+    Args:
+      lr: learning rate :math:`\eta`.
+      momentum: :math:`\mu`; 0 keeps no state.
+      dampening: :math:`\tau`.
+      weight_decay: L2 penalty :math:`\lambda` added to the gradient.
+      nesterov: Nesterov momentum (needs ``momentum > 0`` and ``dampening == 0``).
+      maximize: ascend instead of descend.
+      foreach, fused: torch's kernel choice; ``None`` lets torch pick as it would.
+      param_groups: per-name hyperparameter overrides (see the module docstring).
+
+    Examples:
+      >>> import torch, zerofn as zf
+      >>> opt = zf.optim.sgd(lr=0.1, momentum=0.9)
+      >>> params = {"w": torch.ones(3)}
+      >>> state = opt.init(params)
+      >>> new, state = opt.update({"w": torch.ones(3)}, state, params)
+      >>> new["w"], params["w"]
+      (tensor([0.9000, 0.9000, 0.9000]), tensor([1., 1., 1.]))
+    """
+    if nesterov and (momentum <= 0 or dampening != 0):
+        raise ValueError("zerofn.optim.sgd: nesterov momentum needs momentum > 0 and dampening == 0")
+    defaults = FrozenDict(
+        dict(
+            lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
+            maximize=maximize, foreach=foreach, fused=fused,
+        )
+    )
+    _check_hyperparams("sgd", defaults)
+    return Optimizer("sgd", defaults, _make_groups("sgd", param_groups), _sgd_init, _sgd_update, torch.optim.SGD)
+
+
+# --------------------------------------------------------------------------- adam / adamw
+
+
+def _adam_init(opt: Optimizer, params: Params) -> AdamState:
+    # torch keeps `step` as a 0-d float32 CPU tensor unless fused/capturable, where it
+    # lives on the param's device; mirror that so the kernels take the same path.
+    def step_for(name: str, p: torch.Tensor) -> torch.Tensor:
+        if opt.hyperparams(name)["fused"]:
+            return torch.zeros((), dtype=torch.float32, device=p.device)
+        return torch.tensor(0.0, dtype=torch.float32)
+
+    amsgrad = {n for n in params if opt.hyperparams(n)["amsgrad"]}
+    return AdamState(
+        step=FrozenDict({n: step_for(n, p) for n, p in params.items()}),
+        exp_avg=FrozenDict({n: torch.zeros_like(p) for n, p in params.items()}),
+        exp_avg_sq=FrozenDict({n: torch.zeros_like(p) for n, p in params.items()}),
+        max_exp_avg_sq=FrozenDict({n: torch.zeros_like(p) for n, p in params.items() if n in amsgrad}),
+    )
+
+
+def _adam_update(
+    opt: Optimizer, grads: Params, state: AdamState, params: Params, donate: bool
+) -> tuple[dict[str, torch.Tensor], AdamState]:
+    names = _grads_in_order(opt, grads, params)
+    new_params = dict(params)
+    fields = {f: dict(getattr(state, f)) for f in AdamState._fields}
+    for group_names in _by_group(opt, names).values():
+        hp = opt.hyperparams(group_names[0])
+        owned = {
+            f: [_own(getattr(state, f)[n], donate) for n in group_names]
+            for f in AdamState._fields
+            if f != "max_exp_avg_sq" or hp["amsgrad"]
+        }
+        ps = [_own(params[n], donate) for n in group_names]
+        _torch_adam.adam(
+            ps,
+            [grads[n] for n in group_names],
+            owned["exp_avg"],
+            owned["exp_avg_sq"],
+            owned.get("max_exp_avg_sq", []),
+            owned["step"],
+            foreach=hp["foreach"],
+            fused=hp["fused"],
+            decoupled_weight_decay=opt.name == "adamw",
+            amsgrad=hp["amsgrad"],
+            beta1=hp["betas"][0],
+            beta2=hp["betas"][1],
+            lr=hp["lr"],
+            weight_decay=hp["weight_decay"],
+            eps=hp["eps"],
+            maximize=hp["maximize"],
+        )
+        for i, n in enumerate(group_names):
+            new_params[n] = ps[i]
+            for f, tensors in owned.items():
+                fields[f][n] = tensors[i]
+    return new_params, AdamState(**{f: FrozenDict(v) for f, v in fields.items()})
+
+
+def _adam_factory(
+    name: str,
+    torch_class: type[torch.optim.Optimizer],
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    amsgrad: bool,
+    maximize: bool,
+    foreach: bool | None,
+    fused: bool | None,
+    param_groups: Sequence[Mapping[str, Any]] | None,
+) -> Optimizer:
+    defaults = FrozenDict(
+        dict(
+            lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+            maximize=maximize, foreach=foreach, fused=fused,
+        )
+    )
+    _check_hyperparams(name, defaults)
+    return Optimizer(name, defaults, _make_groups(name, param_groups), _adam_init, _adam_update, torch_class)
+
+
+def adam(
+    lr: float = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    *,
+    amsgrad: bool = False,
+    maximize: bool = False,
+    foreach: bool | None = None,
+    fused: bool | None = None,
+    param_groups: Sequence[Mapping[str, Any]] | None = None,
+) -> Optimizer:
+    r"""Adam, exactly as ``torch.optim.Adam`` (L2 weight decay added to the gradient).
+
+    .. math::
+        g \leftarrow g + \lambda\theta,\quad m \leftarrow \beta_1 m + (1-\beta_1) g,\quad
+        v \leftarrow \beta_2 v + (1-\beta_2) g^2,\quad
+        \theta \leftarrow \theta - \eta\,\frac{m / (1-\beta_1^t)}{\sqrt{v / (1-\beta_2^t)} + \epsilon}
+
+    Args mirror ``torch.optim.Adam``; ``param_groups`` as in the module docstring.
+
+    References:
+      Kingma & Ba, "Adam: A Method for Stochastic Optimization", 2014.
+    """
+    return _adam_factory(
+        "adam", torch.optim.Adam, lr, betas, eps, weight_decay, amsgrad, maximize, foreach, fused, param_groups
+    )
+
+
+def adamw(
+    lr: float = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 1e-2,
+    *,
+    amsgrad: bool = False,
+    maximize: bool = False,
+    foreach: bool | None = None,
+    fused: bool | None = None,
+    param_groups: Sequence[Mapping[str, Any]] | None = None,
+) -> Optimizer:
+    r"""AdamW, exactly as ``torch.optim.AdamW`` (decoupled weight decay).
+
+    .. math::
+        \theta \leftarrow \theta(1 - \eta\lambda),\quad
+        m, v \text{ as in Adam},\quad
+        \theta \leftarrow \theta - \eta\,\frac{m / (1-\beta_1^t)}{\sqrt{v / (1-\beta_2^t)} + \epsilon}
+
+    Args mirror ``torch.optim.AdamW``; ``param_groups`` as in the module docstring.
+
+    Examples:
+      >>> import torch, zerofn as zf
+      >>> opt = zf.optim.adamw(lr=1e-3)
+      >>> state = opt.init({"w": torch.zeros(2)})
+      >>> int(state.step["w"])
+      0
+
+    References:
+      Loshchilov & Hutter, "Decoupled Weight Decay Regularization", 2019.
+    """
+    return _adam_factory(
+        "adamw", torch.optim.AdamW, lr, betas, eps, weight_decay, amsgrad, maximize, foreach, fused, param_groups
+    )

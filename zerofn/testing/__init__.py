@@ -1,0 +1,19 @@
+"""Public helpers for testing code built on zerofn: real gloo ranks and hypothesis strategies.
+
+``World`` keeps a pool of real ``torch.distributed`` gloo ranks alive and runs a function
+on all of them; ``strategies`` (needs ``hypothesis``) draws param dicts and world sizes
+that exercise sharding's corner cases.
+"""
+
+from zerofn.testing._world import RankFailure, World, WorldError
+
+__all__ = ["RankFailure", "World", "WorldError", "strategies"]
+
+
+def __getattr__(name: str) -> object:
+    # hypothesis is a test-time dependency: import the strategies only when asked for.
+    if name == "strategies":
+        from zerofn.testing import strategies
+
+        return strategies
+    raise AttributeError(name)
