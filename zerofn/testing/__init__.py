@@ -13,7 +13,9 @@ __all__ = ["RankFailure", "World", "WorldError", "strategies"]
 def __getattr__(name: str) -> object:
     # hypothesis is a test-time dependency: import the strategies only when asked for.
     if name == "strategies":
-        from zerofn.testing import strategies
+        # import_module, not `from zerofn.testing import strategies`: the latter asks this
+        # very __getattr__ for the not-yet-imported submodule and recurses forever.
+        import importlib
 
-        return strategies
+        return importlib.import_module("zerofn.testing.strategies")
     raise AttributeError(name)
