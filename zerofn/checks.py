@@ -88,6 +88,19 @@ def validate_grads(
     return present
 
 
+def validate_out(out: Mapping[str, torch.Tensor], layout: ShardLayout, where: str) -> None:
+    """Destination tensors for gathered params must match the layout exactly."""
+    for spec in layout.params:
+        t = out.get(spec.name)
+        if t is None:
+            raise KeyError(f"{where}: out has no tensor for param {spec.name!r}")
+        if tuple(t.shape) != spec.shape or t.dtype != spec.dtype or not t.is_contiguous():
+            raise ValueError(
+                f"{where}: out[{spec.name!r}] has shape {tuple(t.shape)} dtype {t.dtype} "
+                f"contiguous={t.is_contiguous()}, but the param is a contiguous {spec.shape} {spec.dtype}"
+            )
+
+
 def validate_world(layout: ShardLayout, group: comm.Group, where: str) -> None:
     n = comm.group_size(group)
     if n != layout.world_size:

@@ -19,18 +19,26 @@ collective, so a mistake raises the same clear error on every rank instead of ha
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 import torch
 
 from zerofn import checks, comm
 from zerofn._tree import FrozenDict
 from zerofn.comm import CommPolicy, Group
-from zerofn.layout import ParamSpec, ShardLayout, make_layout
+from zerofn.layout import Bucket, ParamSpec, ShardLayout, make_layout
 from zerofn.optim import Optimizer
 from zerofn.state import StepInfo, ZeroState
 
-__all__ = ["gather_params", "reduce_grads", "shard_params", "step_shards"]
+__all__ = [
+    "gather_params",
+    "launch_bucket_reduce",
+    "reduce_grads",
+    "reduce_realisation",
+    "shard_params",
+    "split_bucket_row",
+    "step_shards",
+]
 
 DEFAULT_BUCKET_NUMEL = 2**20
 
@@ -74,34 +82,101 @@ def shard_params(
     return ZeroState(layout, optimizer, rank, master, optimizer.init(master), 0)
 
 
-def _rank_major_rows(
-    grads: Mapping[str, torch.Tensor], layout: ShardLayout, names: tuple[str, ...], row_numel: int
+def _rows_from_full(
+    full: Mapping[str, torch.Tensor | None], layout: ShardLayout, bucket: Bucket, dtype: torch.dtype,
+    device: torch.device,
 ) -> torch.Tensor:
-    """Flatten ``grads[names]`` into a new ``(N, row_numel)`` rank-major bucket buffer.
+    """Flatten ``full[bucket.names]`` into a new ``(N, bucket.shard_numel)`` rank-major buffer.
 
-    Row ``r`` holds chunk ``r`` of every member's padded flat gradient, members side by
-    side in ``names`` order.
+    Row ``r`` holds chunk ``r`` of every member's padded flat tensor, members side by side
+    in bucket order. A member that is absent or ``None`` gets a zero block: the buffer's
+    shape, and the position of every element in it, depend only on the layout, so the
+    result for one param never depends on which others were present.
     """
     n = layout.world_size
-    first = grads[names[0]]
-    rows = torch.empty(n, row_numel, dtype=first.dtype, device=first.device)
-    col = 0
-    for name in names:
+    rows = torch.empty(n, bucket.shard_numel, dtype=dtype, device=device)
+    for name, col in zip(bucket.names, bucket.offsets):
         spec = layout[name]
-        flat = grads[name].detach().reshape(-1)
         block = rows[:, col : col + spec.shard_numel]
+        t = full.get(name)
+        if t is None:
+            block.zero_()
+            continue
+        flat = t.detach().reshape(-1)
         if spec.padding == 0:
             block.copy_(flat.view(n, spec.shard_numel))
         else:
-            # Full rows first, then the one partial row and the zero padding after it.
-            full_rows = spec.numel // spec.shard_numel
-            block[:full_rows].copy_(flat[: full_rows * spec.shard_numel].view(full_rows, spec.shard_numel))
-            block[full_rows:].zero_()
-            rest = spec.numel - full_rows * spec.shard_numel
+            # Whole rows first, then the one partial row and the zero padding after it.
+            whole = spec.numel // spec.shard_numel
+            block[:whole].copy_(flat[: whole * spec.shard_numel].view(whole, spec.shard_numel))
+            block[whole:].zero_()
+            rest = spec.numel - whole * spec.shard_numel
             if rest:
-                block[full_rows, :rest].copy_(flat[full_rows * spec.shard_numel :])
-        col += spec.shard_numel
+                block[whole, :rest].copy_(flat[whole * spec.shard_numel :])
     return rows
+
+
+def _full_from_rows(rows: torch.Tensor, spec: ParamSpec, col: int, out: torch.Tensor) -> None:
+    """Write param ``spec``'s columns of a gathered ``(N, S)`` buffer into ``out`` (full shape)."""
+    s = spec.shard_numel
+    flat = out.view(-1)
+    whole = spec.numel // s
+    flat[: whole * s].view(whole, s).copy_(rows[:whole, col : col + s])
+    rest = spec.numel - whole * s
+    if rest:
+        flat[whole * s :].copy_(rows[whole, col : col + rest])
+
+
+def launch_bucket_reduce(
+    grads: Mapping[str, torch.Tensor | None],
+    layout: ShardLayout,
+    bucket: Bucket,
+    group: Group,
+    how: str,
+    *,
+    comm_dtype: torch.dtype | None = None,
+    async_op: bool = False,
+) -> comm.Pending:
+    """Start averaging one bucket of full gradients over the group (a building block).
+
+    :func:`reduce_grads` runs this for every bucket; the facade runs it from gradient
+    hooks as buckets fill, so both paths send identical buffers and get identical bits.
+    The rows are multiplied by ``1/N`` *before* the sum, as DDP does, so low-precision
+    sums do not overflow. Absent members contribute zeros.
+
+    Returns:
+      A :class:`~zerofn.comm.Pending` whose ``wait()`` is this rank's ``(bucket.shard_numel,)``
+      row of the mean, in ``comm_dtype`` (default: the gradients' dtype).
+
+    Collectives: one ``reduce_scatter`` or ``all_reduce`` (``how``) of ``N * S`` elements.
+    """
+    dtype = layout[bucket.names[0]].dtype
+    device = next(g.device for g in (grads.get(n) for n in bucket.names) if g is not None)
+    rows = _rows_from_full(grads, layout, bucket, dtype, device)
+    rows.mul_(1.0 / layout.world_size)
+    if comm_dtype is not None and comm_dtype != dtype:
+        rows = rows.to(comm_dtype)
+    return comm.sum_rows(rows, group, how, async_op=async_op)
+
+
+def split_bucket_row(
+    row: torch.Tensor, layout: ShardLayout, bucket: Bucket, present: Collection[str]
+) -> dict[str, torch.Tensor]:
+    """Cut a reduced bucket row into per-param shards, for the ``present`` names only.
+
+    The row is cast back to the params' dtype; a row that is a view of a bigger buffer
+    (the all-reduce realisation) is copied out so the ``(N, S)`` buffer can be freed.
+    """
+    dtype = layout[bucket.names[0]].dtype
+    if row.dtype != dtype:
+        row = row.to(dtype)
+    elif row._base is not None:
+        row = row.clone()
+    return {
+        name: row[col : col + layout[name].shard_numel]
+        for name, col in zip(bucket.names, bucket.offsets)
+        if name in present
+    }
 
 
 def reduce_grads(
@@ -116,10 +191,12 @@ def reduce_grads(
 ) -> FrozenDict[torch.Tensor]:
     """Average full local gradients over the group and keep this rank's shards.
 
-    For each bucket (see :meth:`ShardLayout.buckets`) the gradients are copied into a
-    rank-major ``(N, S)`` buffer, multiplied by ``1/N`` (before the sum, as DDP does, so
-    low-precision sums do not overflow), cast to ``comm_dtype``, summed over the group
-    and cast back; this rank's row is cut into per-param shards.
+    For each bucket of the layout's static plan (:meth:`ShardLayout.buckets`) the
+    gradients are copied into a rank-major ``(N, S)`` buffer, multiplied by ``1/N``, cast
+    to ``comm_dtype``, summed over the group and cast back; this rank's row is cut into
+    per-param shards. Params without a gradient fill their slot with zeros (so every
+    param's bits are independent of the others'), and a bucket with no gradient at all is
+    not sent.
 
     Args:
       grads: name -> full local gradient (shape and dtype of the param), or ``None`` /
@@ -152,28 +229,23 @@ def reduce_grads(
         layout, group, "reduce_grads", present=present,
         settings={"stage": stage, "bucket_numel": bucket_numel}, device=device,
     )
-    how = "all_reduce" if stage == 1 else (policy or CommPolicy()).resolve(group)[0]
-    n = layout.world_size
+    how = reduce_realisation(stage, group, policy)
+    present_set = set(present)
     out: dict[str, torch.Tensor] = {}
-    for bucket in layout.buckets(bucket_numel, present):
-        rows = _rank_major_rows(grads, layout, bucket.names, bucket.shard_numel)  # type: ignore[arg-type]
-        grad_dtype = rows.dtype
-        rows.mul_(1.0 / n)
-        if comm_dtype is not None and comm_dtype != grad_dtype:
-            rows = rows.to(comm_dtype)
-        mine = comm.sum_rows(rows, group, how).wait()
-        if mine.dtype != grad_dtype:
-            mine = mine.to(grad_dtype)
-        elif mine._base is not None:
-            # A row view would keep the whole (N, S) all-reduce buffer alive: copy it out.
-            mine = mine.clone()
-        for name, offset in zip(bucket.names, bucket.offsets):
-            out[name] = mine[offset : offset + layout[name].shard_numel]
-        del rows
+    for bucket in layout.buckets(bucket_numel):
+        if present_set.isdisjoint(bucket.names):
+            continue
+        row = launch_bucket_reduce(grads, layout, bucket, group, how, comm_dtype=comm_dtype).wait()
+        out.update(split_bucket_row(row, layout, bucket, present_set))
     for name in present:
         if name not in out:  # empty params travel in no bucket
             out[name] = torch.empty(0, dtype=layout[name].dtype, device=device)
     return FrozenDict({name: out[name] for name in present})
+
+
+def reduce_realisation(stage: int, group: Group, policy: CommPolicy | None) -> str:
+    """The reduce collective for ``stage``: all-reduce for 1 (as ZeRO-1), the policy's for 2."""
+    return "all_reduce" if stage == 1 else (policy or CommPolicy()).resolve(group)[0]
 
 
 def _global_norm(
@@ -282,6 +354,7 @@ def gather_params(
     *,
     bucket_numel: int = DEFAULT_BUCKET_NUMEL,
     policy: CommPolicy | None = None,
+    out: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """All ranks' master shards, gathered into full params in their original dtypes.
 
@@ -294,10 +367,14 @@ def gather_params(
       group: the sharding process group (``None``: default).
       bucket_numel: padded elements per bucket.
       policy: how collectives are realised; default :class:`CommPolicy` (per backend).
+      out: explicit donation of destination tensors: name -> tensor of the param's
+        shape and dtype (e.g. the model's own parameters) to write into in place instead
+        of allocating new ones. Validated before any collective.
 
     Returns:
       A new dict name -> full param (layout order, original shape and dtype), equal on
-      every rank. The caller owns it; nothing in ``state`` aliases it.
+      every rank. Without ``out`` the caller owns fresh tensors that nothing in
+      ``state`` aliases; with ``out`` the values are ``out``'s tensors.
 
     Collectives: one tiny ``all_gather`` (rank agreement), then per bucket one
     ``all_gather`` (NCCL) or one ``broadcast`` per rank (gloo) of ``S`` elements each.
@@ -307,21 +384,19 @@ def gather_params(
     if not isinstance(bucket_numel, int) or bucket_numel <= 0:
         raise ValueError(f"gather_params: bucket_numel must be a positive int (elements), got {bucket_numel!r}")
     device = next(iter(state.master.values())).device
+    if out is not None:
+        checks.validate_out(out, layout, "gather_params")
     checks.check_ranks_agree(layout, group, "gather_params", settings={"bucket_numel": bucket_numel}, device=device)
     how = (policy or CommPolicy()).resolve(group)[1]
-    n = layout.world_size
-    out: dict[str, torch.Tensor] = {}
-    for bucket in layout.buckets(bucket_numel):
-        dtype = layout[bucket.names[0]].dtype
-        row = torch.cat([state.master[name].to(dtype) for name in bucket.names]) if len(bucket.names) > 1 \
-            else state.master[bucket.names[0]].to(dtype, copy=True)
-        gathered = comm.gather_rows(row, group, how).wait()
-        for name, offset in zip(bucket.names, bucket.offsets):
-            spec = layout[name]
-            cols = gathered[:, offset : offset + spec.shard_numel]
-            flat = cols.reshape(-1) if n > 1 else cols[0].clone()
-            out[name] = flat[: spec.numel].view(spec.shape)
-    return {
-        s.name: out[s.name] if s.name in out else torch.empty(s.shape, dtype=s.dtype, device=device)
+    result = {
+        s.name: out[s.name] if out is not None else torch.empty(s.shape, dtype=s.dtype, device=device)
         for s in layout.params
     }
+    for bucket in layout.buckets(bucket_numel):
+        dtype = layout[bucket.names[0]].dtype
+        row = torch.cat([state.master[name].to(dtype) for name in bucket.names])
+        gathered = comm.gather_rows(row, group, how).wait()
+        with torch.no_grad():  # `out` may be leaf params that require grad
+            for name, col in zip(bucket.names, bucket.offsets):
+                _full_from_rows(gathered, layout[name], col, result[name])
+    return result
