@@ -229,9 +229,12 @@ def _sgd_update(
             None if state.momentum_buffer[n] is None else _own(state.momentum_buffer[n], donate)
             for n in group_names
         ]
+        # torch's foreach SGD adds the momentum into the gradient list in place for nesterov
+        # when neither weight decay nor maximize made a copy first: hand it copies then.
+        grads_mutated = hp["nesterov"] and hp["weight_decay"] == 0 and not hp["maximize"]
         _torch_sgd.sgd(
             ps,
-            [grads[n] for n in group_names],
+            [_own(grads[n], donate) if grads_mutated else grads[n] for n in group_names],
             bufs,
             weight_decay=hp["weight_decay"],
             momentum=hp["momentum"],
