@@ -6,6 +6,7 @@ run in the test process.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -86,7 +87,9 @@ def test_world_size_below_one_is_rejected():
     n=zst.world_sizes(),
     bucket_numel=st.integers(min_value=1, max_value=200),
 )
-def test_buckets_respect_size_keep_order_and_hold_every_nonempty_param_once(shapes, n, bucket_numel):
+def test_buckets_respect_size_keep_order_and_hold_every_nonempty_param_once(
+    shapes, n, bucket_numel
+):
     layout = zf.make_layout(_specs(shapes), n)
     buckets = layout.buckets(bucket_numel)
     flat = [name for b in buckets for name in b.names]
@@ -98,7 +101,7 @@ def test_buckets_respect_size_keep_order_and_hold_every_nonempty_param_once(shap
         assert b.shard_numel == sum(sizes)
         # A bucket holds more than one param only if they all fit.
         assert len(b.names) == 1 or n * b.shard_numel <= bucket_numel
-    for b, nxt in zip(buckets, buckets[1:]):
+    for b, nxt in itertools.pairwise(buckets):
         # Greedy: a bucket is closed only because the next param would not fit.
         assert n * (b.shard_numel + layout[nxt.names[0]].shard_numel) > bucket_numel
 
@@ -159,7 +162,10 @@ def _fingerprint(params, n):
 
 def test_fingerprint_is_stable_across_builds_and_devices():
     a = {"w": torch.zeros(3, 4), "b": torch.ones(4, dtype=torch.bfloat16)}
-    b = {"w": torch.empty(3, 4, device="meta"), "b": torch.empty(4, dtype=torch.bfloat16, device="meta")}
+    b = {
+        "w": torch.empty(3, 4, device="meta"),
+        "b": torch.empty(4, dtype=torch.bfloat16, device="meta"),
+    }
     assert _fingerprint(a, 3) == _fingerprint(a, 3) == _fingerprint(b, 3)
     assert zf.make_layout(a, 3) == zf.make_layout(b, 3)
     assert hash(zf.make_layout(a, 3)) == hash(zf.make_layout(b, 3))
@@ -176,7 +182,9 @@ def test_fingerprint_does_not_depend_on_values():
         pytest.param({"w": torch.zeros(3, 4), "c": torch.zeros(4)}, id="name"),
         pytest.param({"w": torch.zeros(4, 3), "b": torch.zeros(4)}, id="shape"),
         pytest.param({"w": torch.zeros(12), "b": torch.zeros(4)}, id="flattened-shape"),
-        pytest.param({"w": torch.zeros(3, 4, dtype=torch.float64), "b": torch.zeros(4)}, id="dtype"),
+        pytest.param(
+            {"w": torch.zeros(3, 4, dtype=torch.float64), "b": torch.zeros(4)}, id="dtype"
+        ),
         pytest.param({"b": torch.zeros(4), "w": torch.zeros(3, 4)}, id="order"),
         pytest.param({"w": torch.zeros(3, 4)}, id="missing-param"),
     ],
