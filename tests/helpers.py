@@ -84,18 +84,14 @@ def max_rel_diff(actual: Mapping[str, torch.Tensor], expected: Mapping[str, torc
     return max((tensor_rel_diff(actual[n], expected[n]) for n in expected), default=0.0)
 
 
-def assert_trees_close(
-    actual: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor], *, rel: float
-) -> None:
+def assert_trees_close(actual: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor], *, rel: float) -> None:
     """Same names, dtypes and shapes, and ``max_rel_diff(actual, expected) <= rel``."""
     assert list(actual) == list(expected), f"keys differ: {list(actual)} != {list(expected)}"
     worst = (0.0, None)
     for name in expected:
         a, b = actual[name], expected[name]
         assert a.dtype == b.dtype, f"{name!r}: dtype {a.dtype} != {b.dtype}"
-        assert tuple(a.shape) == tuple(b.shape), (
-            f"{name!r}: shape {tuple(a.shape)} != {tuple(b.shape)}"
-        )
+        assert tuple(a.shape) == tuple(b.shape), f"{name!r}: shape {tuple(a.shape)} != {tuple(b.shape)}"
         d = tensor_rel_diff(a, b)
         assert not math.isnan(d), f"{name!r}: NaN in the comparison"
         worst = max(worst, (d, name), key=lambda x: x[0])
@@ -105,7 +101,8 @@ def assert_trees_close(
 class Snapshot:
     """Everything observable about a (nested) value's tensors and mappings, to check later
     that nothing changed: each tensor's ``_version``, a copy of its bytes, its shape and
-    dtype, and each mapping's keys in order.
+    dtype, and the pytree structure (each mapping's keys in order, each node's type and
+    static context, e.g. a ZeroState's layout and rank).
 
     Examples:
       >>> snap = Snapshot(params)
@@ -114,16 +111,14 @@ class Snapshot:
     """
 
     def __init__(self, tree: Any) -> None:
-        self.structure = _structure(tree)
+        self.structure = pytree.tree_structure(tree)
         self.leaves = [
-            (t._version, t.detach().clone(), tuple(t.shape), t.dtype)
-            if isinstance(t, torch.Tensor)
-            else t
+            (t._version, t.detach().clone(), tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t
             for t in pytree.tree_leaves(tree)
         ]
 
     def assert_unchanged(self, tree: Any, what: str = "input") -> None:
-        assert _structure(tree) == self.structure, f"{what}: the mapping structure changed"
+        assert pytree.tree_structure(tree) == self.structure, f"{what}: the mapping structure changed"
         leaves = pytree.tree_leaves(tree)
         assert len(leaves) == len(self.leaves), f"{what}: number of leaves changed"
         for i, (now, before) in enumerate(zip(leaves, self.leaves, strict=True)):
@@ -134,15 +129,6 @@ class Snapshot:
                 assert torch.equal(bits(now), bits(copy)), f"{what}: leaf {i} values changed"
             else:
                 assert now == before, f"{what}: leaf {i} changed from {before!r} to {now!r}"
-
-
-def _structure(tree: Any) -> Any:
-    """Keys and types of every mapping/sequence in ``tree``, leaves replaced by type names."""
-    if isinstance(tree, Mapping):
-        return (type(tree).__name__, tuple((k, _structure(v)) for k, v in tree.items()))
-    if isinstance(tree, (tuple, list)):
-        return (type(tree).__name__, tuple(_structure(v) for v in tree))
-    return type(tree).__name__
 
 
 # --------------------------------------------------------------------------- model and data
