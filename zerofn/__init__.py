@@ -5,10 +5,11 @@ The four stage functions (``shard_params``, ``reduce_grads``, ``step_shards``,
 state; ``zerofn.optim`` holds the functional optimizers they apply.
 """
 
-from zerofn import checks, comm, optim
+from zerofn import checks, comm, optim, torch_optim
 from zerofn._tree import FrozenDict
 from zerofn.checks import RankMismatchError
 from zerofn.comm import CommPolicy, count_bytes
+from zerofn.facade import ZeroOptimizer
 from zerofn.layout import Bucket, ParamSpec, ShardLayout, make_layout
 from zerofn.stages import gather_params, reduce_grads, shard_params, step_shards
 from zerofn.state import StepInfo, ZeroState
@@ -23,6 +24,7 @@ __all__ = [
     "RankMismatchError",
     "ShardLayout",
     "StepInfo",
+    "ZeroOptimizer",
     "ZeroState",
     "checks",
     "comm",
@@ -33,4 +35,5 @@ __all__ = [
     "reduce_grads",
     "shard_params",
     "step_shards",
+    "torch_optim",
 ]

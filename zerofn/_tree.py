@@ -56,6 +56,6 @@ class FrozenDict(Mapping[str, V]):
 pytree.register_pytree_node(
     FrozenDict,
     lambda d: (list(d.values()), list(d.keys())),
-    lambda values, keys: FrozenDict(zip(keys, values)),
+    lambda values, keys: FrozenDict(zip(keys, values, strict=True)),
     serialized_type_name="zerofn.FrozenDict",
 )

@@ -34,7 +34,10 @@ def _rank_tag(group: comm.Group) -> str:
 def validate_params(params: Mapping[str, torch.Tensor], where: str) -> None:
     """Local checks on a ``name -> tensor`` param mapping (no communication)."""
     if not isinstance(params, Mapping):
-        raise TypeError(f"{where}: params must be a mapping name -> tensor (e.g. dict(model.named_parameters())), got {type(params).__name__}")
+        raise TypeError(
+            f"{where}: params must be a mapping name -> tensor (e.g. dict(model.named_parameters())), "
+            f"got {type(params).__name__}"
+        )
     if len(params) == 0:
         raise ValueError(f"{where}: params is empty; give at least one parameter to shard")
     seen: dict[int, str] = {}
@@ -151,8 +154,11 @@ def _explain(everyone: list[Any]) -> str:
         if other["params"] != ref["params"]:
             return _explain_params(ref["params"], other["params"], r)
         if other["settings"] != ref["settings"]:
-            diffs = {k: (ref["settings"].get(k), other["settings"].get(k)) for k in ref["settings"]
-                     if ref["settings"].get(k) != other["settings"].get(k)}
+            diffs = {
+                k: (ref["settings"].get(k), other["settings"].get(k))
+                for k in ref["settings"]
+                if ref["settings"].get(k) != other["settings"].get(k)
+            }
             listing = ", ".join(f"{k}: rank 0 has {a}, rank {r} has {b}" for k, (a, b) in diffs.items())
             return f"Settings differ ({listing}); pass the same options on every rank."
         if other["present"] != ref["present"]:
@@ -187,5 +193,8 @@ def _explain_params(ref: list[Any], other: list[Any], r: int) -> str:
                     "every rank, e.g. dict(model.named_parameters())."
                 )
             missing = sorted(set(names_ref) ^ set(names_other))
-            return f"Param sets differ between rank 0 and rank {r}: {missing[:5]} not on both. Build the same model on every rank."
+            return (
+                f"Param sets differ between rank 0 and rank {r}: {missing[:5]} not on both. "
+                "Build the same model on every rank."
+            )
     return "The layouts differ."

@@ -31,9 +31,9 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from types import MappingProxyType
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import torch
 
@@ -197,8 +197,6 @@ def make_layout(params: Mapping[str, torch.Tensor | ParamSpec], world_size: int)
             numel *= d
         shard = -(-numel // world_size)
         specs.append(ParamSpec(name, shape, t.dtype, numel, shard, shard * world_size - numel))
-    digest = hashlib.sha256(
-        repr((world_size, [(s.name, s.shape, str(s.dtype)) for s in specs])).encode()
-    ).hexdigest()
+    digest = hashlib.sha256(repr((world_size, [(s.name, s.shape, str(s.dtype)) for s in specs])).encode()).hexdigest()
     index = MappingProxyType({s.name: i for i, s in enumerate(specs)})
     return ShardLayout(world_size, tuple(specs), digest[:32], index)

@@ -183,7 +183,9 @@ def _make_groups(name: str, param_groups: Sequence[Mapping[str, Any]] | None) ->
         _check_hyperparams(name, hp)
         select = g["params"]
         if isinstance(select, str):
-            raise TypeError(f"zerofn.optim.{name}: param_groups[{i}]['params'] must be a collection of names, not a str")
+            raise TypeError(
+                f"zerofn.optim.{name}: param_groups[{i}]['params'] must be a collection of names, not a str"
+            )
         groups.append(ParamGroup(select if callable(select) else frozenset(select), FrozenDict(hp)))
     return tuple(groups)
 
@@ -226,8 +228,7 @@ def _sgd_update(
         hp = opt.hyperparams(group_names[0])
         ps = [_own(params[n], donate) for n in group_names]
         bufs = [
-            None if state.momentum_buffer[n] is None else _own(state.momentum_buffer[n], donate)
-            for n in group_names
+            None if state.momentum_buffer[n] is None else _own(state.momentum_buffer[n], donate) for n in group_names
         ]
         # torch's foreach SGD adds the momentum into the gradient list in place for nesterov
         # when neither weight decay nor maximize made a copy first: hand it copies then.
@@ -246,7 +247,7 @@ def _sgd_update(
             fused=hp["fused"],
         )
         del gi
-        for n, p, b in zip(group_names, ps, bufs):
+        for n, p, b in zip(group_names, ps, bufs, strict=True):
             new_params[n] = p
             new_bufs[n] = b
     return new_params, SGDState(FrozenDict(new_bufs))
@@ -294,8 +295,14 @@ def sgd(
         raise ValueError("zerofn.optim.sgd: nesterov momentum needs momentum > 0 and dampening == 0")
     defaults = FrozenDict(
         dict(
-            lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
-            maximize=maximize, foreach=foreach, fused=fused,
+            lr=lr,
+            momentum=momentum,
+            dampening=dampening,
+            weight_decay=weight_decay,
+            nesterov=nesterov,
+            maximize=maximize,
+            foreach=foreach,
+            fused=fused,
         )
     )
     _check_hyperparams("sgd", defaults)
@@ -376,8 +383,14 @@ def _adam_factory(
 ) -> Optimizer:
     defaults = FrozenDict(
         dict(
-            lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-            maximize=maximize, foreach=foreach, fused=fused,
+            lr=lr,
+            betas=tuple(betas),
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+            maximize=maximize,
+            foreach=foreach,
+            fused=fused,
         )
     )
     _check_hyperparams(name, defaults)

@@ -83,7 +83,10 @@ def shard_params(
 
 
 def _rows_from_full(
-    full: Mapping[str, torch.Tensor | None], layout: ShardLayout, bucket: Bucket, dtype: torch.dtype,
+    full: Mapping[str, torch.Tensor | None],
+    layout: ShardLayout,
+    bucket: Bucket,
+    dtype: torch.dtype,
     device: torch.device,
 ) -> torch.Tensor:
     """Flatten ``full[bucket.names]`` into a new ``(N, bucket.shard_numel)`` rank-major buffer.
@@ -95,7 +98,7 @@ def _rows_from_full(
     """
     n = layout.world_size
     rows = torch.empty(n, bucket.shard_numel, dtype=dtype, device=device)
-    for name, col in zip(bucket.names, bucket.offsets):
+    for name, col in zip(bucket.names, bucket.offsets, strict=True):
         spec = layout[name]
         block = rows[:, col : col + spec.shard_numel]
         t = full.get(name)
@@ -174,7 +177,7 @@ def split_bucket_row(
         row = row.clone()
     return {
         name: row[col : col + layout[name].shard_numel]
-        for name, col in zip(bucket.names, bucket.offsets)
+        for name, col in zip(bucket.names, bucket.offsets, strict=True)
         if name in present
     }
 
@@ -226,8 +229,12 @@ def reduce_grads(
     present = checks.validate_grads(grads, layout, group, "reduce_grads")
     device = next((grads[n].device for n in present), torch.device("cpu"))  # type: ignore[union-attr]
     checks.check_ranks_agree(
-        layout, group, "reduce_grads", present=present,
-        settings={"stage": stage, "bucket_numel": bucket_numel}, device=device,
+        layout,
+        group,
+        "reduce_grads",
+        present=present,
+        settings={"stage": stage, "bucket_numel": bucket_numel},
+        device=device,
     )
     how = reduce_realisation(stage, group, policy)
     present_set = set(present)
@@ -268,8 +275,12 @@ def _global_norm(
             if g.numel():
                 local = torch.maximum(local, g.detach().abs().max().to(torch.float64))
     finite = bool(torch.isfinite(local))
-    packed = torch.stack([local if finite else torch.zeros_like(local), torch.tensor(0.0 if finite else 1.0,
-                          dtype=torch.float64, device=device)])
+    packed = torch.stack(
+        [
+            local if finite else torch.zeros_like(local),
+            torch.tensor(0.0 if finite else 1.0, dtype=torch.float64, device=device),
+        ]
+    )
     total = comm.all_reduce_scalars(packed, "sum" if norm_type == 2.0 else "max", group)
     if float(total[1]) > 0:
         return math.inf
@@ -397,6 +408,6 @@ def gather_params(
         row = torch.cat([state.master[name].to(dtype) for name in bucket.names])
         gathered = comm.gather_rows(row, group, how).wait()
         with torch.no_grad():  # `out` may be leaf params that require grad
-            for name, col in zip(bucket.names, bucket.offsets):
+            for name, col in zip(bucket.names, bucket.offsets, strict=True):
                 _full_from_rows(gathered, layout[name], col, result[name])
     return result

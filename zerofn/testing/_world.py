@@ -81,9 +81,7 @@ def _worker_main(rank: int, world_size: int, port: int, conn: Any, timeout_s: fl
     torch.set_num_threads(threads)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     store = dist.TCPStore(_HOST, port, is_master=False, timeout=timedelta(seconds=timeout_s))
-    dist.init_process_group(
-        "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
-    )
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
     conn.send_bytes(b"ready")
     while True:
         try:
@@ -212,9 +210,7 @@ class World:
                 return conn.poll(0)
         return False
 
-    def run(
-        self, fn: Callable[..., Any], *args: Any, return_exceptions: bool = False, **kwargs: Any
-    ) -> list[Any]:
+    def run(self, fn: Callable[..., Any], *args: Any, return_exceptions: bool = False, **kwargs: Any) -> list[Any]:
         """Call ``fn(*args, **kwargs)`` on every rank at once; return the results by rank.
 
         Raises :class:`WorldError` if any rank raised (unless ``return_exceptions``:
