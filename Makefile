@@ -1,0 +1,51 @@
+# zerofn: set up, demo, test, lint. Every target installs what it needs into .venv first.
+#
+#   make demo                 # python -m zerofn demo (ARGS="--world-size 3 --stage 1")
+#   make test                 # python -m pytest      (PYTEST_ARGS="-k demo -x")
+#   make lint                 # ruff check + ruff format --check
+#
+# torch is installed first, pinned, so that `pip install -e .[test]` finds its `torch>=2.4`
+# already satisfied: an unpinned torch would pull a CUDA build of several GB on a machine
+# that only has a CPU. GPU users pick their build, e.g. make test TORCH_SPEC='torch==2.13.0'
+# TORCH_PIP_ARGS='--index-url <a PyTorch wheel index for your CUDA>'.
+
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+TORCH_PIP_ARGS ?=
+ARGS ?=
+PYTEST_ARGS ?=
+
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.zerofn-installed
+TORCH_STAMP := $(VENV)/.torch-spec
+
+.PHONY: install demo test lint clean FORCE
+
+install: $(STAMP)
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# Rewritten only when TORCH_SPEC or TORCH_PIP_ARGS change, so a new torch choice reinstalls.
+$(TORCH_STAMP): FORCE | $(PY)
+	@echo '$(TORCH_SPEC) $(TORCH_PIP_ARGS)' | cmp -s - $@ || echo '$(TORCH_SPEC) $(TORCH_PIP_ARGS)' > $@
+
+$(STAMP): pyproject.toml $(TORCH_STAMP) | $(PY)
+	$(PIP) install $(TORCH_PIP_ARGS) '$(TORCH_SPEC)'
+	$(PIP) install -e '.[test]'
+	touch $@
+
+demo: $(STAMP)
+	$(PY) -m zerofn demo $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+clean:
+	rm -rf $(VENV)
