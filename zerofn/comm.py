@@ -32,7 +32,10 @@ Byte counting
 counter the bytes *this rank* sends under the textbook algorithm of the realisation
 actually used (ring for all-reduce, reduce-scatter and all-gather; the root sending to
 every other rank for broadcast), padding included. Backends may route data differently
-inside; the count is what the realisation costs, not a packet capture.
+inside; the count is what the realisation costs, not a packet capture. Bucket traffic is
+keyed by collective (``"all_reduce"``, ``"reduce_scatter"``, ``"all_gather"``,
+``"broadcast"``); the O(1) extras are keyed ``"scalars"`` (norm and overflow flag) and
+``"check"`` (the rank-agreement all-gather).
 """
 
 from __future__ import annotations
@@ -187,6 +190,10 @@ class Pending:
         self._finish = finish
         self._result: torch.Tensor | None = None
 
+    def done(self) -> bool:
+        """True once the collective has finished (``wait()`` would not block)."""
+        return self._result is not None or all(h is None or h.is_completed() for h in self._handles)
+
     def wait(self) -> torch.Tensor:
         if self._result is None:
             for h in self._handles:
@@ -277,7 +284,7 @@ def all_reduce_scalars(values: torch.Tensor, op: str, group: Group) -> torch.Ten
     if n > 1:
         reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
         dist.all_reduce(out, op=reduce_op, group=group)
-        _record("all_reduce", 2 * _ring_share(n, out.numel(), out.element_size()))
+        _record("scalars", 2 * _ring_share(n, out.numel(), out.element_size()))
     return out
 
 
@@ -289,7 +296,7 @@ def all_gather_ints(values: list[int], group: Group, device: torch.device | str 
         return mine.unsqueeze(0)
     out = torch.empty(n, mine.numel(), dtype=torch.int64, device=device)
     _all_gather_flat(out.view(-1), mine, group=group)
-    _record("all_gather", _ring_share(n, out.numel(), 8))
+    _record("check", _ring_share(n, out.numel(), 8))
     return out
 
 

@@ -56,6 +56,10 @@ __all__ = ["ZeroOptimizer"]
 
 log = logging.getLogger("zerofn")
 
+# Buckets whose reduction may be in flight at once when overlapping: enough to keep the
+# network busy while backward computes, few enough to bound the buffers held.
+_MAX_INFLIGHT = 2
+
 
 class ZeroOptimizer(torch.optim.Optimizer):
     """ZeRO stage 1/2 as a drop-in optimizer; every number it holds is a ``ZeroState``.
@@ -186,7 +190,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # Hook-path bookkeeping for the backward pass in progress.
         self._ready: list[set[str]] = [set() for _ in self._buckets]
         self._launched: set[int] = set()
-        self._inflight: list[tuple[Bucket, comm.Pending, set[str], int]] = []
+        self._inflight: list[tuple[Bucket, comm.Pending, set[str]]] = []
         self._callback_queued = False
         self._hooks: list[Any] = []
         if self._overlap or self._stage == 2:
@@ -224,7 +228,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         total = sum(p.grad.numel() * p.grad.element_size() for p in self._params.values() if p.grad is not None)
         total += sum(s.numel() * s.element_size() for s in self._grad_shards.values())
         n = self._state.layout.world_size
-        total += sum(b.shard_numel * n * self._params[b.names[0]].element_size() for b, *_ in self._inflight)
+        total += sum(b.shard_numel * n * self._params[b.names[0]].element_size() for b, _, _ in self._inflight)
         return total
 
     # ------------------------------------------------------------------ gradients
@@ -359,7 +363,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for n in present:  # the bucket buffer holds a copy: free the full gradients now
             self._params[n].grad = None
         self._launched.add(b)
-        self._inflight.append((bucket, pending, present, b))
+        self._inflight.append((bucket, pending, present))
+        self._harvest(_MAX_INFLIGHT if self._overlap else 0)
+
+    def _harvest(self, keep: int) -> None:
+        """Turn finished buckets into shards, oldest first, leaving at most ``keep`` in flight.
+
+        Each bucket in flight holds an ``(N, S)`` buffer; harvesting early is what keeps a
+        rank's gradient memory at its shards plus a few buckets.
+        """
+        while self._inflight and (len(self._inflight) > keep or self._inflight[0][1].done()):
+            bucket, pending, present = self._inflight.pop(0)
+            self._merge(split_bucket_row(pending.wait(), self._state.layout, bucket, present))
 
     def _finish_backward(self) -> None:
         """End of a backward pass: launch partial buckets (layer drop), wait, keep shards."""
@@ -377,8 +392,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for b in range(len(self._buckets)):
             if b not in self._launched and self._ready[b]:
                 self._launch(b)
-        for bucket, pending, present, _ in self._inflight:
-            self._merge(split_bucket_row(pending.wait(), self._state.layout, bucket, present))
+        self._harvest(0)
         empty = [n for n in ready if n not in self._bucket_of]
         for n in empty:
             self._params[n].grad = None
