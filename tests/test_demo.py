@@ -12,6 +12,7 @@ import pytest
 
 from zerofn import demo
 from zerofn.__main__ import main
+from zerofn.testing import World
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")
@@ -140,6 +141,29 @@ def test_run_returns_the_report_at_world_size_3(monkeypatch: pytest.MonkeyPatch)
     assert set(r["bytes_by_collective"]) >= {"reduce_scatter", "all_gather"}
     assert r["ms_per_step"] > 0 and r["ddp_ms_per_step"] > 0
     assert "ZeRO stage 2, 3 gloo rank(s)" in demo.format_report(r)
+
+
+def _readme_block(heading: str) -> str:
+    """The first ```python block under ``heading`` in README.md."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = text.split(heading, 1)[1]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def _exec_readme_loop(code: str) -> tuple[float, int, dict[str, list[float]]]:
+    """Run the README's loop on this rank; what it ends with, to compare across ranks."""
+    scope: dict[str, object] = {"__name__": "readme"}
+    exec(code, scope)
+    info, state, params = scope["info"], scope["state"], scope["params"]
+    return info.grad_norm, state.step, {k: v.reshape(-1).tolist() for k, v in params.items()}  # type: ignore[attr-defined]
+
+
+def test_readme_functional_loop_runs_on_two_ranks() -> None:
+    code = _readme_block("## The functional training loop")
+    with World(2) as world:
+        results = world.run(_exec_readme_loop, code)
+    assert results[0] == results[1]  # params identical on every rank after gather_params
+    assert results[0][1] == 20
 
 
 def test_config_rejects_what_the_command_line_rejects() -> None:
