@@ -32,8 +32,10 @@ $(PY):
 $(TORCH_STAMP): FORCE | $(PY)
 	@echo '$(TORCH_SPEC) $(TORCH_PIP_ARGS)' | cmp -s - $@ || echo '$(TORCH_SPEC) $(TORCH_PIP_ARGS)' > $@
 
+# numpy beside torch: torch warns at import when numpy is missing ("Failed to initialize
+# NumPy"), which clutters the demo and is an error under pytest's filterwarnings=error.
 $(STAMP): pyproject.toml $(TORCH_STAMP) | $(PY)
-	$(PIP) install $(TORCH_PIP_ARGS) '$(TORCH_SPEC)'
+	$(PIP) install $(TORCH_PIP_ARGS) '$(TORCH_SPEC)' numpy
 	$(PIP) install -e '.[test]'
 	touch $@
 
