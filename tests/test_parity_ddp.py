@@ -1,0 +1,167 @@
+"""Parity: the functional ZeRO loop against DistributedDataParallel + torch.optim.
+
+Every rank trains ``helpers.Net`` for ``STEPS`` steps twice from the same start, on the
+same per-rank batches:
+
+* zerofn: ``torch.func.grad`` of a ``torch.func.functional_call`` loss, then
+  ``reduce_grads`` (stage 1 and stage 2) -> ``step_shards`` -> ``gather_params``;
+* reference: ``DistributedDataParallel(find_unused_parameters=True)``, ``loss.backward()``,
+  ``torch.nn.utils.clip_grad_norm_`` when clipping, ``torch.optim``.
+
+The model covers the corners: no param's numel divides 2, 3 or 4 (all padded), ``gate`` is
+dropped every third step (its grads are *missing* from the dict; DDP sees it unused), and
+``unused`` never gets a gradient (its grads are ``None``).
+
+Tolerances (fp32), with ``max_rel_diff`` = max over tensors of ``max|a-b| / max|b|``:
+
+* 1e-6 everywhere.
+* bitwise at 1 and 2 ranks without clipping. The optimizer kernels are torch's own and
+  element-wise, and the mean gradient has the same bits: at 1 rank there is no sum; at 2
+  ranks each element is ``g0 * 0.5 + g1 * 0.5`` (DDP divides by 2, zerofn multiplies by
+  0.5: both exact) and a sum of two addends does not depend on the order.
+* not bitwise at 3 and 4 ranks: gloo's all-reduce adds the three or four addends of an
+  element in an order that depends on where the element sits in the flat buffer (which
+  chunk of the ring), and an element sits at different offsets in DDP's bucket and in
+  zerofn's rank-major bucket; float addition is not associative. (At 3 ranks the
+  pre-scaling rounds too, and DDP's divide-by-3 and zerofn's multiply-by-1/3 can round
+  differently.)
+* not bitwise with clipping: torch computes the total norm and the clip coefficient in
+  float32 (``torch._foreach_norm``), zerofn computes the norm in float64 over shards (as
+  the seed does), so the coefficient can differ in the last bit.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from conftest import get_world
+from helpers import Net, assert_trees_close, assert_trees_equal, batches, gate_used, max_rel_diff
+from torch.func import functional_call, grad
+
+import zerofn as zf
+
+STEPS = 24
+BUCKET = 64  # small, so several buckets are used and a.weight (91 elements) travels alone
+MAX_NORM = 0.05  # below the gradient norm of every step here, so clipping really acts
+LR = {"sgd": 0.05, "adamw": 1e-2}
+POLICIES = {"default": zf.CommPolicy(), "byte_optimal": zf.CommPolicy.byte_optimal()}
+
+
+def _optimizers(name, params):
+    """(zerofn optimizer, torch optimizer over ``params``) with the same hyperparameters."""
+    if name == "sgd":
+        kw = dict(lr=LR["sgd"], momentum=0.9, weight_decay=0.01)
+        return zf.optim.sgd(**kw), torch.optim.SGD(params, **kw)
+    kw = dict(lr=LR["adamw"], weight_decay=0.1)
+    return zf.optim.adamw(**kw), torch.optim.AdamW(params, **kw)
+
+
+def _loss(model, params, x, y, use_gate):
+    return ((functional_call(model, params, (x,), {"use_gate": use_gate}) - y) ** 2).mean()
+
+
+def _train_zero(model, opt, stage, clip, policy):
+    """The functional loop. Returns the final params and how many steps were clipped."""
+    rank = dist.get_rank()
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    state = zf.shard_params(params, opt)
+    clipped = 0
+    for step, (x, y) in enumerate(batches(rank, STEPS)):
+        use_gate = gate_used(step)
+        grads = dict(grad(functools.partial(_loss, model))(params, x, y, use_gate))
+        grads["unused.weight"] = grads["unused.bias"] = None  # never in the forward
+        if not use_gate:  # layer drop: no gradient this step
+            del grads["gate.weight"], grads["gate.bias"]
+        shards = zf.reduce_grads(grads, state.layout, stage=stage, bucket_numel=BUCKET, policy=policy)
+        state, info = zf.step_shards(state, shards, max_norm=MAX_NORM if clip else None)
+        assert not info.skipped
+        clipped += info.clip_coef < 1.0
+        params = zf.gather_params(state, bucket_numel=BUCKET, policy=policy)
+    return params, clipped
+
+
+def _train_ddp(model, opt_name, clip):
+    rank = dist.get_rank()
+    ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(model), find_unused_parameters=True)
+    _, topt = _optimizers(opt_name, ddp.parameters())
+    for step, (x, y) in enumerate(batches(rank, STEPS)):
+        topt.zero_grad(set_to_none=True)
+        ((ddp(x, use_gate=gate_used(step)) - y) ** 2).mean().backward()
+        if clip:
+            nn.utils.clip_grad_norm_(ddp.parameters(), MAX_NORM)
+        topt.step()
+    return {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
+
+
+def _train_both(opt_name, clip, policy_name):
+    """On every rank: zerofn stage 1, zerofn stage 2 and DDP from the same initial model."""
+    torch.manual_seed(0)
+    model = Net()
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    out = {"initial": initial, "clipped": {}}
+    for stage in (1, 2):
+        opt, _ = _optimizers(opt_name, [torch.zeros(1, requires_grad=True)])
+        out[stage], out["clipped"][stage] = _train_zero(model, opt, stage, clip, POLICIES[policy_name])
+    out["ddp"] = _train_ddp(model, opt_name, clip)
+    return out
+
+
+_cache: dict[tuple, list] = {}
+
+
+def _results(n, opt_name, clip, policy_name="default"):
+    """Per-rank results of ``_train_both`` on ``n`` ranks, computed once per session."""
+    key = (n, opt_name, clip, policy_name)
+    if key not in _cache:
+        _cache[key] = get_world(n).run(_train_both, opt_name, clip, policy_name)
+    return _cache[key]
+
+
+def _assert_identical_on_every_rank(results, which):
+    for r in results[1:]:
+        assert_trees_equal(r[which], results[0][which])
+
+
+@pytest.mark.parametrize("clip", [False, True], ids=["noclip", "clip"])
+@pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
+def test_both_stages_match_ddp_within_1e_6(world, opt_name, clip):
+    results = _results(world.world_size, opt_name, clip)
+    ref = results[0]["ddp"]
+    for stage in (1, 2):
+        _assert_identical_on_every_rank(results, stage)
+        assert_trees_close(results[0][stage], ref, rel=1e-6)
+        # The check is not vacuous: training moved every param that got gradients.
+        for name, p in ref.items():
+            moved = not torch.equal(p, results[0]["initial"][name])
+            assert moved == (not name.startswith("unused")), name
+        clipped = results[0]["clipped"][stage]
+        assert clipped == (STEPS if clip else 0), f"stage {stage}: {clipped} of {STEPS} steps clipped"
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
+@pytest.mark.parametrize("n", [1, 2], ids=["N1", "N2"])
+def test_both_stages_are_bitwise_equal_to_ddp_at_one_and_two_ranks_without_clipping(n, opt_name):
+    results = _results(n, opt_name, False)
+    for r in results:
+        assert_trees_equal(r[1], r["ddp"])
+        assert_trees_equal(r[2], r["ddp"])
+
+
+@pytest.mark.parametrize("clip", [False, True], ids=["noclip", "clip"])
+@pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
+def test_stage_1_and_stage_2_give_bitwise_equal_params(world, opt_name, clip):
+    for r in _results(world.world_size, opt_name, clip):
+        assert_trees_equal(r[2], r[1])
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
+def test_byte_optimal_policy_matches_ddp_within_1e_6(world, opt_name):
+    results = _results(world.world_size, opt_name, True, "byte_optimal")
+    for stage in (1, 2):
+        _assert_identical_on_every_rank(results, stage)
+        assert max_rel_diff(results[0][stage], results[0]["ddp"]) <= 1e-6
