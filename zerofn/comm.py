@@ -44,7 +44,7 @@ import contextlib
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -56,7 +56,12 @@ __all__ = [
     "all_gather_ints",
     "all_gather_objects",
     "all_reduce_scalars",
+    "barrier",
+    "broadcast_object",
     "count_bytes",
+    "dcp_load",
+    "dcp_save",
+    "device_mesh",
     "gather_rows",
     "group_rank",
     "group_size",
@@ -305,3 +310,44 @@ def all_gather_objects(obj: object, group: Group) -> list[object]:
     out: list[object] = [None] * group_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out
+
+
+def broadcast_object(obj: object, group: Group, src: int = 0) -> object:
+    """Group rank ``src``'s picklable ``obj`` on every rank (e.g. a checkpoint's temp name)."""
+    box = [obj]
+    global_src = src if group is None else dist.get_global_rank(group, src)
+    dist.broadcast_object_list(box, src=global_src, group=group)
+    return box[0]
+
+
+def barrier(group: Group) -> None:
+    """Wait until every rank of ``group`` arrives."""
+    if group_size(group) > 1:
+        dist.barrier(group=group)
+
+
+# --------------------------------------------------------------------------- checkpoint I/O
+
+
+def device_mesh(group: Group, device_type: str) -> Any:
+    """A 1-D ``DeviceMesh`` over ``group``, so shards can be described as DTensors."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh.from_group(group if group is not None else dist.group.WORLD, device_type)
+
+
+def dcp_save(state_dict: dict[str, Any], path: str, group: Group) -> None:
+    """``torch.distributed.checkpoint.save`` over ``group``: each rank writes its own shards.
+
+    Collectives: DCP's plan gather/scatter and a final barrier, all inside ``group``.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(state_dict, checkpoint_id=path, process_group=group)
+
+
+def dcp_load(state_dict: dict[str, Any], path: str, group: Group) -> None:
+    """``torch.distributed.checkpoint.load`` into ``state_dict``'s tensors, in place."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load(state_dict, checkpoint_id=path, process_group=group)

@@ -1,0 +1,568 @@
+"""Checkpoints: torch-format state dicts, sharded DCP saves, and resharding N -> M.
+
+Two formats, both world-size free:
+
+**Full state dict** (:func:`full_state_dict` / :func:`shard_state_dict`): exactly what
+``torch.optim.Optimizer.state_dict()`` returns — ``{"state": {index: {...}},
+"param_groups": [...]}`` with unpadded, param-shaped CPU tensors — plus one ``"zerofn"``
+entry for what torch has no slot for: names, shapes and dtypes of the params, the fp32
+master weights, the completed step count and the loss-scale state. A plain
+``torch.optim.AdamW`` loads it (and ignores the extra entry), and zerofn loads a plain
+torch state dict back at any world size. Every rank gathers the whole state: use it for
+small models, interop and tests.
+
+**Sharded checkpoint** (:func:`save` / :func:`load`): every rank writes only its own
+shards through ``torch.distributed.checkpoint`` (DCP). Each shard is described as the
+local part of a DTensor over the *unpadded* flattened parameter with ``Shard(0)``
+placement — zerofn's even split is exactly DTensor's chunking rule — so DCP knows where
+every element lives and a load at another world size reads just the overlapping pieces.
+Model weights (replicated, written once) can go in the same checkpoint, so resume is
+one call.
+
+Nothing is lost: a save writes a new directory ``<path>.<token>/`` (files fsynced), records
+each file's size and SHA-256 in ``zerofn.json``, and only then atomically repoints the
+symlink ``<path>`` at it (``os.replace``) and removes the previous target. A process killed
+at any moment leaves ``<path>`` pointing at the last complete checkpoint. A load checks
+sizes and hashes, the rank files and the model's names, shapes and dtypes before reading
+any tensor, and raises :class:`CheckpointError` naming what is wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from zerofn import comm, optim, torch_optim
+from zerofn._tree import FrozenDict
+from zerofn.comm import Group
+from zerofn.layout import ParamSpec, ShardLayout, make_layout
+from zerofn.stages import DEFAULT_BUCKET_NUMEL, _full_from_rows, _shard_of
+from zerofn.state import ZeroState
+
+__all__ = ["CheckpointError", "full_state_dict", "load", "save", "shard_state_dict"]
+
+FORMAT_VERSION = 1
+META_FILE = "zerofn.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, corrupt, or does not fit the model."""
+
+
+# --------------------------------------------------------------------------- per-param view
+
+
+def _per_param(opt_state: Any, names: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+    """An optimizer state as torch keeps it: name -> {key: value}, params without state omitted."""
+    out: dict[str, dict[str, Any]] = {}
+    if isinstance(opt_state, optim.AdamState):
+        for n in names:
+            if int(opt_state.step[n]) == 0:
+                continue  # torch creates Adam state lazily, at a param's first step
+            entry = {"step": opt_state.step[n], "exp_avg": opt_state.exp_avg[n], "exp_avg_sq": opt_state.exp_avg_sq[n]}
+            if n in opt_state.max_exp_avg_sq:
+                entry["max_exp_avg_sq"] = opt_state.max_exp_avg_sq[n]
+            out[n] = entry
+    elif isinstance(opt_state, optim.SGDState):
+        for n in names:
+            if opt_state.momentum_buffer[n] is not None:
+                out[n] = {"momentum_buffer": opt_state.momentum_buffer[n]}
+    elif isinstance(opt_state, torch_optim.TorchOptimState):
+        for n in names:
+            if len(opt_state.per_param[n]):
+                out[n] = dict(opt_state.per_param[n])
+    else:
+        raise TypeError(f"zerofn.checkpoint: unknown optimizer state type {type(opt_state).__name__}")
+    return out
+
+
+def _from_per_param(optimizer: optim.Optimizer, master: Mapping[str, torch.Tensor], entries: Mapping[str, dict]) -> Any:
+    """The optimizer state for ``master`` shards with torch-style ``entries`` filled in."""
+    fresh = optimizer.init(master)
+    if isinstance(fresh, optim.AdamState):
+        fields = {f: dict(getattr(fresh, f)) for f in optim.AdamState._fields}
+        for n, entry in entries.items():
+            for key, value in entry.items():
+                if key not in fields:
+                    raise CheckpointError(f"param {n!r}: state key {key!r} does not belong to {optimizer.name}")
+                fields[key][n] = value
+        return optim.AdamState(**{f: FrozenDict(v) for f, v in fields.items()})
+    if isinstance(fresh, optim.SGDState):
+        bufs = dict(fresh.momentum_buffer)
+        for n, entry in entries.items():
+            if set(entry) - {"momentum_buffer"}:
+                raise CheckpointError(f"param {n!r}: state keys {sorted(entry)} do not belong to sgd")
+            bufs[n] = entry.get("momentum_buffer")
+        return optim.SGDState(FrozenDict(bufs))
+    per = dict(fresh.per_param)
+    for n, entry in entries.items():
+        per[n] = FrozenDict(entry)
+    return torch_optim.TorchOptimState(FrozenDict(per))
+
+
+def _is_sharded(value: Any) -> bool:
+    """Shard-shaped state (1-D like the master shard) as opposed to replicated scalars."""
+    return isinstance(value, torch.Tensor) and value.dim() >= 1
+
+
+# --------------------------------------------------------------------------- gathering
+
+
+def _gather_full(
+    shards: Mapping[str, torch.Tensor], layout: ShardLayout, group: Group, bucket_numel: int
+) -> dict[str, torch.Tensor]:
+    """Full, param-shaped CPU tensors (in the shards' dtypes) from every rank's shards.
+
+    Collectives: per bucket one all-gather (or per-rank broadcasts on gloo) of the rows.
+    """
+    how = comm.CommPolicy().resolve(group)[1]
+    out: dict[str, torch.Tensor] = {}
+    for bucket in layout.buckets(bucket_numel, shards):
+        # torch.cat promotes mixed dtypes (e.g. bf16 + fp32) exactly; each part is cast back.
+        row = torch.cat([shards[n] for n in bucket.names])
+        rows = comm.gather_rows(row, group, how).wait()
+        for name, col in zip(bucket.names, bucket.offsets, strict=True):
+            spec = layout[name]
+            full = torch.empty(spec.shape, dtype=shards[name].dtype, device=row.device)
+            _full_from_rows(rows, spec, col, full)
+            out[name] = full.cpu()
+    for name, shard in shards.items():
+        if name not in out:  # empty params
+            out[name] = torch.empty(layout[name].shape, dtype=shard.dtype)
+    return out
+
+
+def _group_plan(optimizer: optim.Optimizer, names: tuple[str, ...]) -> list[tuple[list[str], dict[str, Any]]]:
+    """Non-empty param groups in group order: (names, hyperparameters)."""
+    groups: dict[int, list[str]] = {}
+    for n in names:
+        groups.setdefault(optimizer.group_index(n), []).append(n)
+    return [(groups[i], dict(optimizer.hyperparams(groups[i][0]))) for i in sorted(groups)]
+
+
+def full_state_dict(
+    state: ZeroState, group: Group = None, *, bucket_numel: int = DEFAULT_BUCKET_NUMEL
+) -> dict[str, Any]:
+    """The whole optimizer state in ``torch.optim.Optimizer.state_dict()`` format, on every rank.
+
+    Params are numbered in param-group order (as torch does); ``param_groups`` carry the
+    hyperparameters. The ``"zerofn"`` entry holds ``names`` (index -> name), ``shapes``,
+    ``dtypes``, ``master`` (name -> full master weights), ``step``, ``loss_scale`` and
+    ``optimizer`` (the functional optimizer's name and torch class).
+
+    Collectives: bucketed all-gathers of every shard-shaped state field and the masters.
+    """
+    layout = state.layout
+    plan = _group_plan(state.optimizer, layout.names)
+    ordered = [n for names, _ in plan for n in names]
+    index = {n: i for i, n in enumerate(ordered)}
+    entries = _per_param(state.opt_state, layout.names)
+    keys = sorted({k for e in entries.values() for k, v in e.items() if _is_sharded(v)})
+    gathered = {
+        k: _gather_full({n: e[k] for n, e in entries.items() if k in e}, layout, group, bucket_numel) for k in keys
+    }
+    master = _gather_full(dict(state.master), layout, group, bucket_numel)
+    torch_state: dict[int, dict[str, Any]] = {}
+    for n in ordered:
+        if n not in entries:
+            continue
+        torch_state[index[n]] = {
+            k: gathered[k][n] if _is_sharded(v) else (v.clone() if isinstance(v, torch.Tensor) else v)
+            for k, v in entries[n].items()
+        }
+    return {
+        "state": torch_state,
+        "param_groups": [{**hp, "params": [index[n] for n in names]} for names, hp in plan],
+        "zerofn": {
+            "version": FORMAT_VERSION,
+            "names": ordered,
+            "shapes": [list(layout[n].shape) for n in ordered],
+            "dtypes": [str(layout[n].dtype).removeprefix("torch.") for n in ordered],
+            "master": {n: master[n] for n in ordered},
+            "step": state.step,
+            "loss_scale": _loss_scale_to_dict(state),
+            "optimizer": {"name": state.optimizer.name, "torch_class": state.optimizer.torch_class.__name__},
+        },
+    }
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _loss_scale_to_dict(state: ZeroState) -> dict[str, Any] | None:
+    ls = getattr(state, "loss_scale", None)
+    return None if ls is None else dict(ls._asdict())
+
+
+def _with_loss_scale(state: ZeroState, saved: Mapping[str, Any] | None) -> ZeroState:
+    current = getattr(state, "loss_scale", None)
+    if saved is None or current is None:
+        return state
+    return state.replace(loss_scale=type(current)(**saved))
+
+
+def _optimizer_for(
+    saved_groups: list[dict[str, Any]],
+    names_of: Callable[[list[int]], list[str]],
+    zmeta: Mapping[str, Any] | None,
+    optimizer: optim.Optimizer | None,
+) -> optim.Optimizer:
+    """``optimizer`` (or the one the checkpoint names) with the saved per-group hyperparameters."""
+    if optimizer is None:
+        if zmeta is None:
+            raise CheckpointError(
+                "this is a plain torch optimizer state dict: pass optimizer=zf.optim.adamw(...) (or the "
+                "matching factory) so zerofn knows which update rule the state belongs to"
+            )
+        info = zmeta["optimizer"]
+        factories = {"sgd": optim.sgd, "adam": optim.adam, "adamw": optim.adamw}
+        if info["name"] in factories:
+            optimizer = factories[info["name"]]()
+        else:
+            optimizer = torch_optim.from_torch(getattr(torch.optim, info["torch_class"]))
+    known = set(optimizer.defaults)
+    groups = [{"params": names_of(g["params"]), **{k: v for k, v in g.items() if k in known}} for g in saved_groups]
+    return dataclasses.replace(optimizer, groups=optim._make_groups(optimizer.name, groups))
+
+
+def _check_fits(zmeta: Mapping[str, Any], layout: ShardLayout) -> None:
+    """The checkpoint's params must be the model's: same names, shapes and dtypes."""
+    saved = list(zip(zmeta["names"], (tuple(s) for s in zmeta["shapes"]), zmeta["dtypes"], strict=True))
+    here = [(p.name, p.shape, str(p.dtype).removeprefix("torch.")) for p in layout.params]
+    if sorted(saved) == sorted(here):
+        return
+    saved_by, here_by = {s[0]: s for s in saved}, {h[0]: h for h in here}
+    for name in [*here_by, *saved_by]:
+        if name not in saved_by:
+            raise CheckpointError(f"the checkpoint has no param {name!r}; it was saved from a different model")
+        if name not in here_by:
+            raise CheckpointError(f"the checkpoint has param {name!r}, which the model does not have")
+        if saved_by[name] != here_by[name]:
+            _, s_shape, s_dtype = saved_by[name]
+            _, h_shape, h_dtype = here_by[name]
+            raise CheckpointError(
+                f"param {name!r}: the checkpoint has shape {s_shape} dtype {s_dtype}, the model {h_shape} {h_dtype}"
+            )
+
+
+def _layout_and_masters(
+    like: ShardLayout | Mapping[str, torch.Tensor], group: Group, master_dtype: torch.dtype
+) -> tuple[ShardLayout, dict[str, torch.Tensor] | None]:
+    n = comm.group_size(group)
+    if isinstance(like, ShardLayout):
+        if like.world_size != n:
+            return make_layout(dict(zip(like.names, like.params, strict=True)), n), None
+        return like, None
+    layout = make_layout(like, n)
+    rank = comm.group_rank(group)
+    return layout, {s.name: _shard_of(like[s.name], s, rank, master_dtype) for s in layout.params}
+
+
+def shard_state_dict(
+    full: Mapping[str, Any],
+    like: ShardLayout | Mapping[str, torch.Tensor],
+    group: Group = None,
+    *,
+    optimizer: optim.Optimizer | None = None,
+    master_dtype: torch.dtype = torch.float32,
+) -> ZeroState:
+    """A ZeroState for this rank, at the group's world size, from a full state dict.
+
+    Args:
+      full: from :func:`full_state_dict` (any world size) or a plain torch optimizer's
+        ``state_dict()``.
+      like: the params (name -> tensor, in the order the torch optimizer listed them) or
+        a :class:`ShardLayout` (then the masters must come from ``full["zerofn"]``).
+      group: the sharding group; the state is sharded over its size.
+      optimizer: the functional optimizer; required for a plain torch state dict,
+        otherwise rebuilt from the checkpoint. Saved per-group hyperparameters win.
+      master_dtype: master dtype when the masters come from ``like``'s params.
+
+    Returns:
+      The ZeroState; masters from ``full["zerofn"]["master"]`` when present, else ``like``.
+
+    Collectives: none (every rank cuts its own shards out of ``full``).
+    """
+    layout, masters_from_params = _layout_and_masters(like, group, master_dtype)
+    zmeta = full.get("zerofn")
+    saved_groups = list(full["param_groups"])
+    count = sum(len(g["params"]) for g in saved_groups)
+    if zmeta is not None:
+        _check_fits(zmeta, layout)
+        order: list[str] = list(zmeta["names"])
+    else:
+        if count != len(layout):
+            raise CheckpointError(f"the state dict has {count} params in its param_groups, the model {len(layout)}")
+        order = list(layout.names)
+    flat_indices = [i for g in saved_groups for i in g["params"]]
+    name_of = dict(zip(flat_indices, order, strict=True))
+    fopt = _optimizer_for(saved_groups, lambda idx: [name_of[i] for i in idx], zmeta, optimizer)
+    rank = comm.group_rank(group)
+    if zmeta is not None and "master" in zmeta:
+        master = {
+            s.name: _shard_of(zmeta["master"][s.name], s, rank, zmeta["master"][s.name].dtype) for s in layout.params
+        }
+    elif masters_from_params is not None:
+        master = masters_from_params
+    else:
+        raise CheckpointError("the state dict holds no master weights: pass the params as `like`")
+    device = next(iter(master.values())).device
+    entries: dict[str, dict[str, Any]] = {}
+    for idx, per in full["state"].items():
+        name = name_of[int(idx)]
+        spec = layout[name]
+        entries[name] = {
+            k: _shard_of(v, spec, rank, v.dtype).to(device)
+            if isinstance(v, torch.Tensor) and v.dim() >= 1
+            else (v.clone() if isinstance(v, torch.Tensor) else v)
+            for k, v in per.items()
+        }
+    master_fd = FrozenDict({s.name: master[s.name] for s in layout.params})
+    opt_state = _from_per_param(fopt, master_fd, entries)
+    step = (
+        int(zmeta["step"]) if zmeta is not None else max((int(e.get("step", 0)) for e in entries.values()), default=0)
+    )
+    state = ZeroState(layout, fopt, rank, master_fd, opt_state, step)
+    return _with_loss_scale(state, zmeta.get("loss_scale") if zmeta else None)
+
+
+# --------------------------------------------------------------------------- sharded save / load
+
+
+def _dtensor(shard: torch.Tensor, spec: ParamSpec, rank: int, mesh: Any) -> Any:
+    """This rank's real (unpadded) part of ``shard`` as a DTensor over the flat param."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    start, stop = spec.owned_range(rank)
+    return DTensor.from_local(
+        shard[: stop - start], mesh, [Shard(0)], run_check=False, shape=torch.Size([spec.numel]), stride=(1,)
+    )
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _file_digest(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def save(
+    path: str | os.PathLike[str],
+    state: ZeroState,
+    group: Group = None,
+    *,
+    params: Mapping[str, torch.Tensor] | None = None,
+    _before_commit: Callable[[], None] | None = None,
+) -> str:
+    """Write a sharded, world-size-free checkpoint of ``state`` (and ``params``) to ``path``.
+
+    Each rank writes only its shards (DCP); replicated values (model ``params``, step
+    counters) are written once. ``path`` becomes a symlink to the new directory only once
+    every file is complete, so an interrupted save never damages the previous checkpoint.
+
+    Args:
+      path: where the checkpoint lives (a symlink managed by zerofn).
+      state: this rank's ZeroState.
+      group: the sharding group; every rank of it must call ``save``.
+      params: optional full model weights (name -> tensor) to store alongside.
+
+    Returns:
+      The directory the checkpoint was written to.
+
+    Collectives: a broadcast of the directory name, DCP's plan exchange, two barriers.
+    """
+    path = os.path.abspath(os.fspath(path))
+    if os.path.isdir(path) and not os.path.islink(path):
+        raise CheckpointError(f"{path} is a plain directory; zerofn manages checkpoint paths as symlinks")
+    layout = state.layout
+    rank = comm.group_rank(group)
+    token = comm.broadcast_object(uuid.uuid4().hex[:12] if rank == 0 else None, group)
+    target = f"{path}.{token}"
+    device = next(iter(state.master.values())).device
+    mesh = comm.device_mesh(group, device.type)
+    entries = _per_param(state.opt_state, layout.names)
+    sd: dict[str, Any] = {}
+    kinds: dict[str, dict[str, str]] = {}
+    for spec in layout.params:
+        sd[f"master/{spec.name}"] = _dtensor(state.master[spec.name], spec, rank, mesh)
+        kinds[spec.name] = {}
+        for key, value in entries.get(spec.name, {}).items():
+            if _is_sharded(value):
+                sd[f"optim/{spec.name}/{key}"] = _dtensor(value, spec, rank, mesh)
+                kinds[spec.name][key] = f"shard:{str(value.dtype).removeprefix('torch.')}"
+            elif isinstance(value, torch.Tensor):
+                sd[f"optim/{spec.name}/{key}"] = value
+                kinds[spec.name][key] = f"scalar:{str(value.dtype).removeprefix('torch.')}:{value.device.type}"
+            else:
+                kinds[spec.name][key] = "json:" + json.dumps(value)
+    if params is not None:
+        for name, t in params.items():
+            sd[f"model/{name}"] = t.detach()
+    comm.dcp_save(sd, target, group)
+    if rank == 0:
+        plan = _group_plan(state.optimizer, layout.names)
+        files = sorted(f for f in os.listdir(target) if not f.startswith("."))
+        meta = {
+            "version": FORMAT_VERSION,
+            "names": list(layout.names),
+            "shapes": [list(p.shape) for p in layout.params],
+            "dtypes": [str(p.dtype).removeprefix("torch.") for p in layout.params],
+            "master_dtypes": [str(state.master[n].dtype).removeprefix("torch.") for n in layout.names],
+            "state_kinds": kinds,
+            "param_groups": [{**hp, "params": names} for names, hp in plan],
+            "optimizer": {"name": state.optimizer.name, "torch_class": state.optimizer.torch_class.__name__},
+            "step": state.step,
+            "loss_scale": _loss_scale_to_dict(state),
+            "saved_world_size": layout.world_size,
+            "model": sorted(params) if params is not None else None,
+            "files": {
+                f: {"bytes": os.path.getsize(os.path.join(target, f)), "sha256": _file_digest(os.path.join(target, f))}
+                for f in [*files, ".metadata"]
+            },
+        }
+        meta_path = os.path.join(target, META_FILE)
+        with open(meta_path, "w") as f:
+            json.dump(meta, f, indent=1, default=str)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(target)
+    comm.barrier(group)
+    if _before_commit is not None:
+        _before_commit()
+    if rank == 0:
+        previous = os.path.realpath(path) if os.path.islink(path) else None
+        link = f"{target}.link"
+        os.symlink(os.path.basename(target), link)
+        os.replace(link, path)  # the commit: atomic on POSIX
+        _fsync_dir(os.path.dirname(path))
+        if previous and previous != target and os.path.isdir(previous):
+            shutil.rmtree(previous, ignore_errors=True)
+    comm.barrier(group)
+    return target
+
+
+def _read_meta(path: str, verify: bool) -> dict[str, Any]:
+    if not os.path.exists(path):
+        raise CheckpointError(f"no checkpoint at {path}")
+    meta_path = os.path.join(path, META_FILE)
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} has no {META_FILE}: not a zerofn checkpoint, or an unfinished save") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{meta_path} is corrupt ({e})") from None
+    for name, info in meta["files"].items():
+        file = os.path.join(path, name)
+        if not os.path.exists(file):
+            raise CheckpointError(
+                f"{path}: file {name} is missing (written by one of the {meta['saved_world_size']} ranks)"
+            )
+        size = os.path.getsize(file)
+        if size != info["bytes"]:
+            raise CheckpointError(f"{path}: file {name} has {size} bytes, {info['bytes']} were written: truncated")
+        if verify and _file_digest(file) != info["sha256"]:
+            raise CheckpointError(f"{path}: file {name} does not match its SHA-256: corrupt")
+    return meta
+
+
+def load(
+    path: str | os.PathLike[str],
+    like: ShardLayout | Mapping[str, torch.Tensor],
+    group: Group = None,
+    *,
+    optimizer: optim.Optimizer | None = None,
+    params_out: Mapping[str, torch.Tensor] | None = None,
+    verify: bool = True,
+) -> ZeroState:
+    """Read a checkpoint written by :func:`save` at any world size into this group's shards.
+
+    Args:
+      path: the checkpoint path given to ``save``.
+      like: the model's params (name -> tensor) or a layout: what the checkpoint must fit.
+      group: the sharding group (any size); every rank of it must call ``load``.
+      optimizer: the functional optimizer to continue with (default: the saved kind);
+        the saved hyperparameters are applied to it.
+      params_out: model tensors to fill in place with the saved weights (if saved).
+      verify: check every file's SHA-256 (sizes and presence are always checked).
+
+    Returns:
+      This rank's ZeroState at ``comm.group_size(group)`` ranks.
+
+    Collectives: DCP's plan exchange; each rank reads the pieces its shards overlap.
+    """
+    path = os.path.abspath(os.fspath(path))
+    meta = _read_meta(path, verify)
+    layout, _ = _layout_and_masters(like, group, torch.float32)
+    zmeta = {k: meta[k] for k in ("names", "shapes", "dtypes")}
+    _check_fits(zmeta, layout)
+    if params_out is not None and meta["model"] is None:
+        raise CheckpointError(f"{path} holds no model weights (saved without params=)")
+    rank = comm.group_rank(group)
+    device = next(iter(like.values())).device if isinstance(like, Mapping) else torch.device("cpu")
+    mesh = comm.device_mesh(group, device.type)
+    master_dtypes = dict(zip(meta["names"], meta["master_dtypes"], strict=True))
+    sd: dict[str, Any] = {}
+    master: dict[str, torch.Tensor] = {}
+    entries: dict[str, dict[str, Any]] = {}
+    for spec in layout.params:
+        master[spec.name] = torch.zeros(spec.shard_numel, dtype=getattr(torch, master_dtypes[spec.name]), device=device)
+        sd[f"master/{spec.name}"] = _dtensor(master[spec.name], spec, rank, mesh)
+        entries[spec.name] = {}
+        for key, kind in meta["state_kinds"][spec.name].items():
+            what, _, rest = kind.partition(":")
+            if what == "shard":
+                value = torch.zeros(spec.shard_numel, dtype=getattr(torch, rest), device=device)
+                sd[f"optim/{spec.name}/{key}"] = _dtensor(value, spec, rank, mesh)
+            elif what == "scalar":
+                dtype, _, dev = rest.partition(":")
+                value = torch.zeros((), dtype=getattr(torch, dtype), device=device if dev != "cpu" else "cpu")
+                sd[f"optim/{spec.name}/{key}"] = value
+            else:
+                value = json.loads(rest)
+            entries[spec.name][key] = value
+    if params_out is not None:
+        for name in meta["model"]:
+            sd[f"model/{name}"] = params_out[name].detach()
+    try:
+        comm.dcp_load(sd, path, group)
+    except Exception as e:  # DCP wraps per-rank failures; say which checkpoint and why
+        raise CheckpointError(f"{path}: reading the shards failed: {e}") from e
+    for key, value in sd.items():  # scalars may be replaced rather than filled in place
+        if key.startswith("optim/") and isinstance(value, torch.Tensor) and value.dim() == 0:
+            _, name, field = key.split("/", 2)
+            entries[name][field] = value
+    names_of = {n: [n] for n in layout.names}
+    fopt = _optimizer_for(
+        [{**g, "params": g["params"]} for g in meta["param_groups"]],
+        lambda names: [m for n in names for m in names_of[n]],
+        {"optimizer": meta["optimizer"]},
+        optimizer,
+    )
+    master_fd = FrozenDict(master)
+    state = ZeroState(
+        layout,
+        fopt,
+        rank,
+        master_fd,
+        _from_per_param(fopt, master_fd, {n: e for n, e in entries.items() if e}),
+        meta["step"],
+    )
+    return _with_loss_scale(state, meta.get("loss_scale"))
