@@ -231,7 +231,16 @@ class World:
                 failures[rank] = RankFailure(rank, None, "WorkerDied", f"worker {what} (exit code {code})", "")
                 died = True
                 continue
-            status, value = pickle.loads(conn.recv_bytes())
+            try:
+                reply = conn.recv_bytes()
+            except (EOFError, OSError):
+                # A dead worker's pipe polls readable (EOF) and then has nothing to read.
+                self._procs[rank].join(5)
+                code = self._procs[rank].exitcode
+                failures[rank] = RankFailure(rank, None, "WorkerDied", f"worker died (exit code {code})", "")
+                died = True
+                continue
+            status, value = pickle.loads(reply)
             if status == "ok":
                 results[rank] = value
             else:
