@@ -1,0 +1,145 @@
+"""zerofn.testing.World: a pool of real gloo ranks that runs functions on all of them.
+
+Results come back per rank, exceptions come back with their tracebacks, and a pool whose
+ranks fell out of step (one rank raised alone, a worker died) is restarted and works.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import get_world
+
+from zerofn.testing import RankFailure, World, WorldError
+
+
+@pytest.fixture(params=[2, 3, 4], ids=lambda n: f"N{n}")
+def multi_world(request):
+    """World sizes where one rank can fail alone."""
+    return get_world(request.param)
+
+
+def _whoami(offset, *, scale):
+    total = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(total)
+    return dist.get_rank(), dist.get_world_size(), os.environ["RANK"], offset + scale * float(total)
+
+
+def _all_reduce_ones():
+    t = torch.ones(3)
+    dist.all_reduce(t)
+    return t
+
+
+def test_run_returns_one_result_per_rank_in_rank_order(world):
+    n = world.world_size
+    results = world.run(_whoami, 1.0, scale=2.0)
+    expected_sum = 1.0 + 2.0 * n * (n - 1) / 2
+    assert results == [(r, n, str(r), expected_sum) for r in range(n)]
+
+
+def _raise_everywhere():
+    raise ValueError(f"bad input on rank {dist.get_rank()}")
+
+
+def test_exceptions_come_back_with_their_tracebacks(world):
+    n, restarts = world.world_size, world.restarts
+    with pytest.raises(WorldError) as info:
+        world.run(_raise_everywhere)
+    assert sorted(info.value.failures) == list(range(n))
+    for rank, failure in info.value.failures.items():
+        assert failure.type_name == "ValueError"
+        assert failure.message == f"bad input on rank {rank}"
+        assert "_raise_everywhere" in failure.traceback and "ValueError" in failure.traceback
+        assert f"--- rank {rank}: ValueError: bad input on rank {rank}" in str(info.value)
+    # Every rank failed alike: the group is still in step and was not restarted.
+    assert world.restarts == restarts
+    assert all(torch.equal(t, torch.full((3,), float(n))) for t in world.run(_all_reduce_ones))
+
+
+def test_return_exceptions_gives_each_rank_its_failure(world):
+    results = world.run(_raise_everywhere, return_exceptions=True)
+    for rank, r in enumerate(results):
+        assert isinstance(r, RankFailure) and r.rank == rank
+        assert isinstance(r.exc, ValueError) and str(r.exc) == f"bad input on rank {rank}"
+
+
+def _raise_on_last_rank():
+    if dist.get_rank() == dist.get_world_size() - 1:
+        raise RuntimeError("only the last rank fails")
+    return "fine"
+
+
+def test_a_rank_that_raises_alone_restarts_the_pool_which_then_works(multi_world):
+    n, restarts = multi_world.world_size, multi_world.restarts
+    with pytest.raises(WorldError, match=r"1 rank\(s\) failed \(pool restarted\)") as info:
+        multi_world.run(_raise_on_last_rank)
+    assert list(info.value.failures) == [n - 1]
+    assert info.value.failures[n - 1].type_name == "RuntimeError"
+    assert "only the last rank fails" in info.value.failures[n - 1].message
+    assert multi_world.restarts == restarts + 1
+    assert all(torch.equal(t, torch.full((3,), float(n))) for t in multi_world.run(_all_reduce_ones))
+
+
+def _die_on_last_rank():
+    if dist.get_rank() == dist.get_world_size() - 1:
+        os._exit(3)
+    return "alive"
+
+
+def test_a_worker_that_dies_is_reported_not_hung_and_replaced(world):
+    n, restarts = world.world_size, world.restarts
+    with pytest.raises(WorldError) as info:
+        world.run(_die_on_last_rank)
+    assert list(info.value.failures) == [n - 1]
+    failure = info.value.failures[n - 1]
+    assert failure.type_name == "WorkerDied"
+    assert "exit code 3" in failure.message
+    assert world.restarts == restarts + 1
+    assert all(torch.equal(t, torch.full((3,), float(n))) for t in world.run(_all_reduce_ones))
+
+
+def test_closures_and_lambdas_travel_by_value(world):
+    factor = 7  # captured by value: the workers cannot import this test's locals
+
+    def times_rank(x):
+        return factor * x * dist.get_rank()
+
+    n = world.world_size
+    assert world.run(times_rank, 2) == [14 * r for r in range(n)]
+    assert world.run(lambda: dist.get_world_size() + factor) == [n + factor] * n
+
+
+def _unpicklable():
+    return threading.Lock()
+
+
+def test_a_result_that_cannot_be_pickled_is_reported(world):
+    results = world.run(_unpicklable, return_exceptions=True)
+    for r in results:
+        assert isinstance(r, RankFailure)
+        assert "result could not be pickled" in r.message
+
+
+def _stuck_in_a_collective():
+    if dist.get_rank() == 0:
+        dist.all_reduce(torch.ones(1))  # rank 1 never joins
+    return "returned"
+
+
+def test_a_collective_that_cannot_finish_times_out_instead_of_hanging():
+    with World(2, timeout=5.0) as world:
+        results = world.run(_stuck_in_a_collective, return_exceptions=True)
+        assert results[1] == "returned"
+        assert isinstance(results[0], RankFailure)
+        assert world.restarts == 1
+        assert world.run(_whoami, 0.0, scale=1.0) == [(0, 2, "0", 1.0), (1, 2, "1", 1.0)]
+
+
+def test_world_needs_at_least_one_rank():
+    with pytest.raises(ValueError, match="at least one rank"):
+        World(0)
