@@ -5,12 +5,22 @@ The four stage functions (``shard_params``, ``reduce_grads``, ``step_shards``,
 state; ``zerofn.optim`` holds the functional optimizers they apply.
 """
 
-from zerofn import checks, comm, optim, torch_optim
+from zerofn import checks, comm, optim, precision, torch_optim
 from zerofn._tree import FrozenDict
 from zerofn.checks import RankMismatchError
 from zerofn.comm import CommPolicy, count_bytes
 from zerofn.facade import ZeroOptimizer
 from zerofn.layout import Bucket, ParamSpec, ShardLayout, make_layout
+from zerofn.precision import (
+    DynamicLossScaler,
+    LossScaleState,
+    MixedDtypeError,
+    NoLossScaling,
+    NonFiniteGradError,
+    PrecisionPolicy,
+    StaticLossScaler,
+    scale_loss,
+)
 from zerofn.stages import gather_params, reduce_grads, shard_params, step_shards
 from zerofn.state import StepInfo, ZeroState
 
@@ -19,10 +29,17 @@ __version__ = "0.1.0"
 __all__ = [
     "Bucket",
     "CommPolicy",
+    "DynamicLossScaler",
     "FrozenDict",
+    "LossScaleState",
+    "MixedDtypeError",
+    "NoLossScaling",
+    "NonFiniteGradError",
     "ParamSpec",
+    "PrecisionPolicy",
     "RankMismatchError",
     "ShardLayout",
+    "StaticLossScaler",
     "StepInfo",
     "ZeroOptimizer",
     "ZeroState",
@@ -32,7 +49,9 @@ __all__ = [
     "gather_params",
     "make_layout",
     "optim",
+    "precision",
     "reduce_grads",
+    "scale_loss",
     "shard_params",
     "step_shards",
     "torch_optim",

@@ -9,7 +9,7 @@ of collectives. Errors name the rank, the parameter and the shapes, and say what
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -66,9 +66,18 @@ def validate_params(params: Mapping[str, torch.Tensor], where: str) -> None:
 
 
 def validate_grads(
-    grads: Mapping[str, torch.Tensor | None], layout: ShardLayout, group: comm.Group, where: str
+    grads: Mapping[str, torch.Tensor | None],
+    layout: ShardLayout,
+    group: comm.Group,
+    where: str,
+    *,
+    accum_dtype_for: Callable[[torch.dtype], torch.dtype] | None = None,
 ) -> list[str]:
-    """Check full gradients against the layout; return the names that have a gradient."""
+    """Check full gradients against the layout; return the names that have a gradient.
+
+    A gradient must have its param's shape, and its dtype or, with ``accum_dtype_for``,
+    the accumulation dtype for the param's dtype (e.g. float32 for a bfloat16 param).
+    """
     if not isinstance(grads, Mapping):
         raise TypeError(f"{where}: grads must be a mapping name -> tensor, got {type(grads).__name__}")
     unknown = [n for n in grads if n not in layout]
@@ -82,10 +91,12 @@ def validate_grads(
         g = grads.get(spec.name)
         if g is None:
             continue
-        if tuple(g.shape) != spec.shape or g.dtype != spec.dtype:
+        accum = accum_dtype_for(spec.dtype) if accum_dtype_for is not None else spec.dtype
+        if tuple(g.shape) != spec.shape or g.dtype not in (spec.dtype, accum):
+            also = f" (or, accumulated, dtype {accum})" if accum != spec.dtype else ""
             raise ValueError(
                 f"{where} on {_rank_tag(group)}: gradient of {spec.name!r} has shape {tuple(g.shape)} "
-                f"dtype {g.dtype}, but the param has shape {spec.shape} dtype {spec.dtype}"
+                f"dtype {g.dtype}, but the param has shape {spec.shape} dtype {spec.dtype}{also}"
             )
         present.append(spec.name)
     return present
@@ -111,6 +122,25 @@ def validate_world(layout: ShardLayout, group: comm.Group, where: str) -> None:
             f"{where} on {_rank_tag(group)}: the layout was made for {layout.world_size} ranks but the group "
             f"has {n}; reshard the state (zerofn.checkpoint) or pass the group it was made with"
         )
+
+
+_DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 4, torch.float64: 8}
+
+
+def dtype_code(dtype: torch.dtype | None) -> int:
+    """A small int naming a floating dtype, for comparing settings over a collective.
+
+    0 is ``None``; float16, bfloat16, float32, float64 are 1, 2, 4, 8; others 16.
+    """
+    return 0 if dtype is None else _DTYPE_CODES.get(dtype, 16)
+
+
+def dtypes_mask(dtypes: Iterable[torch.dtype]) -> int:
+    """The set of ``dtypes`` as a bit mask of their :func:`dtype_code` values."""
+    mask = 0
+    for d in dtypes:
+        mask |= dtype_code(d)
+    return mask
 
 
 def _names_hash(names: Iterable[str]) -> int:

@@ -14,6 +14,13 @@ storage instead (the caller promises not to read them again), as ``jax.jit``'s
 
 Every function validates its inputs and checks that all ranks agree *before* the first
 collective, so a mistake raises the same clear error on every rank instead of hanging.
+
+Mixed precision (:mod:`zerofn.precision`) threads through all four: ``shard_params``
+takes a :class:`~zerofn.precision.PrecisionPolicy` (working, master and accumulation
+dtypes, master weights on or off, the state device for CPU offload, the loss scaler) and
+stores it in the state; ``reduce_grads`` casts to the wire dtype and back;
+``step_shards`` decides overflow on all ranks at once, advances the loss scale, unscales
+and clips; ``gather_params`` casts the master shards to the working dtype.
 """
 
 from __future__ import annotations
@@ -23,12 +30,20 @@ from collections.abc import Collection, Mapping
 
 import torch
 
-from zerofn import checks, comm
+from zerofn import _placement, checks, comm
 from zerofn._tree import FrozenDict
 from zerofn.comm import CommPolicy, Group
 from zerofn.layout import Bucket, ParamSpec, ShardLayout, make_layout
 from zerofn.optim import Optimizer
-from zerofn.state import StepInfo, ZeroState
+from zerofn.precision import (
+    NonFiniteGradError,
+    PrecisionPolicy,
+    nonfinite_grad_names,
+    resolve_param_dtypes,
+    unscale_and_clip_coef,
+    unscaled_norm,
+)
+from zerofn.state import DEFAULT_POLICY, StepInfo, ZeroState
 
 __all__ = [
     "gather_params",
@@ -43,12 +58,29 @@ __all__ = [
 DEFAULT_BUCKET_NUMEL = 2**20
 
 
-def _shard_of(full: torch.Tensor, spec: ParamSpec, rank: int, dtype: torch.dtype) -> torch.Tensor:
-    """Rank ``rank``'s ``(shard_numel,)`` chunk of ``full``, zero padded, as a new tensor."""
+def _shard_of(full: torch.Tensor, spec: ParamSpec, rank: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Rank ``rank``'s ``(shard_numel,)`` chunk of ``full``, zero padded, as a new tensor.
+
+    The chunk is first rounded to the working dtype ``spec.dtype`` (a forced dtype rounds
+    the params as the model will see them), then stored in ``dtype`` on ``device``.
+    """
     start, stop = spec.owned_range(rank)
-    shard = torch.zeros(spec.shard_numel, dtype=dtype, device=full.device)
-    shard[: stop - start].copy_(full.detach().reshape(-1)[start:stop])
+    shard = torch.zeros(spec.shard_numel, dtype=dtype, device=device)
+    shard[: stop - start].copy_(full.detach().reshape(-1)[start:stop].to(spec.dtype))
     return shard
+
+
+def _policy_for(policy: PrecisionPolicy | None, master_dtype: torch.dtype) -> PrecisionPolicy:
+    if policy is None:
+        return DEFAULT_POLICY if master_dtype == torch.float32 else DEFAULT_POLICY.replace(master_dtype=master_dtype)
+    if not isinstance(policy, PrecisionPolicy):
+        raise TypeError(f"shard_params: policy must be a zerofn.PrecisionPolicy or None, got {type(policy).__name__}")
+    if master_dtype != torch.float32:
+        raise ValueError(
+            f"shard_params: got both master_dtype={master_dtype} and a policy; put it in the policy instead: "
+            f"policy.replace(master_dtype={master_dtype})"
+        )
+    return policy
 
 
 def shard_params(
@@ -57,6 +89,7 @@ def shard_params(
     group: Group = None,
     *,
     master_dtype: torch.dtype = torch.float32,
+    policy: PrecisionPolicy | None = None,
 ) -> ZeroState:
     """The first ZeroState: this rank's master shards of ``params`` and fresh optimizer state.
 
@@ -66,20 +99,52 @@ def shard_params(
       optimizer: a :mod:`zerofn.optim` optimizer; its ``init`` runs on the shards.
       group: the sharding process group (``None``: default). Only its size and this
         rank's index are read.
-      master_dtype: dtype of the master shards and optimizer state (float32).
+      master_dtype: dtype of the master shards and optimizer state (float32), when no
+        ``policy`` is given.
+      policy: the :class:`~zerofn.precision.PrecisionPolicy`; ``None``: every param keeps
+        its own (working) dtype, ``master_dtype`` master shards on the params' device, no
+        loss scaling. With a policy, each param's working dtype is
+        :func:`~zerofn.precision.resolve_param_dtypes` (``param_dtype`` forces one; mixed
+        dtypes raise :class:`~zerofn.precision.MixedDtypeError` naming the params unless
+        ``mixed_dtypes="keep"``); the layout records the working dtypes; master shards are
+        the params rounded to their working dtype, then stored in ``master_dtype``, or kept
+        in the working dtype when ``master_weights=False`` (the optimizer then updates
+        them directly); they and the optimizer state live on ``state_device`` (CPU
+        offload) or else on the params' device. The loss scale starts at
+        ``policy.loss_scaler.init()``.
 
     Returns:
       A :class:`ZeroState` whose ``master[name]`` is chunk ``rank`` of the padded flat
-      param, shape ``(ceil(numel / N),)``, in ``master_dtype``.
+      param, shape ``(ceil(numel / N),)``, and whose ``policy`` is the policy used.
 
     Collectives: none. Ranks' layouts are compared by the first ``reduce_grads`` /
     ``gather_params`` (or call :func:`zerofn.checks.check_ranks_agree` yourself).
     """
     checks.validate_params(params, "shard_params")
+    policy = _policy_for(policy, master_dtype)
+    dtypes = resolve_param_dtypes(params, policy)
     rank = comm.group_rank(group)
-    layout = make_layout(params, comm.group_size(group))
-    master = FrozenDict({s.name: _shard_of(params[s.name], s, rank, master_dtype) for s in layout.params})
-    return ZeroState(layout, optimizer, rank, master, optimizer.init(master), 0)
+    param_device = next(iter(params.values())).device
+    state_device = torch.device(policy.state_device) if policy.state_device is not None else param_device
+    working = {n: torch.empty(p.shape, dtype=dtypes[n], device="meta") for n, p in params.items()}
+    layout = make_layout(working, comm.group_size(group))
+    master = FrozenDict(
+        {
+            s.name: _shard_of(params[s.name], s, rank, policy.master_dtype_for(s.dtype), state_device)
+            for s in layout.params
+        }
+    )
+    return ZeroState(
+        layout,
+        optimizer,
+        rank,
+        master,
+        optimizer.init(master),
+        0,
+        loss_scale=policy.loss_scaler.init(),
+        policy=policy,
+        param_device=str(param_device),
+    )
 
 
 def _rows_from_full(
@@ -144,33 +209,43 @@ def launch_bucket_reduce(
 
     :func:`reduce_grads` runs this for every bucket; the facade runs it from gradient
     hooks as buckets fill, so both paths send identical buffers and get identical bits.
-    The rows are multiplied by ``1/N`` *before* the sum, as DDP does, so low-precision
-    sums do not overflow. Absent members contribute zeros.
+    The rows are built in the gradients' dtype (the params' working dtype, or an
+    accumulation dtype such as float32; all present members must share it), multiplied by
+    ``1/N`` in that dtype *before* the sum, as DDP does, so low-precision sums do not
+    overflow, and then cast to the wire dtype (the seed's order). Absent members
+    contribute zeros.
 
     Returns:
       A :class:`~zerofn.comm.Pending` whose ``wait()`` is this rank's ``(bucket.shard_numel,)``
-      row of the mean, in ``comm_dtype`` (default: the gradients' dtype).
+      row of the mean, in the wire dtype: ``comm_dtype``, default the params' working dtype.
 
     Collectives: one ``reduce_scatter`` or ``all_reduce`` (``how``) of ``N * S`` elements.
     """
-    dtype = layout[bucket.names[0]].dtype
-    device = next(g.device for g in (grads.get(n) for n in bucket.names) if g is not None)
+    present = [g for g in (grads.get(n) for n in bucket.names) if g is not None]
+    dtype, device = present[0].dtype, present[0].device
     rows = _rows_from_full(grads, layout, bucket, dtype, device)
     rows.mul_(1.0 / layout.world_size)
-    if comm_dtype is not None and comm_dtype != dtype:
-        rows = rows.to(comm_dtype)
+    wire = comm_dtype if comm_dtype is not None else layout[bucket.names[0]].dtype
+    if wire != dtype:
+        rows = rows.to(wire)
     return comm.sum_rows(rows, group, how, async_op=async_op)
 
 
 def split_bucket_row(
-    row: torch.Tensor, layout: ShardLayout, bucket: Bucket, present: Collection[str]
+    row: torch.Tensor,
+    layout: ShardLayout,
+    bucket: Bucket,
+    present: Collection[str],
+    *,
+    dtype: torch.dtype | None = None,
 ) -> dict[str, torch.Tensor]:
     """Cut a reduced bucket row into per-param shards, for the ``present`` names only.
 
-    The row is cast back to the params' dtype; a row that is a view of a bigger buffer
-    (the all-reduce realisation) is copied out so the ``(N, S)`` buffer can be freed.
+    The row is cast back from the wire to ``dtype``, the dtype the gradients came in
+    (default: the params' working dtype); a row that is a view of a bigger buffer (the
+    all-reduce realisation) is copied out so the ``(N, S)`` buffer can be freed.
     """
-    dtype = layout[bucket.names[0]].dtype
+    dtype = dtype if dtype is not None else layout[bucket.names[0]].dtype
     if row.dtype != dtype:
         row = row.to(dtype)
     elif row._base is not None:
@@ -191,31 +266,40 @@ def reduce_grads(
     *,
     policy: CommPolicy | None = None,
     comm_dtype: torch.dtype | None = None,
+    precision: PrecisionPolicy | None = None,
 ) -> FrozenDict[torch.Tensor]:
     """Average full local gradients over the group and keep this rank's shards.
 
     For each bucket of the layout's static plan (:meth:`ShardLayout.buckets`) the
     gradients are copied into a rank-major ``(N, S)`` buffer, multiplied by ``1/N``, cast
-    to ``comm_dtype``, summed over the group and cast back; this rank's row is cut into
-    per-param shards. Params without a gradient fill their slot with zeros (so every
-    param's bits are independent of the others'), and a bucket with no gradient at all is
-    not sent.
+    to the wire dtype, summed over the group and cast back to the gradients' dtype; this
+    rank's row is cut into per-param shards. Params without a gradient fill their slot
+    with zeros (so every param's bits are independent of the others'), and a bucket with
+    no gradient at all is not sent.
 
     Args:
-      grads: name -> full local gradient (shape and dtype of the param), or ``None`` /
-        missing for params that got no gradient this step. Every rank must have
-        gradients for the same names (checked).
+      grads: name -> full local gradient, or ``None`` / missing for params that got no
+        gradient this step. Every rank must have gradients for the same names, in the
+        same dtypes (checked). A gradient has its param's shape and either the param's
+        (working) dtype or the precision policy's accumulation dtype for it (float32 for
+        float16/bfloat16 params by default: grads summed over micro-batches); the params
+        of one bucket must agree.
       layout: ``state.layout``.
       group: the sharding process group (``None``: default).
       stage: 1 reduces with an all-reduce (as ZeRO-1); 2 with the group's reduce
         realisation (``policy``). Both return only this rank's shards.
       bucket_numel: padded elements per bucket; a larger param travels alone.
       policy: how collectives are realised; default :class:`CommPolicy` (per backend).
-      comm_dtype: dtype on the wire (default: the gradients' dtype).
+      comm_dtype: dtype on the wire; default ``precision.comm_dtype``, else the params'
+        working dtype (as the seed: the wire carries working precision, also for
+        float32-accumulated gradients, unless told otherwise).
+      precision: the state's :class:`~zerofn.precision.PrecisionPolicy`
+        (``state.policy``), for the wire and accumulation dtypes; ``None``: the default.
 
     Returns:
-      name -> ``(shard_numel,)`` mean-gradient shard in the gradient's dtype, for the
-      names that had gradients (in layout order). Padding elements are zero.
+      name -> ``(shard_numel,)`` mean-gradient shard in the dtype the gradient came in
+      (cast back from the wire), for the names that had gradients (in layout order).
+      Padding elements are zero.
 
     Collectives: one tiny ``all_gather`` (rank agreement, see ``check_ranks_agree``), then
     per bucket one ``reduce_scatter`` (stage 2, NCCL) or one ``all_reduce`` (stage 1, or
@@ -225,28 +309,53 @@ def reduce_grads(
         raise ValueError(f"reduce_grads: stage must be 1 or 2, got {stage!r}")
     if not isinstance(bucket_numel, int) or bucket_numel <= 0:
         raise ValueError(f"reduce_grads: bucket_numel must be a positive int (elements), got {bucket_numel!r}")
+    if precision is not None and not isinstance(precision, PrecisionPolicy):
+        raise TypeError(
+            f"reduce_grads: precision must be a zerofn.PrecisionPolicy (state.policy) or None, "
+            f"got {type(precision).__name__}"
+        )
+    precision = precision or DEFAULT_POLICY
+    comm_dtype = comm_dtype if comm_dtype is not None else precision.comm_dtype
     checks.validate_world(layout, group, "reduce_grads")
-    present = checks.validate_grads(grads, layout, group, "reduce_grads")
+    accum = precision.grad_accum_dtype_for
+    present = checks.validate_grads(grads, layout, group, "reduce_grads", accum_dtype_for=accum)
+    buckets = layout.buckets(bucket_numel)
+    grad_dtypes = {n: grads[n].dtype for n in present}  # type: ignore[union-attr]
+    for bucket in buckets:
+        kinds = {grad_dtypes[n] for n in bucket.names if n in grad_dtypes}
+        if len(kinds) > 1:
+            listing = ", ".join(f"{n!r}: {grad_dtypes[n]}" for n in bucket.names if n in grad_dtypes)
+            raise ValueError(
+                f"reduce_grads on rank {comm.group_rank(group)}: the params of one bucket have gradients "
+                f"in different dtypes ({listing}); give them all in the params' dtype or all in the "
+                "accumulation dtype"
+            )
     device = next((grads[n].device for n in present), torch.device("cpu"))  # type: ignore[union-attr]
     checks.check_ranks_agree(
         layout,
         group,
         "reduce_grads",
         present=present,
-        settings={"stage": stage, "bucket_numel": bucket_numel},
+        settings={
+            "stage": stage,
+            "bucket_numel": bucket_numel,
+            "comm_dtype": checks.dtype_code(comm_dtype),
+            "grad_dtypes": checks.dtypes_mask(set(grad_dtypes.values())),
+        },
         device=device,
     )
     how = reduce_realisation(stage, group, policy)
     present_set = set(present)
     out: dict[str, torch.Tensor] = {}
-    for bucket in layout.buckets(bucket_numel):
-        if present_set.isdisjoint(bucket.names):
+    for bucket in buckets:
+        members = [n for n in bucket.names if n in present_set]
+        if not members:
             continue
         row = launch_bucket_reduce(grads, layout, bucket, group, how, comm_dtype=comm_dtype).wait()
-        out.update(split_bucket_row(row, layout, bucket, present_set))
+        out.update(split_bucket_row(row, layout, bucket, present_set, dtype=grad_dtypes[members[0]]))
     for name in present:
         if name not in out:  # empty params travel in no bucket
-            out[name] = torch.empty(0, dtype=layout[name].dtype, device=device)
+            out[name] = torch.empty(0, dtype=grad_dtypes[name], device=device)
     return FrozenDict({name: out[name] for name in present})
 
 
@@ -261,19 +370,20 @@ def _global_norm(
     """Global ``norm_type`` norm of the mean gradient over the group, in float64.
 
     Padding is zero, so summing over padded shards equals the norm of the full grads.
-    Returns ``inf``/``nan`` if any rank holds a non-finite gradient element.
-    Collectives: one ``all_reduce`` of two float64 values.
+    Returns ``inf`` if any rank holds a non-finite gradient element: the second value
+    all-reduced is that flag, so every rank learns it from the same collective.
+    Collectives: one ``all_reduce`` of two float64 values, on ``device``.
     """
     if norm_type == 2.0:
         local = sum(
-            (torch.linalg.vector_norm(g, 2, dtype=torch.float64) ** 2 for g in grad_shards.values()),
+            (torch.linalg.vector_norm(g, 2, dtype=torch.float64).to(device) ** 2 for g in grad_shards.values()),
             torch.zeros((), dtype=torch.float64, device=device),
         )
     else:
         local = torch.zeros((), dtype=torch.float64, device=device)
         for g in grad_shards.values():
             if g.numel():
-                local = torch.maximum(local, g.detach().abs().max().to(torch.float64))
+                local = torch.maximum(local, g.detach().abs().max().to(device, torch.float64))
     finite = bool(torch.isfinite(local))
     packed = torch.stack(
         [
@@ -297,28 +407,59 @@ def step_shards(
     norm_type: float = 2.0,
     donate: bool = False,
 ) -> tuple[ZeroState, StepInfo]:
-    r"""Clip by the global norm and apply the optimizer to this rank's shards.
+    r"""Decide overflow on every rank, unscale and clip, and apply the optimizer to this rank's shards.
 
-    The global norm is over the whole mean gradient (all ranks' shards), computed in
-    float64. With ``max_norm`` set, gradients are scaled by
-    :math:`c = \text{max\_norm} / (\lVert g \rVert + 10^{-6})` when :math:`c < 1` (torch's
-    ``clip_grad_norm_`` rule). If any gradient element on any rank is not finite, the step
-    is skipped on every rank: the state is returned unchanged and ``info.skipped`` is True.
+    The gradient shards carry the loss scale :math:`s` = ``state.loss_scale.scale``
+    (1.0 without loss scaling). In order:
+
+    1. the global ``norm_type`` norm :math:`n` of the (scaled) mean gradient over all
+       ranks' shards, in float64, and whether any element on any rank is ``inf``/``nan``:
+       both in ONE scalar all-reduce over ``group``, before any state changes, so every
+       rank takes the same branch;
+    2. the loss scaler advances: ``policy.loss_scaler.update(loss_scale, found)``, the
+       same inputs on every rank, so the same new scale everywhere;
+    3. if some element was not finite: with ``policy.nonfinite == "skip"`` the step is
+       skipped on every rank (master, optimizer state and step count untouched; only the
+       loss-scale state advances, e.g. a backoff); with ``"raise"`` every rank raises
+       :class:`~zerofn.precision.NonFiniteGradError` naming the params (collected from
+       all ranks) and the state is unchanged;
+    4. otherwise the gradients move to the state device (CPU offload) and are multiplied
+       once by the seed's unscale-and-clip coefficient
+       (:func:`~zerofn.precision.unscale_and_clip_coef`, with the scale the gradients
+       carry, i.e. the *old* one):
+
+       .. math:: c = \frac{n/s + 10^{-6}}{m},\qquad
+                 \text{coef} = \frac{1}{s \cdot \max(1, c)}
+
+       in the wider of the gradient and master dtypes, cast to the master dtype, and the
+       optimizer updates the master shards (float32 copies, or the working-dtype shards
+       themselves with ``master_weights=False``).
+
     Params absent from ``grad_shards`` (no gradient this step) keep their shard and their
     optimizer state, as torch.optim does.
 
     Args:
       state: the current state.
-      grad_shards: from :func:`reduce_grads`: name -> ``(shard_numel,)`` shard.
+      grad_shards: from :func:`reduce_grads`: name -> ``(shard_numel,)`` shard, on the
+        params' device, in any floating dtype (the working or accumulation dtype).
       group: the sharding process group (``None``: default).
-      max_norm: clip threshold, or ``None`` for no clipping.
+      max_norm: clip threshold for the true (unscaled) norm, or ``None`` for no clipping.
       norm_type: 2.0 or ``math.inf``.
       donate: reuse ``state``'s and ``grad_shards``' tensors in place; do not use them after.
 
     Returns:
-      ``(new_state, info)`` with ``new_state.step == state.step + 1`` unless skipped.
+      ``(new_state, info)`` with ``new_state.step == state.step + 1`` unless skipped;
+      ``info.grad_norm`` is the true norm :math:`n/s`. A skipped step returns ``state``
+      itself when the loss-scale state did not move, else ``state`` with only
+      ``loss_scale`` replaced (the same tensors).
 
-    Collectives: one ``all_reduce`` of two float64 scalars (norm and non-finite flag).
+    Raises:
+      NonFiniteGradError: on every rank, when a gradient element on any rank is not finite
+        and ``state.policy.nonfinite == "raise"``.
+
+    Collectives: one ``all_reduce`` of two float64 scalars (norm and non-finite flag);
+    with ``nonfinite="raise"`` and a bad step, one object all-gather of the offending
+    names before raising.
     """
     checks.validate_world(state.layout, group, "step_shards")
     if comm.group_rank(group) != state.rank:
@@ -340,23 +481,58 @@ def step_shards(
                 f"({spec.shard_numel},) for a param of shape {spec.shape} over {state.layout.world_size} ranks; "
                 "pass the output of reduce_grads, not full gradients"
             )
-    device = next(iter(state.master.values())).device
-    norm = _global_norm(grad_shards, norm_type, group, device)
-    if not math.isfinite(norm):
-        return state, StepInfo(norm, True, 1.0)
-    coef = 1.0
-    if max_norm is not None:
-        coef = max_norm / (norm + 1e-6)
-    clip = coef < 1.0
+        if not g.is_floating_point():
+            raise TypeError(f"step_shards on rank {state.rank}: shard of {name!r} has dtype {g.dtype}, not floating")
+    policy, loss_scale = state.policy, state.loss_scale
+    norm = _global_norm(grad_shards, norm_type, group, state.work_device)
+    found = not math.isfinite(norm)
+    new_loss_scale = policy.loss_scaler.update(loss_scale, found)
+    if found:
+        if policy.nonfinite == "raise":
+            _raise_nonfinite(state, grad_shards, group)
+        skipped = state if new_loss_scale == loss_scale else state.replace(loss_scale=new_loss_scale)
+        return skipped, StepInfo(norm, True, 1.0)
+    coef = unscale_and_clip_coef(norm, loss_scale.scale, max_norm)
+    true_norm = unscaled_norm(norm, loss_scale.scale)
+    clipped = max_norm is not None and (true_norm + 1e-6) / max_norm > 1
+    moved = _placement.to_device(grad_shards, state.state_device)  # CPU offload: grads go to the state
     grads = {}
-    for name, g in grad_shards.items():
-        master_dtype = state.master[name].dtype
-        if clip:
-            g = g.mul_(coef) if donate and g.dtype == master_dtype else g.to(master_dtype) * coef
-        grads[name] = g.to(master_dtype)
+    for name, g in moved.items():
+        target = state.master[name].dtype
+        if coef != 1.0:
+            wide = torch.promote_types(g.dtype, target)
+            owned = donate or g is not grad_shards[name]
+            g = g.mul_(coef) if owned and g.dtype == wide else g.to(wide) * coef
+        grads[name] = g.to(target)
     new_master, new_opt_state = state.optimizer.update(grads, state.opt_state, state.master, donate=donate)
-    new_state = state.replace(master=FrozenDict(new_master), opt_state=new_opt_state, step=state.step + 1)
-    return new_state, StepInfo(norm, False, coef if clip else 1.0)
+    new_state = state.replace(
+        master=FrozenDict(new_master), opt_state=new_opt_state, step=state.step + 1, loss_scale=new_loss_scale
+    )
+    return new_state, StepInfo(true_norm, False, max_norm / (true_norm + 1e-6) if clipped else 1.0)
+
+
+def _raise_nonfinite(state: ZeroState, grad_shards: Mapping[str, torch.Tensor], group: Group) -> None:
+    """Every rank: collect which params hold non-finite shards where, then raise the same error.
+
+    Only called once the scalar all-reduce has told every rank that the step is bad, so
+    every rank issues this one object all-gather and raises: none is left waiting.
+    """
+    everyone = comm.all_gather_objects(nonfinite_grad_names(grad_shards), group)
+    where = {
+        name: [r for r, names in enumerate(everyone) if name in names]  # type: ignore[operator]
+        for name in state.layout.names
+        if any(name in names for names in everyone)  # type: ignore[operator]
+    }
+    if where:
+        listing = "; ".join(f"{name!r} (in the shards of ranks {ranks})" for name, ranks in where.items())
+        what = f"gradients of these params hold inf or nan: {listing}"
+    else:
+        what = "no gradient element is inf or nan, but the squared global norm overflowed float64"
+    raise NonFiniteGradError(
+        f"step_shards on rank {state.rank}: {what}. The policy says nonfinite='raise', so no rank applied "
+        "this step and the state is unchanged. Find the cause (a bad batch, a too large learning rate, an "
+        "overflow in the forward), or use PrecisionPolicy(nonfinite='skip') to skip such steps."
+    )
 
 
 def gather_params(
@@ -367,11 +543,13 @@ def gather_params(
     policy: CommPolicy | None = None,
     out: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """All ranks' master shards, gathered into full params in their original dtypes.
+    """All ranks' master shards, gathered into full params in their working dtypes.
 
-    Each bucket's shards are cast to the params' dtype (the wire carries working
-    precision), gathered into a rank-major ``(N, S)`` buffer, and cut back into full
-    tensors with the padding dropped.
+    Each bucket's shards are cast to the params' working dtype (the wire carries working
+    precision; float32 masters are rounded to nearest), moved to the params' device if
+    the state lives elsewhere (CPU offload: from a pinned buffer, non-blocking), gathered
+    into a rank-major ``(N, S)`` buffer, and cut back into full tensors with the padding
+    dropped.
 
     Args:
       state: the current state.
@@ -383,9 +561,10 @@ def gather_params(
         of allocating new ones. Validated before any collective.
 
     Returns:
-      A new dict name -> full param (layout order, original shape and dtype), equal on
-      every rank. Without ``out`` the caller owns fresh tensors that nothing in
-      ``state`` aliases; with ``out`` the values are ``out``'s tensors.
+      A new dict name -> full param (layout order, original shape, working dtype, on the
+      params' device ``state.work_device``), equal on every rank. Without ``out`` the
+      caller owns fresh tensors that nothing in ``state`` aliases; with ``out`` the
+      values are ``out``'s tensors.
 
     Collectives: one tiny ``all_gather`` (rank agreement), then per bucket one
     ``all_gather`` (NCCL) or one ``broadcast`` per rank (gloo) of ``S`` elements each.
@@ -394,7 +573,7 @@ def gather_params(
     checks.validate_world(layout, group, "gather_params")
     if not isinstance(bucket_numel, int) or bucket_numel <= 0:
         raise ValueError(f"gather_params: bucket_numel must be a positive int (elements), got {bucket_numel!r}")
-    device = next(iter(state.master.values())).device
+    device = state.work_device
     if out is not None:
         checks.validate_out(out, layout, "gather_params")
     checks.check_ranks_agree(layout, group, "gather_params", settings={"bucket_numel": bucket_numel}, device=device)
@@ -405,7 +584,7 @@ def gather_params(
     }
     for bucket in layout.buckets(bucket_numel):
         dtype = layout[bucket.names[0]].dtype
-        row = torch.cat([state.master[name].to(dtype) for name in bucket.names])
+        row = _placement.cat_to([state.master[name].to(dtype) for name in bucket.names], device)
         gathered = comm.gather_rows(row, group, how).wait()
         with torch.no_grad():  # `out` may be leaf params that require grad
             for name, col in zip(bucket.names, bucket.offsets, strict=True):

@@ -11,25 +11,41 @@ import torch.utils._pytree as pytree
 from zerofn._tree import FrozenDict
 from zerofn.layout import ShardLayout
 from zerofn.optim import Optimizer
+from zerofn.precision import LossScaleState, PrecisionPolicy
 
-__all__ = ["StepInfo", "ZeroState"]
+__all__ = ["DEFAULT_POLICY", "StepInfo", "ZeroState"]
+
+# The policy of a state built without one: every param keeps its own dtype, float32
+# master shards next to the params, no loss scaling, non-finite steps skipped.
+DEFAULT_POLICY = PrecisionPolicy(mixed_dtypes="keep")
+NO_LOSS_SCALE = LossScaleState(1.0, 0, 0)
 
 
 @dataclasses.dataclass(frozen=True)
 class ZeroState:
-    """One rank's ZeRO state: its master shards and optimizer-state shards.
+    """One rank's ZeRO state: its master shards, optimizer-state shards and loss scale.
 
-    A pytree whose leaves are the tensors (and the step count); ``layout``,
-    ``optimizer`` and ``rank`` are static metadata carried in the tree's context, so
-    ``tree_map`` over a state touches tensors only.
+    A pytree whose leaves are the tensors, the step count and the three numbers of the
+    loss-scale state; ``layout``, ``optimizer``, ``rank``, ``policy`` and ``param_device``
+    are static metadata carried in the tree's context, so ``tree_map`` over a state
+    touches tensors (and those numbers) only.
 
     Attributes:
       layout: the :class:`~zerofn.layout.ShardLayout` every rank agrees on.
       optimizer: the functional optimizer that ``step_shards`` applies.
       rank: this rank's index in the sharding group; ``master`` holds chunk ``rank``.
-      master: name -> ``(shard_numel,)`` master shard (float32 by default), padding zero.
-      opt_state: the optimizer's state NamedTuple over the same shard shapes.
+      master: name -> ``(shard_numel,)`` master shard, padding zero: in
+        ``policy.master_dtype`` (float32 by default), or in the param's working dtype
+        when ``policy.master_weights`` is False; on ``policy.state_device`` (the CPU for
+        CPU offload) or else on the params' device.
+      opt_state: the optimizer's state NamedTuple over the same shard shapes (same device).
       step: completed (not skipped) optimizer steps.
+      loss_scale: the loss scaler's :class:`~zerofn.precision.LossScaleState`; advanced by
+        every ``step_shards``, skipped steps included (that is how the scaler backs off).
+      policy: the :class:`~zerofn.precision.PrecisionPolicy` the state was built with
+        (static): its loss scaler, ``nonfinite`` rule and dtypes drive ``step_shards``.
+      param_device: where the full (working) params live, as a string: gradients come
+        from there and ``gather_params`` puts params there. ``None``: the master's device.
     """
 
     layout: ShardLayout
@@ -38,6 +54,9 @@ class ZeroState:
     master: FrozenDict[torch.Tensor]
     opt_state: Any
     step: int = 0
+    loss_scale: LossScaleState = NO_LOSS_SCALE
+    policy: PrecisionPolicy = DEFAULT_POLICY
+    param_device: str | None = None
 
     def replace(self, **changes: Any) -> ZeroState:
         return dataclasses.replace(self, **changes)
@@ -48,11 +67,24 @@ class ZeroState:
         leaves = pytree.tree_leaves((self.master, self.opt_state))
         return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
 
+    @property
+    def state_device(self) -> torch.device:
+        """Where the master shards and the optimizer state live."""
+        return next(iter(self.master.values())).device
+
+    @property
+    def work_device(self) -> torch.device:
+        """Where the full params and gradients live (``param_device``, else the state's device)."""
+        return torch.device(self.param_device) if self.param_device is not None else self.state_device
+
 
 pytree.register_pytree_node(
     ZeroState,
-    lambda s: ([s.master, s.opt_state, s.step], (s.layout, s.optimizer, s.rank)),
-    lambda children, ctx: ZeroState(ctx[0], ctx[1], ctx[2], *children),
+    lambda s: (
+        [s.master, s.opt_state, s.step, s.loss_scale],
+        (s.layout, s.optimizer, s.rank, s.policy, s.param_device),
+    ),
+    lambda children, ctx: ZeroState(ctx[0], ctx[1], ctx[2], *children, policy=ctx[3], param_device=ctx[4]),
     serialized_type_name="zerofn.ZeroState",
 )
 
@@ -61,10 +93,11 @@ class StepInfo(NamedTuple):
     """What ``step_shards`` found out on the way.
 
     Attributes:
-      grad_norm: the global gradient norm over the group (before clipping), a float;
-        ``inf`` or ``nan`` when some gradient was not finite.
+      grad_norm: the global norm of the true (unscaled) mean gradient over the group,
+        before clipping, a float; ``inf`` when some gradient element was not finite.
       skipped: True when the step was not applied (a non-finite gradient on any rank).
-      clip_coef: the factor gradients were multiplied by (1.0 when not clipped).
+      clip_coef: the clipping factor applied to the true gradients (1.0 when not
+        clipped); the gradients themselves were multiplied by ``clip_coef / loss scale``.
     """
 
     grad_norm: float
