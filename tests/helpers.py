@@ -25,6 +25,7 @@ __all__ = [
     "assert_trees_equal",
     "batches",
     "bits",
+    "gate_used",
     "max_rel_diff",
     "tensor_rel_diff",
 ]
