@@ -18,9 +18,22 @@ Gradient flow per step:
   stream at launch and is waited on before the result is read). When autograd finishes,
   an engine callback launches the buckets with absent members (layer drop) and waits for
   all. Both paths send identical buffers, so their results are bitwise equal.
-* **accumulation**: inside ``no_sync()`` nothing is communicated; ``p.grad`` accumulates
-  as in plain torch (full local gradients, Ψ·b bytes, for both stages), and the first
-  ``backward`` outside reduces the sum once.
+* **accumulation**: inside ``no_sync()`` nothing is communicated, and the first
+  ``backward`` outside reduces the sum once. When the accumulation dtype is the working
+  dtype (fp32 models, or ``grad_accum_dtype=None``), ``p.grad`` accumulates as in plain
+  torch (full local gradients, Ψ·b bytes, for both stages). Under fp16/bf16 it is float32
+  by default: a post-accumulate-grad hook moves each fresh ``p.grad`` into a float32
+  accumulator (``acc += p.grad``, then ``p.grad = None``), and the closing backward
+  folds its gradients in the same way and reduces the accumulators (the wire still
+  carries ``communication_dtype``, by default the working dtype). Memory: Ψ·4 bytes of
+  accumulators per rank for the whole accumulation window (instead of Ψ·2 for fp16/bf16
+  ``p.grad``), plus one param's fresh ``p.grad`` at a time; steps without ``no_sync``
+  never allocate them.
+
+Mixed precision is :mod:`zerofn.precision`'s policy, stored in the state: the facade only
+scales the loss in ``backward`` by the state's loss scale and hands everything else
+(overflow decision, loss-scale update, unscaling, clipping, CPU offload, casting back to
+the working dtype) to :func:`~zerofn.step_shards` and :func:`~zerofn.gather_params`.
 
 Between ``backward`` and ``step`` a rank holds only its shards of the reduced gradients
 (``p.grad`` is ``None``, as in the seed); :meth:`get_param_grad` gathers one on demand.
@@ -41,6 +54,15 @@ import torch.distributed as dist
 from zerofn import checks, comm, optim, torch_optim
 from zerofn.comm import CommPolicy
 from zerofn.layout import Bucket
+from zerofn.precision import (
+    DynamicLossScaler,
+    GradAccumDtype,
+    MixedDtypeError,
+    NoLossScaling,
+    PrecisionPolicy,
+    resolve_param_dtypes,
+    scale_loss,
+)
 from zerofn.stages import (
     gather_params,
     launch_bucket_reduce,
@@ -94,9 +116,28 @@ class ZeroOptimizer(torch.optim.Optimizer):
         named ``"group{g}.param{i}"``.
       verbose: log skipped steps.
       initial_scale, min_scale, growth_factor, backoff_factor, growth_interval,
-      hysteresis, max_scale, cpu_offload, forced_dtype, master_weights: mixed precision
-        and offload options; accepted, but only fp32 params without offload are
-        supported so far (others raise ``NotImplementedError``).
+      hysteresis, max_scale: the dynamic loss scaler used when the (working) params are
+        float16 (:class:`~zerofn.precision.DynamicLossScaler`, the seed's meanings);
+        ``backward`` multiplies the loss (``backward_by_grad`` the given gradient) by the
+        current scale. bfloat16 and float32 params train without loss scaling.
+      nonfinite: what a step with an ``inf``/``nan`` gradient does when there is no
+        dynamic loss scaler (bf16, fp32): ``"skip"`` it on every rank, or ``"raise"``
+        :class:`~zerofn.precision.NonFiniteGradError` naming the params on every rank.
+        With float16's dynamic scaler overflowing steps are always skipped.
+      cpu_offload: keep master shards and optimizer state on the CPU; gradient shards
+        move there for the update and the params move back for the gather.
+      forced_dtype: cast every param (``p.data``) to this dtype at construction.
+      master_weights: keep float32 master shards (default); False: the optimizer
+        updates working-dtype shards directly.
+      grad_accum_dtype: dtype micro-batch gradients are summed in under ``no_sync``:
+        ``"auto"`` (float32 for float16/bfloat16 params, else the working dtype), None
+        (the working dtype: ``p.grad`` as in plain torch) or a dtype. See the module
+        docstring for the memory it costs.
+      precision: a full :class:`~zerofn.precision.PrecisionPolicy` instead of the
+        options above (e.g. a static loss scaler, or ``mixed_dtypes="keep"`` for models
+        with float32 norms in a bf16 body); then leave those at their defaults. Params
+        of several dtypes raise :class:`~zerofn.precision.MixedDtypeError` naming them
+        unless ``forced_dtype`` or the policy says what to do.
     """
 
     def __init__(
@@ -124,13 +165,28 @@ class ZeroOptimizer(torch.optim.Optimizer):
         master_weights: bool = True,
         comm_policy: CommPolicy | None = None,
         module: torch.nn.Module | None = None,
+        nonfinite: str = "skip",
+        grad_accum_dtype: GradAccumDtype = "auto",
+        precision: PrecisionPolicy | None = None,
     ) -> None:
-        del initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis, max_scale
-        if cpu_offload or forced_dtype is not None or not master_weights:
-            raise NotImplementedError(
-                "ZeroOptimizer: cpu_offload, forced_dtype and master_weights=False are not built yet; "
-                "use fp32 params with the defaults"
-            )
+        scaler_options = dict(
+            initial_scale=initial_scale,
+            min_scale=min_scale,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            hysteresis=hysteresis,
+            max_scale=max_scale,
+        )
+        precision_options = dict(
+            communication_dtype=communication_dtype,
+            cpu_offload=cpu_offload,
+            forced_dtype=forced_dtype,
+            master_weights=master_weights,
+            nonfinite=nonfinite,
+            grad_accum_dtype=grad_accum_dtype,
+            **scaler_options,
+        )
         if not isinstance(reduce_bucket_size, int) or reduce_bucket_size <= 0:
             raise ValueError(f"ZeroOptimizer: reduce_bucket_size must be a positive int, got {reduce_bucket_size!r}")
         if norm_type not in (2.0, math.inf):
@@ -139,17 +195,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise ValueError(f"ZeroOptimizer: clip_grad_norm must be a finite number >= 0, got {clip_grad_norm!r}")
 
         named_groups, fopt, torch_groups = _resolve_params(optimizer, functional_optimizer, module)
-        for names_params in named_groups:
-            for name, p in names_params:
-                if p.dtype not in (torch.float32, torch.float64):
-                    raise NotImplementedError(
-                        f"ZeroOptimizer: param {name!r} is {p.dtype}; fp16/bf16 params (mixed precision) "
-                        "are not built yet"
-                    )
+        named = {n: p for g in named_groups for n, p in g}
+        policy = _precision_policy(named, precision, precision_options, scaler_options)
+        # Validated: now cast (forced_dtype), as the seed does, before anything reads them.
+        for p in named.values():
+            if policy.param_dtype is not None and p.dtype != policy.param_dtype:
+                p.grad = None
+                p.data = p.data.to(policy.param_dtype)
         self._group = dp_process_group
         self._stage = 2 if partition_grad else 1
         self._bucket_numel = reduce_bucket_size
-        self._comm_dtype = communication_dtype
+        self._comm_dtype = policy.comm_dtype
         self._overlap = overlap_communication
         self._max_norm = clip_grad_norm if clip_grad_norm > 0 else None
         self._norm_type = float(norm_type)
@@ -170,13 +226,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._params: dict[str, torch.Tensor] = {n: p for g in named_groups for n, p in g}
         self._name_of = {id(p): n for n, p in self._params.items()}
 
-        self._state: ZeroState = shard_params(self._params, fopt, self._group)
+        self._state: ZeroState = shard_params(self._params, fopt, self._group, policy=policy)
         layout = self._state.layout
         checks.check_ranks_agree(
             layout,
             self._group,
             "ZeroOptimizer",
-            settings={"stage": self._stage, "bucket_numel": self._bucket_numel, "overlap": int(self._overlap)},
+            settings={
+                "stage": self._stage,
+                "bucket_numel": self._bucket_numel,
+                "overlap": int(self._overlap),
+                "precision": checks.text_hash(repr(policy)),
+            },
             device=next(iter(self._params.values())).device,
         )
         self._how = reduce_realisation(self._stage, self._group, self._policy)
@@ -190,10 +251,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # Hook-path bookkeeping for the backward pass in progress.
         self._ready: list[set[str]] = [set() for _ in self._buckets]
         self._launched: set[int] = set()
-        self._inflight: list[tuple[Bucket, comm.Pending, set[str]]] = []
+        self._inflight: list[tuple[Bucket, comm.Pending, set[str], torch.dtype]] = []
         self._callback_queued = False
+        # Accumulation in another dtype than the working one (float32 under fp16/bf16):
+        # micro-step gradients are moved out of p.grad into these by the hooks.
+        self._accum_dtype = {n: policy.grad_accum_dtype_for(layout[n].dtype) for n in self._params}
+        self._accum_names = {n for n, d in self._accum_dtype.items() if d != layout[n].dtype}
+        self._accum: dict[str, torch.Tensor] = {}
+        self._accumulating = False  # a no_sync backward folded gradients since the last reduction
+        self._hook_reduce = self._overlap or self._stage == 2
         self._hooks: list[Any] = []
-        if self._overlap or self._stage == 2:
+        if self._hook_reduce or self._accum_names:
             self._attach_hooks()
 
     # ------------------------------------------------------------------ public state
@@ -207,8 +275,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def stage(self) -> int:
         return self._stage
 
+    @property
+    def precision(self) -> PrecisionPolicy:
+        """The :class:`~zerofn.precision.PrecisionPolicy` in force (also ``state.policy``)."""
+        return self._state.policy
+
+    @property
+    def loss_scale(self) -> float:
+        """The loss scale the next ``backward`` multiplies the loss by (1.0 without scaling)."""
+        return self._state.loss_scale.scale
+
     def get_grad_norm(self) -> float | None:
-        """The global gradient norm of the last ``step`` (unclipped), or None before one."""
+        """The global norm of the true (unscaled) gradient of the last ``step``, before clipping.
+
+        ``None`` before the first step; ``inf`` after a step skipped for a non-finite gradient.
+        """
         return None if self._last_info is None else self._last_info.grad_norm
 
     @property
@@ -216,7 +297,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return self._last_info
 
     def get_working_to_master_map(self) -> dict[int, torch.Tensor]:
-        """``id(model param) -> this rank's master shard`` (1-D, fp32)."""
+        """``id(model param) -> this rank's master shard`` (1-D; fp32 unless ``master_weights=False``)."""
         return {id(p): self._state.master[n] for n, p in self._params.items()}
 
     def get_master_to_working_map(self) -> dict[int, torch.Tensor]:
@@ -224,11 +305,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return {id(self._state.master[n]): p for n, p in self._params.items()}
 
     def grad_bytes(self) -> int:
-        """Bytes this rank holds for gradients right now: ``p.grad`` + buckets in flight + shards."""
+        """Bytes this rank holds for gradients right now: ``p.grad``, accumulators, buckets in flight, shards."""
         total = sum(p.grad.numel() * p.grad.element_size() for p in self._params.values() if p.grad is not None)
+        total += sum(a.numel() * a.element_size() for a in self._accum.values())
         total += sum(s.numel() * s.element_size() for s in self._grad_shards.values())
         n = self._state.layout.world_size
-        total += sum(b.shard_numel * n * self._params[b.names[0]].element_size() for b, _, _ in self._inflight)
+        total += sum(b.shard_numel * n * d.itemsize for b, _, _, d in self._inflight)
         return total
 
     # ------------------------------------------------------------------ gradients
@@ -244,13 +326,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._require_sync = old
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
-        """``loss.backward()``, then (outside ``no_sync``) reduce the gradients to shards."""
+        """Backward of the loss times the loss scale, then (outside ``no_sync``) reduce to shards.
+
+        Without loss scaling (scale 1.0) this is ``loss.backward()``.
+        """
+        if self._state.loss_scale.scale != 1.0:
+            loss = scale_loss(loss, self._state.loss_scale)
         loss.backward(retain_graph=retain_graph)
         if self._require_sync:
             self._reduce_local_grads()
 
     def backward_by_grad(self, tensor: torch.Tensor, grad: torch.Tensor) -> None:
-        """``torch.autograd.backward(tensor, grad)``, then reduce as ``backward``."""
+        """``torch.autograd.backward(tensor, grad * loss scale)``, then reduce as ``backward``."""
+        if self._state.loss_scale.scale != 1.0:
+            grad = scale_loss(grad, self._state.loss_scale)
         torch.autograd.backward(tensor, grad)
         if self._require_sync:
             self._reduce_local_grads()
@@ -265,10 +354,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
             else:
                 p.grad.detach_()
                 p.grad.zero_()
+        self._accum = {}
+        self._accumulating = False
         self._grad_shards = {}
 
     def get_param_grad(self, param: torch.Tensor) -> torch.Tensor | None:
         """The full reduced (mean) gradient of ``param`` since the last step, or None.
+
+        As reduced: under fp16 loss scaling it still carries the loss scale (divide by
+        ``loss_scale`` for the true gradient), as the seed's working gradients do.
 
         Collective: every rank of the group must call it for the same param (one gather
         of the param's shards).
@@ -289,11 +383,38 @@ class ZeroOptimizer(torch.optim.Optimizer):
             have = self._grad_shards.get(name)
             self._grad_shards[name] = shard if have is None else have + shard
 
-    def _reduce_local_grads(self) -> None:
-        """Reduce whatever full gradients sit in ``p.grad`` (the no-hook path) and free them."""
-        grads = {n: p.grad for n, p in self._params.items() if p.grad is not None}
-        if not grads:
+    def _fold(self, name: str) -> None:
+        """Move ``p.grad`` into the param's accumulator (accumulation dtype) and free it."""
+        p = self._params[name]
+        if p.grad is None:
             return
+        acc = self._accum.get(name)
+        if acc is None:
+            self._accum[name] = p.grad.to(self._accum_dtype[name])
+        else:
+            acc.add_(p.grad)
+        p.grad = None
+
+    def _take_grad(self, name: str) -> torch.Tensor | None:
+        """The local gradient to reduce for ``name`` (accumulated or ``p.grad``); frees it here."""
+        if self._accumulating and name in self._accum_names:
+            self._fold(name)
+        acc = self._accum.pop(name, None)
+        if acc is not None:
+            return acc
+        p = self._params[name]
+        g, p.grad = p.grad, None
+        return g
+
+    def _reduce_local_grads(self) -> None:
+        """Reduce whatever full gradients sit in ``p.grad`` or accumulators (no-hook path) and free them."""
+        if self._accum:
+            self._accumulating = True  # left over (e.g. a param with no gradient in the last micro-step)
+        names = [n for n, p in self._params.items() if p.grad is not None or n in self._accum]
+        if not names:
+            return
+        grads = {n: self._take_grad(n) for n in names}
+        self._accumulating = False
         shards = reduce_grads(
             grads,
             self._state.layout,
@@ -301,10 +422,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._stage,
             self._bucket_numel,
             policy=self._policy,
-            comm_dtype=self._comm_dtype,
+            precision=self._state.policy,
         )
-        for n in grads:
-            self._params[n].grad = None
         self._merge(shards)
 
     # ------------------------------------------------------------------ hook path
@@ -334,7 +453,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.close()
 
     def _on_grad_ready(self, name: str) -> None:
-        if not self._require_sync:
+        if name in self._accum_names and (not self._require_sync or self._accumulating):
+            self._fold(name)
+            self._accumulating = True
+        if not (self._require_sync and self._hook_reduce):
             return
         if not self._callback_queued:
             # Runs once autograd has finished this backward pass, whoever called it.
@@ -350,7 +472,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _launch(self, b: int) -> None:
         bucket = self._buckets[b]
         present = set(self._ready[b])
-        grads = {n: self._params[n].grad for n in bucket.names if n in present}
+        # Taken (and freed here): the bucket buffer holds a copy of the full gradients.
+        grads = {n: self._take_grad(n) for n in bucket.names if n in present}
         pending = launch_bucket_reduce(
             grads,
             self._state.layout,
@@ -360,10 +483,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             comm_dtype=self._comm_dtype,
             async_op=self._overlap,
         )
-        for n in present:  # the bucket buffer holds a copy: free the full gradients now
-            self._params[n].grad = None
+        dtype = next(g.dtype for g in grads.values() if g is not None)
         self._launched.add(b)
-        self._inflight.append((bucket, pending, present))
+        self._inflight.append((bucket, pending, present, dtype))
         self._harvest(_MAX_INFLIGHT if self._overlap else 0)
 
     def _harvest(self, keep: int) -> None:
@@ -373,8 +495,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         rank's gradient memory at its shards plus a few buckets.
         """
         while self._inflight and (len(self._inflight) > keep or self._inflight[0][1].done()):
-            bucket, pending, present = self._inflight.pop(0)
-            self._merge(split_bucket_row(pending.wait(), self._state.layout, bucket, present))
+            bucket, pending, present, dtype = self._inflight.pop(0)
+            self._merge(split_bucket_row(pending.wait(), self._state.layout, bucket, present, dtype=dtype))
 
     def _finish_backward(self) -> None:
         """End of a backward pass: launch partial buckets (layer drop), wait, keep shards."""
@@ -394,9 +516,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 self._launch(b)
         self._harvest(0)
         empty = [n for n in ready if n not in self._bucket_of]
-        for n in empty:
-            self._params[n].grad = None
-        self._merge({n: self._params[n].new_empty(0) for n in empty})
+        self._merge({n: g.new_empty(0) for n in empty if (g := self._take_grad(n)) is not None})
+        self._accumulating = bool(self._accum)  # leftovers (no gradient in this backward) go in step()
         self._ready = [set() for _ in self._buckets]
         self._launched = set()
         self._inflight = []
@@ -417,10 +538,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
-        """Clip, update this rank's shards and write the gathered params into the model.
+        """Unscale, clip, update this rank's shards and write the gathered params into the model.
 
-        A step whose gradients are not finite on any rank is skipped on every rank.
-        Collectives: one scalar all-reduce (norm) and the bucketed gather of the params.
+        A step whose gradients are not finite on any rank is skipped on every rank (and
+        the dynamic loss scale backs off), or, with ``nonfinite="raise"``, every rank
+        raises :class:`~zerofn.precision.NonFiniteGradError`; either way the gradients
+        of the step are dropped and the optimizer state is untouched.
+        Collectives: one scalar all-reduce (norm and overflow flag) and the bucketed
+        gather of the params.
         """
         if closure is not None:
             raise ValueError("ZeroOptimizer.step does not take a closure")
@@ -431,22 +556,27 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 "optimizer.backward(loss) (or loss.backward()) outside no_sync() before step()."
             )
         state = self._state.replace(optimizer=self._current_optimizer())
+        shards, self._grad_shards = self._grad_shards, {}
         new_state, info = step_shards(
-            state, self._grad_shards, self._group, self._max_norm, norm_type=self._norm_type, donate=True
+            state, shards, self._group, self._max_norm, norm_type=self._norm_type, donate=True
         )
-        self._grad_shards = {}
         self._last_info = info
         self._state = new_state
         if info.skipped:
             if self._verbose:
-                log.info("zerofn: non-finite gradient (norm %s); step skipped on every rank", info.grad_norm)
+                log.info(
+                    "zerofn: non-finite gradient (norm %s); step skipped on every rank, loss scale %s -> %s",
+                    info.grad_norm,
+                    state.loss_scale.scale,
+                    new_state.loss_scale.scale,
+                )
             return
         gather_params(new_state, self._group, bucket_numel=self._bucket_numel, policy=self._policy, out=self._params)
 
     def update_master_params(self, model: torch.nn.Module | None = None) -> None:
         """Re-read the master shards from the model's current params (after editing weights)."""
         del model  # the facade already holds the model's param tensors
-        fresh = shard_params(self._params, self._state.optimizer, self._group)
+        fresh = shard_params(self._params, self._state.optimizer, self._group, policy=self._state.policy)
         self._state = self._state.replace(master=fresh.master)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -493,3 +623,72 @@ def _resolve_params(
         hp = functional.groups[i].hyperparams if i < len(functional.groups) else {}
         torch_groups.append({"params": [p for _, p in members], **functional.defaults, **hp})
     return buckets, functional, torch_groups
+def _precision_policy(
+    named: Mapping[str, torch.Tensor],
+    precision: PrecisionPolicy | None,
+    options: Mapping[str, Any],
+    scaler_options: Mapping[str, Any],
+) -> PrecisionPolicy:
+    """The facade's precision policy: ``precision`` itself, or one built from the seed-style options.
+
+    Reads only dtypes; raises before anything is changed.
+    """
+    if precision is not None:
+        if not isinstance(precision, PrecisionPolicy):
+            what = type(precision).__name__
+            raise TypeError(f"ZeroOptimizer: precision must be a zerofn.PrecisionPolicy, got {what}")
+        changed = sorted(k for k, v in options.items() if v != _PRECISION_DEFAULTS[k])
+        if changed:
+            raise TypeError(
+                f"ZeroOptimizer: got precision=PrecisionPolicy(...) and also {', '.join(changed)}; put everything "
+                "in the policy (e.g. precision.replace(comm_dtype=torch.bfloat16)), or drop precision="
+            )
+        policy = precision
+    else:
+        if options["nonfinite"] not in ("skip", "raise"):
+            raise ValueError(f"ZeroOptimizer: nonfinite must be 'skip' or 'raise', got {options['nonfinite']!r}")
+        forced = options["forced_dtype"]
+        working = {forced} if forced is not None else {p.dtype for p in named.values()}
+        fp16 = torch.float16 in working
+        if fp16 and options["nonfinite"] == "raise":
+            raise ValueError(
+                "ZeroOptimizer: nonfinite='raise' needs bf16 or fp32 params: fp16 trains with a dynamic loss "
+                "scaler, which finds its scale by overflowing now and then and skipping those steps"
+            )
+        policy = PrecisionPolicy(
+            param_dtype=forced,
+            comm_dtype=options["communication_dtype"],
+            grad_accum_dtype=options["grad_accum_dtype"],
+            master_weights=options["master_weights"],
+            state_device="cpu" if options["cpu_offload"] else None,
+            nonfinite=options["nonfinite"],
+            loss_scaler=DynamicLossScaler(**scaler_options) if fp16 else NoLossScaling(),
+        )
+    try:
+        resolve_param_dtypes(named, policy)
+    except MixedDtypeError as e:
+        raise MixedDtypeError(
+            f"ZeroOptimizer: {e} With the facade: pass forced_dtype=<dtype> to cast every param, or "
+            "precision=zf.PrecisionPolicy.for_dtype(<working dtype>, param_dtype=None, mixed_dtypes='keep') "
+            "to keep each param's dtype."
+        ) from None
+    return policy
+
+
+_PRECISION_DEFAULTS: dict[str, Any] = {
+    "communication_dtype": None,
+    "cpu_offload": False,
+    "forced_dtype": None,
+    "master_weights": True,
+    "nonfinite": "skip",
+    "grad_accum_dtype": "auto",
+    "initial_scale": 2**16,
+    "min_scale": 1,
+    "growth_factor": 2.0,
+    "backoff_factor": 0.5,
+    "growth_interval": 2000,
+    "hysteresis": 2,
+    "max_scale": 2**24,
+}
+
+
