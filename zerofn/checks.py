@@ -143,6 +143,11 @@ def dtypes_mask(dtypes: Iterable[torch.dtype]) -> int:
     return mask
 
 
+def text_hash(text: str) -> int:
+    """A non-negative int64 digest of ``text``, equal on every rank, for :func:`check_ranks_agree`."""
+    return int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)
+
+
 def _names_hash(names: Iterable[str]) -> int:
     return int(hashlib.sha256("\0".join(names).encode()).hexdigest()[:15], 16)
 
