@@ -590,39 +590,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         )
 
 
-def _resolve_params(
-    optimizer: Any, functional: optim.Optimizer | None, module: torch.nn.Module | None
-) -> tuple[list[list[tuple[str, torch.Tensor]]], optim.Optimizer, list[dict[str, Any]]]:
-    """Named param groups (requires_grad only), the functional optimizer, live torch groups."""
-    if isinstance(optimizer, torch.optim.Optimizer):
-        if functional is not None:
-            raise TypeError("ZeroOptimizer: give a torch optimizer or named params + a zerofn optimizer, not both")
-        torch_optim.check_shardable(type(optimizer))
-        names = {id(p): n for n, p in module.named_parameters()} if module is not None else {}
-        named_groups = [
-            [(names.get(id(p), f"group{g}.param{i}"), p) for i, p in enumerate(group["params"]) if p.requires_grad]
-            for g, group in enumerate(optimizer.param_groups)
-        ]
-        fopt = torch_optim.from_torch_optimizer(optimizer, [[n for n, _ in g] for g in named_groups])
-        return named_groups, fopt, optimizer.param_groups
-    if functional is None:
-        raise TypeError(
-            "ZeroOptimizer: pass a torch.optim.Optimizer, or named params and a zerofn optimizer: "
-            "ZeroOptimizer(model.named_parameters(), zf.optim.adamw(lr=1e-3))"
-        )
-    items = list(optimizer.items()) if isinstance(optimizer, Mapping) else list(optimizer)
-    for item in items:
-        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
-            raise TypeError("ZeroOptimizer: named params must be (name, tensor) pairs, e.g. model.named_parameters()")
-    trainable = [(n, p) for n, p in items if p.requires_grad]
-    buckets: list[list[tuple[str, torch.Tensor]]] = [[] for _ in range(len(functional.groups) + 1)]
-    for n, p in trainable:
-        buckets[functional.group_index(n)].append((n, p))
-    torch_groups = []
-    for i, members in enumerate(buckets):
-        hp = functional.groups[i].hyperparams if i < len(functional.groups) else {}
-        torch_groups.append({"params": [p for _, p in members], **functional.defaults, **hp})
-    return buckets, functional, torch_groups
 def _precision_policy(
     named: Mapping[str, torch.Tensor],
     precision: PrecisionPolicy | None,
@@ -692,3 +659,36 @@ _PRECISION_DEFAULTS: dict[str, Any] = {
 }
 
 
+def _resolve_params(
+    optimizer: Any, functional: optim.Optimizer | None, module: torch.nn.Module | None
+) -> tuple[list[list[tuple[str, torch.Tensor]]], optim.Optimizer, list[dict[str, Any]]]:
+    """Named param groups (requires_grad only), the functional optimizer, live torch groups."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if functional is not None:
+            raise TypeError("ZeroOptimizer: give a torch optimizer or named params + a zerofn optimizer, not both")
+        torch_optim.check_shardable(type(optimizer))
+        names = {id(p): n for n, p in module.named_parameters()} if module is not None else {}
+        named_groups = [
+            [(names.get(id(p), f"group{g}.param{i}"), p) for i, p in enumerate(group["params"]) if p.requires_grad]
+            for g, group in enumerate(optimizer.param_groups)
+        ]
+        fopt = torch_optim.from_torch_optimizer(optimizer, [[n for n, _ in g] for g in named_groups])
+        return named_groups, fopt, optimizer.param_groups
+    if functional is None:
+        raise TypeError(
+            "ZeroOptimizer: pass a torch.optim.Optimizer, or named params and a zerofn optimizer: "
+            "ZeroOptimizer(model.named_parameters(), zf.optim.adamw(lr=1e-3))"
+        )
+    items = list(optimizer.items()) if isinstance(optimizer, Mapping) else list(optimizer)
+    for item in items:
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+            raise TypeError("ZeroOptimizer: named params must be (name, tensor) pairs, e.g. model.named_parameters()")
+    trainable = [(n, p) for n, p in items if p.requires_grad]
+    buckets: list[list[tuple[str, torch.Tensor]]] = [[] for _ in range(len(functional.groups) + 1)]
+    for n, p in trainable:
+        buckets[functional.group_index(n)].append((n, p))
+    torch_groups = []
+    for i, members in enumerate(buckets):
+        hp = functional.groups[i].hyperparams if i < len(functional.groups) else {}
+        torch_groups.append({"params": [p for _, p in members], **functional.defaults, **hp})
+    return buckets, functional, torch_groups
