@@ -52,13 +52,31 @@ LR = {"sgd": 0.05, "adamw": 1e-2}
 POLICIES = {"default": zf.CommPolicy(), "byte_optimal": zf.CommPolicy.byte_optimal()}
 
 
-def _optimizers(name, params):
-    """(zerofn optimizer, torch optimizer over ``params``) with the same hyperparameters."""
+def _optimizers(name, named_params):
+    """(zerofn optimizer, torch optimizer over ``named_params``) with the same hyperparameters.
+
+    ``"adamw_groups"`` adds per-group hyperparameters: biases without weight decay (chosen
+    by a predicate) and a larger lr for ``b.weight`` (chosen by name), as torch param groups.
+    """
+    named_params = list(named_params)
+    params = [p for _, p in named_params]
     if name == "sgd":
         kw = dict(lr=LR["sgd"], momentum=0.9, weight_decay=0.01)
         return zf.optim.sgd(**kw), torch.optim.SGD(params, **kw)
     kw = dict(lr=LR["adamw"], weight_decay=0.1)
-    return zf.optim.adamw(**kw), torch.optim.AdamW(params, **kw)
+    if name == "adamw":
+        return zf.optim.adamw(**kw), torch.optim.AdamW(params, **kw)
+    assert name == "adamw_groups", name
+    groups = [
+        {"params": lambda n: n.endswith("bias"), "weight_decay": 0.0},
+        {"params": ["b.weight"], "lr": 3 * LR["adamw"]},
+    ]
+    torch_groups = [{"params": [], **{k: v for k, v in g.items() if k != "params"}} for g in groups]
+    torch_groups.append({"params": []})
+    for n, p in named_params:
+        i = 0 if n.endswith("bias") else 1 if n == "b.weight" else 2
+        torch_groups[i]["params"].append(p)
+    return zf.optim.adamw(**kw, param_groups=groups), torch.optim.AdamW(torch_groups, **kw)
 
 
 def _loss(model, params, x, y, use_gate):
@@ -88,7 +106,7 @@ def _train_zero(model, opt, stage, clip, policy):
 def _train_ddp(model, opt_name, clip):
     rank = dist.get_rank()
     ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(model), find_unused_parameters=True)
-    _, topt = _optimizers(opt_name, ddp.parameters())
+    _, topt = _optimizers(opt_name, ddp.module.named_parameters())
     for step, (x, y) in enumerate(batches(rank, STEPS)):
         topt.zero_grad(set_to_none=True)
         ((ddp(x, use_gate=gate_used(step)) - y) ** 2).mean().backward()
@@ -105,7 +123,7 @@ def _train_both(opt_name, clip, policy_name):
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     out = {"initial": initial, "clipped": {}}
     for stage in (1, 2):
-        opt, _ = _optimizers(opt_name, [torch.zeros(1, requires_grad=True)])
+        opt, _ = _optimizers(opt_name, [("x", torch.zeros(1, requires_grad=True))])
         out[stage], out["clipped"][stage] = _train_zero(model, opt, stage, clip, POLICIES[policy_name])
     out["ddp"] = _train_ddp(model, opt_name, clip)
     return out
@@ -173,3 +191,16 @@ def test_byte_optimal_policy_matches_ddp_within_1e_6(world, opt_name):
         assert_trees_equal(results[0][2], results[0][1])
     else:
         assert max_rel_diff(results[0][2], results[0][1]) <= 1e-6
+
+
+def test_param_groups_match_ddp_with_torch_param_groups(world):
+    results = _results(world.world_size, "adamw_groups", False)
+    for stage in (1, 2):
+        _assert_identical_on_every_rank(results, stage)
+        if world.world_size <= 2:
+            assert_trees_equal(results[0][stage], results[0]["ddp"])
+        else:
+            assert_trees_close(results[0][stage], results[0]["ddp"], rel=1e-6)
+    # The groups changed the result: it differs from plain AdamW.
+    plain = _results(world.world_size, "adamw", False)[0][2]
+    assert max_rel_diff(results[0][2], plain) > 1e-3
