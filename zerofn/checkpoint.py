@@ -44,7 +44,7 @@ from zerofn import comm, optim, torch_optim
 from zerofn._tree import FrozenDict
 from zerofn.comm import Group
 from zerofn.layout import ParamSpec, ShardLayout, make_layout
-from zerofn.stages import DEFAULT_BUCKET_NUMEL, _full_from_rows, _shard_of
+from zerofn.stages import DEFAULT_BUCKET_NUMEL, _full_from_rows
 from zerofn.state import ZeroState
 
 __all__ = ["CheckpointError", "full_state_dict", "load", "save", "shard_state_dict"]
@@ -108,9 +108,32 @@ def _from_per_param(optimizer: optim.Optimizer, master: Mapping[str, torch.Tenso
     return torch_optim.TorchOptimState(FrozenDict(per))
 
 
+def _cut_shard(full: torch.Tensor, spec: ParamSpec, rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Rank ``rank``'s zero-padded ``(shard_numel,)`` chunk of a full tensor, dtype kept exactly."""
+    start, stop = spec.owned_range(rank)
+    shard = torch.zeros(spec.shard_numel, dtype=full.dtype, device=device)
+    shard[: stop - start].copy_(full.detach().reshape(-1)[start:stop])
+    return shard
+
+
+# Per-param scalars in torch optimizers' state (everything else is per element).
+_SCALAR_KEYS = frozenset({"step", "eta", "mu", "mu_product"})
+
+
 def _is_sharded(value: Any) -> bool:
     """Shard-shaped state (1-D like the master shard) as opposed to replicated scalars."""
     return isinstance(value, torch.Tensor) and value.dim() >= 1
+
+
+def _is_per_element(key: str, value: Any, spec: ParamSpec) -> bool:
+    """In a *full* state dict: a param-shaped tensor, one value per element of the param.
+
+    A 0-d param makes shapes ambiguous (its ``exp_avg`` is 0-d like ``step``), so the
+    known scalar keys of torch's optimizers decide there.
+    """
+    if not isinstance(value, torch.Tensor) or tuple(value.shape) != spec.shape:
+        return False
+    return spec.shape != () or key not in _SCALAR_KEYS
 
 
 # --------------------------------------------------------------------------- gathering
@@ -228,6 +251,11 @@ def _optimizer_for(
             optimizer = factories[info["name"]]()
         else:
             optimizer = torch_optim.from_torch(getattr(torch.optim, info["torch_class"]))
+    elif zmeta is not None and zmeta["optimizer"]["name"] != optimizer.name:
+        raise CheckpointError(
+            f"the checkpoint holds {zmeta['optimizer']['name']} state, but the optimizer is {optimizer.name}; "
+            "load it with the optimizer that saved it"
+        )
     known = set(optimizer.defaults)
     groups = [{"params": names_of(g["params"]), **{k: v for k, v in g.items() if k in known}} for g in saved_groups]
     return dataclasses.replace(optimizer, groups=optim._make_groups(optimizer.name, groups))
@@ -263,7 +291,9 @@ def _layout_and_masters(
         return like, None
     layout = make_layout(like, n)
     rank = comm.group_rank(group)
-    return layout, {s.name: _shard_of(like[s.name], s, rank, master_dtype) for s in layout.params}
+    return layout, {
+        s.name: _cut_shard(like[s.name].to(master_dtype), s, rank, like[s.name].device) for s in layout.params
+    }
 
 
 def shard_state_dict(
@@ -307,9 +337,7 @@ def shard_state_dict(
     fopt = _optimizer_for(saved_groups, lambda idx: [name_of[i] for i in idx], zmeta, optimizer)
     rank = comm.group_rank(group)
     if zmeta is not None and "master" in zmeta:
-        master = {
-            s.name: _shard_of(zmeta["master"][s.name], s, rank, zmeta["master"][s.name].dtype) for s in layout.params
-        }
+        master = {s.name: _cut_shard(zmeta["master"][s.name], s, rank) for s in layout.params}
     elif masters_from_params is not None:
         master = masters_from_params
     else:
@@ -320,8 +348,8 @@ def shard_state_dict(
         name = name_of[int(idx)]
         spec = layout[name]
         entries[name] = {
-            k: _shard_of(v, spec, rank, v.dtype).to(device)
-            if isinstance(v, torch.Tensor) and v.dim() >= 1
+            k: _cut_shard(v, spec, rank, device)
+            if _is_per_element(k, v, spec)
             else (v.clone() if isinstance(v, torch.Tensor) else v)
             for k, v in per.items()
         }

@@ -579,6 +579,97 @@ class ZeroOptimizer(torch.optim.Optimizer):
         fresh = shard_params(self._params, self._state.optimizer, self._group, policy=self._state.policy)
         self._state = self._state.replace(master=fresh.master)
 
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """The whole optimizer state in ``torch.optim`` format (see ``zerofn.checkpoint``).
+
+        Collective: every rank gathers the full state (all ranks must call it).
+        """
+        from zerofn import checkpoint
+
+        self._state = self._state.replace(optimizer=self._current_optimizer())
+        return checkpoint.full_state_dict(self._state, self._group, bucket_numel=self._bucket_numel)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:  # type: ignore[override]
+        """Load a state dict from ``state_dict()`` (any world size) or from a torch optimizer.
+
+        As in torch, the saved hyperparameters replace those in ``param_groups``. Master
+        weights come from the state dict's ``zerofn`` entry when present, else from the
+        model's current params. No collectives.
+        """
+        from zerofn import checkpoint
+
+        if len(state_dict["param_groups"]) != len(self.param_groups):
+            raise ValueError(
+                f"ZeroOptimizer.load_state_dict: the state dict has {len(state_dict['param_groups'])} param "
+                f"groups, this optimizer {len(self.param_groups)}"
+            )
+        new = checkpoint.shard_state_dict(
+            state_dict,
+            self._params,
+            self._group,
+            optimizer=self._state.optimizer,
+            master_dtype=next(iter(self._state.master.values())).dtype,
+        )
+        self._adopt(new)
+        for group, saved in zip(self.param_groups, state_dict["param_groups"], strict=True):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+
+    def _adopt(self, new: ZeroState) -> None:
+        """Take a loaded state's contents, keeping this facade's static settings."""
+        fields = ("optimizer", "master", "opt_state", "step", "loss_scale")
+        self._state = self._state.replace(**{f: getattr(new, f) for f in fields if hasattr(new, f)})
+        self._hp_cache = None
+        self._grad_shards = {}
+
+    def state_dict_shard(self, max_shard_size: int = 1024) -> Iterator[tuple[dict[int, dict[str, Any]], int]]:
+        """Yield ``(block, numel)``: the torch-format ``state`` entries in size-bounded blocks.
+
+        ``max_shard_size`` counts tensor elements per block (a param larger than it forms a
+        block of its own). Params without optimizer state yet are simply absent, as in
+        torch. Collective: every rank must iterate it to the end.
+        """
+        full = self.state_dict()["state"]
+        block: dict[int, dict[str, Any]] = {}
+        size = 0
+        for index, entry in full.items():
+            numel = sum(v.numel() for v in entry.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+            if block and size + numel > max_shard_size:
+                yield block, size
+                block, size = {}, 0
+            block[index] = entry
+            size += numel
+        if block:
+            yield block, size
+
+    def save_checkpoint(self, path: str, *, with_model: bool = True) -> str:
+        """Sharded, atomic checkpoint of the optimizer state (and the model weights) at ``path``.
+
+        See :func:`zerofn.checkpoint.save`. Every rank must call it.
+        """
+        from zerofn import checkpoint
+
+        self._state = self._state.replace(optimizer=self._current_optimizer())
+        return checkpoint.save(path, self._state, self._group, params=self._params if with_model else None)
+
+    def load_checkpoint(self, path: str, *, with_model: bool = True) -> None:
+        """Resume from :meth:`save_checkpoint` (any world size): state, hyperparameters, weights."""
+        from zerofn import checkpoint
+
+        new = checkpoint.load(
+            path,
+            self._params,
+            self._group,
+            optimizer=self._state.optimizer,
+            params_out=self._params if with_model else None,
+        )
+        self._adopt(new)
+        for i, group in enumerate(self.param_groups):
+            names = self._group_names[i]
+            if names:
+                group.update(torch_optim.group_hyperparams(new.optimizer, new.optimizer.hyperparams(names[0])))
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise NotImplementedError("ZeroOptimizer: param groups are fixed at construction (the layout is sharded)")
 
