@@ -151,7 +151,11 @@ class ShardLayout:
         """
         if bucket_numel <= 0:
             raise ValueError(f"bucket_numel must be a positive number of elements, got {bucket_numel}")
-        wanted = self.names if names is None else tuple(n for n in self.names if n in set(names))
+        if names is None:
+            wanted = self.names
+        else:
+            chosen = set(names)  # once: `names` may be a one-shot iterator
+            wanted = tuple(n for n in self.names if n in chosen)
         return _plan_buckets(self, wanted, bucket_numel)
 
 
