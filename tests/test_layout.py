@@ -87,9 +87,7 @@ def test_world_size_below_one_is_rejected():
     n=zst.world_sizes(),
     bucket_numel=st.integers(min_value=1, max_value=200),
 )
-def test_buckets_respect_size_keep_order_and_hold_every_nonempty_param_once(
-    shapes, n, bucket_numel
-):
+def test_buckets_respect_size_keep_order_and_hold_every_nonempty_param_once(shapes, n, bucket_numel):
     layout = zf.make_layout(_specs(shapes), n)
     buckets = layout.buckets(bucket_numel)
     flat = [name for b in buckets for name in b.names]
@@ -141,6 +139,11 @@ def test_buckets_for_a_subset_of_names_keep_layout_order():
     assert buckets[0].offsets == (0, 1)
 
 
+def test_buckets_accept_names_from_a_one_shot_iterator():
+    layout = zf.make_layout(_specs([(2,), (2,), (2,), (2,)]), 2)
+    assert layout.buckets(100, names=iter(["p3", "p1"])) == layout.buckets(100, names=["p1", "p3"])
+
+
 def test_empty_params_travel_in_no_bucket():
     layout = zf.make_layout(_specs([(0,), (3, 0), ()]), 3)
     assert [b.names for b in layout.buckets(100)] == [("p2",)]
@@ -182,9 +185,7 @@ def test_fingerprint_does_not_depend_on_values():
         pytest.param({"w": torch.zeros(3, 4), "c": torch.zeros(4)}, id="name"),
         pytest.param({"w": torch.zeros(4, 3), "b": torch.zeros(4)}, id="shape"),
         pytest.param({"w": torch.zeros(12), "b": torch.zeros(4)}, id="flattened-shape"),
-        pytest.param(
-            {"w": torch.zeros(3, 4, dtype=torch.float64), "b": torch.zeros(4)}, id="dtype"
-        ),
+        pytest.param({"w": torch.zeros(3, 4, dtype=torch.float64), "b": torch.zeros(4)}, id="dtype"),
         pytest.param({"b": torch.zeros(4), "w": torch.zeros(3, 4)}, id="order"),
         pytest.param({"w": torch.zeros(3, 4)}, id="missing-param"),
     ],

@@ -52,9 +52,7 @@ def _torch_run(cls, params, grad_steps, groups=None, **kwargs):
         for n, p in tparams.items():
             p.grad = grads[n].clone() if n in grads else None
         opt.step()
-    return {n: p.detach() for n, p in tparams.items()}, {
-        n: opt.state[p] for n, p in tparams.items()
-    }
+    return {n: p.detach() for n, p in tparams.items()}, {n: opt.state[p] for n, p in tparams.items()}
 
 
 def _zf_run(opt, params, grad_steps):
@@ -81,9 +79,7 @@ def _assert_state_matches_torch(name, zstate, tstate):
     assert_bitwise_equal(zstate.exp_avg[name], tstate["exp_avg"], f"{name} exp_avg")
     assert_bitwise_equal(zstate.exp_avg_sq[name], tstate["exp_avg_sq"], f"{name} exp_avg_sq")
     if "max_exp_avg_sq" in tstate:
-        assert_bitwise_equal(
-            zstate.max_exp_avg_sq[name], tstate["max_exp_avg_sq"], f"{name} max_exp_avg_sq"
-        )
+        assert_bitwise_equal(zstate.max_exp_avg_sq[name], tstate["max_exp_avg_sq"], f"{name} max_exp_avg_sq")
 
 
 SGD_CASES = {
@@ -104,7 +100,12 @@ ADAM_CASES = {
 }
 
 
-KERNELS = {"single": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
+KERNELS = {
+    "default": {},
+    "single": {"foreach": False},
+    "foreach": {"foreach": True},
+    "fused": {"fused": True},
+}
 
 
 def _optimizers():
@@ -234,9 +235,7 @@ def test_param_groups_match_torch_param_groups(factory, torch_cls, defaults, gro
     def selector(names):
         return list(names) if select == "names" else (lambda n, names=frozenset(names): n in names)
 
-    opt = factory(
-        **defaults, param_groups=[{"params": selector(names), **hp} for names, hp in groups]
-    )
+    opt = factory(**defaults, param_groups=[{"params": selector(names), **hp} for names, hp in groups])
     got, zstate = _zf_run(opt, params, steps)
     assert_trees_equal(got, expected)
     for name in params:
@@ -346,10 +345,7 @@ BAD_HYPERPARAMS = [
 
 @pytest.mark.parametrize(
     ("factory", "kwargs", "field"),
-    [
-        pytest.param(f, kw, field, id=f"{f.__name__}-{field}-{i}")
-        for i, (f, kw, field) in enumerate(BAD_HYPERPARAMS)
-    ],
+    [pytest.param(f, kw, field, id=f"{f.__name__}-{field}-{i}") for i, (f, kw, field) in enumerate(BAD_HYPERPARAMS)],
 )
 def test_bad_hyperparameters_raise_value_error_naming_the_field(factory, kwargs, field):
     with pytest.raises(ValueError, match=rf"zerofn\.optim\.{factory.__name__}: .*{field}"):
