@@ -213,11 +213,18 @@ def test_save_at_n_load_at_every_m_equals_the_saved_state_and_keeps_training(wor
 # --------------------------------------------------------------------------- resume through the facade
 
 
-def _facade_run(path: str, phase: str, steps: int) -> dict[str, Any]:
+def _facade_run(path: str, phase: str, steps: int, dtype: str = "float32") -> dict[str, Any]:
     torch.manual_seed(0)
-    model = Net()
-    opt = zf.ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), partition_grad=True, module=model)
-    data = list(batches(dist.get_rank(), 10))
+    model = Net().to(getattr(torch, dtype))
+    # fp16: the dynamic loss scaler grows every 3 good steps, so its state moves while we train.
+    opt = zf.ZeroOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        partition_grad=True,
+        module=model,
+        initial_scale=2.0**10,
+        growth_interval=3,
+    )
+    data = [(x.to(model.a.weight.dtype), y.to(model.a.weight.dtype)) for x, y in batches(dist.get_rank(), 10)]
     start = 0
     if phase == "resume":
         with torch.no_grad():
@@ -234,20 +241,24 @@ def _facade_run(path: str, phase: str, steps: int) -> dict[str, Any]:
         "params": {n: p.detach().clone() for n, p in model.named_parameters()},
         "sd": opt.state_dict(),
         "step": opt.state.step,
+        "loss_scale": tuple(opt.state.loss_scale),
     }
 
 
-@pytest.mark.parametrize("n", [2, 3])
-def test_resume_after_a_killed_run_is_bitwise_equal_to_never_stopping(worlds, tmp_path, n):
+@pytest.mark.parametrize(("n", "dtype"), [(2, "float32"), (3, "float32"), (2, "float16")])
+def test_resume_after_a_killed_run_is_bitwise_equal_to_never_stopping(worlds, tmp_path, n, dtype):
     path = str(tmp_path / "resume")
-    straight = worlds[n].run(_facade_run, path, "straight", 10)
-    worlds[n].run(_facade_run, path, "first", 5)
+    straight = worlds[n].run(_facade_run, path, "straight", 10, dtype)
+    worlds[n].run(_facade_run, path, "first", 5, dtype)
     worlds[n].restart()  # the ranks die; only the checkpoint survives
-    resumed = worlds[n].run(_facade_run, path, "resume", 5)
+    resumed = worlds[n].run(_facade_run, path, "resume", 5, dtype)
     for a, b in zip(resumed, straight, strict=True):
         assert a["step"] == b["step"] == 10
+        assert a["loss_scale"] == b["loss_scale"]
         assert_trees_equal(a["params"], b["params"])
         assert_state_dicts_equal(a["sd"], b["sd"])
+    if dtype == "float16":
+        assert straight[0]["loss_scale"][0] > 2.0**10  # the scaler did move
 
 
 def _facade_state_dict_api(max_shard: int) -> dict[str, Any]:

@@ -44,8 +44,9 @@ from zerofn import comm, optim, torch_optim
 from zerofn._tree import FrozenDict
 from zerofn.comm import Group
 from zerofn.layout import ParamSpec, ShardLayout, make_layout
+from zerofn.precision import PrecisionPolicy
 from zerofn.stages import DEFAULT_BUCKET_NUMEL, _full_from_rows
-from zerofn.state import ZeroState
+from zerofn.state import DEFAULT_POLICY, ZeroState
 
 __all__ = ["CheckpointError", "full_state_dict", "load", "save", "shard_state_dict"]
 
@@ -303,6 +304,7 @@ def shard_state_dict(
     *,
     optimizer: optim.Optimizer | None = None,
     master_dtype: torch.dtype = torch.float32,
+    policy: PrecisionPolicy | None = None,
 ) -> ZeroState:
     """A ZeroState for this rank, at the group's world size, from a full state dict.
 
@@ -315,6 +317,8 @@ def shard_state_dict(
       optimizer: the functional optimizer; required for a plain torch state dict,
         otherwise rebuilt from the checkpoint. Saved per-group hyperparameters win.
       master_dtype: master dtype when the masters come from ``like``'s params.
+      policy: the precision policy of the run that continues (loss scaler, dtypes); the
+        saved loss-scale state is restored into it.
 
     Returns:
       The ZeroState; masters from ``full["zerofn"]["master"]`` when present, else ``like``.
@@ -358,7 +362,7 @@ def shard_state_dict(
     step = (
         int(zmeta["step"]) if zmeta is not None else max((int(e.get("step", 0)) for e in entries.values()), default=0)
     )
-    state = ZeroState(layout, fopt, rank, master_fd, opt_state, step)
+    state = ZeroState(layout, fopt, rank, master_fd, opt_state, step, policy=policy or DEFAULT_POLICY)
     return _with_loss_scale(state, zmeta.get("loss_scale") if zmeta else None)
 
 
@@ -519,6 +523,7 @@ def load(
     optimizer: optim.Optimizer | None = None,
     params_out: Mapping[str, torch.Tensor] | None = None,
     verify: bool = True,
+    policy: PrecisionPolicy | None = None,
 ) -> ZeroState:
     """Read a checkpoint written by :func:`save` at any world size into this group's shards.
 
@@ -530,6 +535,7 @@ def load(
         the saved hyperparameters are applied to it.
       params_out: model tensors to fill in place with the saved weights (if saved).
       verify: check every file's SHA-256 (sizes and presence are always checked).
+      policy: the precision policy to continue with; the saved loss-scale state is restored.
 
     Returns:
       This rank's ZeroState at ``comm.group_size(group)`` ranks.
@@ -592,5 +598,6 @@ def load(
         master_fd,
         _from_per_param(fopt, master_fd, {n: e for n, e in entries.items() if e}),
         meta["step"],
+        policy=policy or DEFAULT_POLICY,
     )
     return _with_loss_scale(state, meta.get("loss_scale"))
