@@ -166,10 +166,20 @@ class World:
             self._procs.append(proc)
             self._conns.append(parent)
         for rank, conn in enumerate(self._conns):
-            if not self._wait_readable(rank, conn, self.timeout + 30):
+            ready = self._wait_readable(rank, conn, self.timeout + 30)
+            try:
+                if ready:
+                    conn.recv_bytes()
+            except EOFError:
+                ready = False
+            if not ready:
+                code = self._procs[rank].exitcode
                 self.close()
-                raise RuntimeError(f"World({self.world_size}): rank {rank} did not start within {self.timeout + 30}s")
-            conn.recv_bytes()
+                why = f"exited with code {code}" if code is not None else f"did not start within {self.timeout + 30}s"
+                raise RuntimeError(
+                    f"World({self.world_size}): rank {rank} {why} before joining the process group; its "
+                    "stderr above says why (when run from a script, guard it with `if __name__ == '__main__':`)"
+                )
         return self
 
     def close(self) -> None:
