@@ -544,6 +544,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         the dynamic loss scale backs off), or, with ``nonfinite="raise"``, every rank
         raises :class:`~zerofn.precision.NonFiniteGradError`; either way the gradients
         of the step are dropped and the optimizer state is untouched.
+
+        ``step`` consumes the reduced gradients, as ZeRO implementations do: the next
+        ``backward`` starts from zero whether or not ``zero_grad`` is called (plain torch
+        would keep accumulating into ``p.grad``).
+
         Collectives: one scalar all-reduce (norm and overflow flag) and the bucketed
         gather of the params.
         """
