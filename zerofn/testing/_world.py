@@ -21,6 +21,8 @@ Robustness, by design:
 * if ranks failed differently (some raised, others did not or raised something else),
   their group may be out of step, so the pool is restarted before the next run;
 * a worker that dies is reported as such (with its exit code) and the pool restarted;
+* a function that catches a collective's error itself (a timeout, a lost peer) hides
+  from the pool that its group is broken: call ``restart()`` before the next run;
 * workers leave with ``os._exit`` after flushing, which sidesteps a known abort
   ("terminate called without an active exception") in gloo's interpreter teardown
   without hiding crashes that happen while a function runs.

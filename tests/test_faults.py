@@ -1,0 +1,83 @@
+"""Faults: a rank that dies or stalls mid-step makes the others raise, never hang.
+
+These tests use their own small ``World`` with a short process-group timeout, so a
+collective that cannot complete fails in seconds; the shared pools are left alone.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from helpers import Net, batches
+
+import zerofn as zf
+from zerofn.testing import RankFailure, World
+
+TIMEOUT_S = 6.0
+
+
+def _trained_facade(path: str) -> tuple[Net, zf.ZeroOptimizer]:
+    torch.manual_seed(0)
+    model = Net()
+    opt = zf.ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), partition_grad=True, module=model)
+    data = batches(dist.get_rank(), 3)
+    for _ in range(2):
+        x, y = next(data)
+        opt.backward(((model(x) - y) ** 2).mean())
+        opt.step()
+    opt.save_checkpoint(path)
+    x, y = next(data)
+    opt.backward(((model(x) - y) ** 2).mean())
+    return model, opt
+
+
+def _fail_mid_step(path: str, how: str) -> dict[str, Any]:
+    _, opt = _trained_facade(path)
+    if dist.get_rank() == 1:
+        if how == "die":
+            os._exit(9)  # gone between backward and step, as a crashed process would be
+        time.sleep(TIMEOUT_S + 4)  # stalls: never joins the step's collectives in time
+        return {"outcome": "stalled"}
+    start = time.monotonic()
+    try:
+        opt.step()
+    except Exception as e:  # the collective's error, whatever its type
+        return {"outcome": "raised", "error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - start}
+    return {"outcome": "returned"}
+
+
+def _load_step(path: str) -> int:
+    torch.manual_seed(1)
+    model = Net()
+    opt = zf.ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), partition_grad=True, module=model)
+    opt.load_checkpoint(path)
+    return opt.state.step
+
+
+def test_a_rank_that_dies_mid_step_makes_the_others_raise_and_the_checkpoint_survives(tmp_path):
+    path = str(tmp_path / "ckpt")
+    with World(2, timeout=TIMEOUT_S) as world:
+        rank0, rank1 = world.run(_fail_mid_step, path, "die", return_exceptions=True)
+        assert isinstance(rank1, RankFailure) and rank1.type_name == "WorkerDied"
+        assert "exit code 9" in rank1.message
+        assert rank0["outcome"] == "raised", rank0
+        assert rank0["seconds"] < TIMEOUT_S + 5
+        assert world.restarts == 1  # the pool replaced the dead rank
+        # The checkpoint written before the crash is intact and loads on fresh ranks.
+        assert world.run(_load_step, path) == [2, 2]
+
+
+def test_a_rank_that_stalls_makes_the_others_raise_within_the_timeout(tmp_path):
+    path = str(tmp_path / "ckpt")
+    with World(2, timeout=TIMEOUT_S) as world:
+        rank0, rank1 = world.run(_fail_mid_step, path, "stall", return_exceptions=True)
+        assert rank1 == {"outcome": "stalled"}
+        assert rank0["outcome"] == "raised", rank0
+        assert rank0["seconds"] < TIMEOUT_S + 5
+        # Rank 0 caught the timeout itself, so the pool cannot tell its group is broken.
+        world.restart()
+        assert world.run(_load_step, path) == [2, 2]
