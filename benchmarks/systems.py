@@ -1,0 +1,581 @@
+"""The systems under test and the per-rank commands the orchestrator calls.
+
+Everything here runs inside a rank process of :class:`benchmarks._pool.Pool`. A rank holds
+one :class:`Context` (model config, device, this rank's batches) and any number of built
+systems at once, so the orchestrator can interleave them: ``build`` each, then
+``run_block`` them in turn, round after round.
+
+A system is one way of training the same model on the same per-rank batches with AdamW
+(same hyperparameters everywhere). Its ``step(x, y)`` is a whole training step: forward,
+backward, gradient communication, optimizer, whatever parameter communication it needs,
+and zeroing the gradients, and returns the detached local loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+import math
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import zerofn as zf
+from benchmarks import _count, models
+
+__all__ = ["SYSTEMS", "SystemInfo", "deepspeed_available"]
+
+LR = 1e-3
+BETAS = (0.9, 0.999)
+EPS = 1e-8
+WEIGHT_DECAY = 0.01
+
+
+def _adamw_kwargs(kernel: str) -> dict[str, Any]:
+    return dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, **{kernel: True})
+
+
+@dataclasses.dataclass(frozen=True)
+class SystemInfo:
+    """What the report says about a system.
+
+    Attributes:
+      name: short name used on the command line and in the tables.
+      label: one line of what it is.
+      family: ``"ddp"``, ``"peer"`` or ``"zerofn"``.
+      sharded: optimizer state sharded over the ranks (for the theoretical state bytes).
+      comm_visible: its collectives go through Python (counted by :mod:`benchmarks._count`);
+        False for the part that DDP's C++ reducer issues, which the report states from theory.
+    """
+
+    name: str
+    label: str
+    family: str
+    sharded: bool
+    comm_visible: bool
+
+
+SYSTEMS: dict[str, SystemInfo] = {
+    s.name: s
+    for s in (
+        SystemInfo("ddp-fused", "DDP + torch.optim.AdamW(fused=True)", "ddp", False, False),
+        SystemInfo("ddp-foreach", "DDP + torch.optim.AdamW(foreach=True)", "ddp", False, False),
+        SystemInfo("zero-redundancy", "DDP + ZeroRedundancyOptimizer(AdamW, fused=True)", "peer", True, False),
+        SystemInfo("fsdp2", "fully_shard(reshard_after_forward=False) + AdamW(fused=True)", "peer", True, True),
+        SystemInfo("deepspeed-z1", "DeepSpeed ZeRO-1 + AdamW(fused=True) (client optimizer)", "peer", True, True),
+        SystemInfo("deepspeed-z2", "DeepSpeed ZeRO-2 + AdamW(fused=True) (client optimizer)", "peer", True, True),
+        SystemInfo("zerofn-fn-pure", "zerofn functional loop, stage 2, donate=False", "zerofn", True, True),
+        SystemInfo("zerofn-fn-donated", "zerofn functional loop, stage 2, donate=True", "zerofn", True, True),
+        SystemInfo("zerofn-s1", "zerofn ZeroOptimizer stage 1, overlap off", "zerofn", True, True),
+        SystemInfo("zerofn-s1-overlap", "zerofn ZeroOptimizer stage 1, overlap on", "zerofn", True, True),
+        SystemInfo("zerofn-s2", "zerofn ZeroOptimizer stage 2, overlap off", "zerofn", True, True),
+        SystemInfo("zerofn-s2-overlap", "zerofn ZeroOptimizer stage 2, overlap on", "zerofn", True, True),
+        SystemInfo(
+            "zerofn-s2-byteopt",
+            "zerofn ZeroOptimizer stage 2, overlap off, CommPolicy.byte_optimal() (reduce-scatter + all-gather)",
+            "zerofn",
+            True,
+            True,
+        ),
+    )
+}
+
+
+def deepspeed_available() -> str | None:
+    """None if DeepSpeed can be imported here, else why not (a note for the report)."""
+    if importlib.util.find_spec("deepspeed") is None:
+        return "deepspeed is not installed in this Python (pip install deepspeed, see benchmarks/README.md)"
+    return None
+
+
+# ----------------------------------------------------------------------------- per-rank context
+
+
+@dataclasses.dataclass
+class Context:
+    cfg: models.ModelConfig
+    seed: int
+    device: torch.device
+    rank: int
+    world: int
+    batches: list[tuple[torch.Tensor, torch.Tensor]]
+    kernel: str  # "fused" or "foreach": the AdamW kernel of every system but ddp-foreach
+
+
+_CTX: Context | None = None
+_BUILT: dict[str, System] = {}
+
+
+def _ctx() -> Context:
+    if _CTX is None:
+        raise RuntimeError("benchmarks.systems.setup must run first")
+    return _CTX
+
+
+_PROFILING = False
+
+
+def _phase(name: str) -> contextlib.AbstractContextManager[Any]:
+    """A ``bench.<name>`` range in torch.profiler traces (a no-op unless profiling)."""
+    return torch.profiler.record_function(f"bench.{name}") if _PROFILING else contextlib.nullcontext()
+
+
+def _sync() -> None:
+    if _ctx().device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+# ----------------------------------------------------------------------------- systems
+
+
+class System:
+    """Base: a built system on this rank."""
+
+    info: SystemInfo
+
+    def __init__(self, info: SystemInfo, ctx: Context) -> None:
+        self.info = info
+        self.ctx = ctx
+        self.steps_done = 0
+        self.loss = models.loss_fn(ctx.cfg)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def state_bytes(self) -> dict[str, int | None]:
+        """``opt_state`` (moments, step counters), ``master`` (the weights the optimizer
+        kernel writes, on this rank) and ``params`` (full working weights resident between
+        steps, when they are a separate copy from ``master``)."""
+        raise NotImplementedError
+
+    def zerofn_layout(self) -> zf.ShardLayout | None:
+        return None
+
+    def full_params(self) -> dict[str, torch.Tensor] | None:
+        """Full params (for checks); may issue collectives on every rank."""
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+def _tensor_bytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return _count._nbytes(obj)
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
+def _opt_state_bytes(opt: torch.optim.Optimizer) -> int:
+    return sum(_tensor_bytes(s) for s in opt.state.values())
+
+
+def _param_bytes(params: Any) -> int:
+    return sum(_count._nbytes(p) for p in params)
+
+
+class DDPSystem(System):
+    def __init__(self, info: SystemInfo, ctx: Context, kernel: str, zero: bool = False) -> None:
+        super().__init__(info, ctx)
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        self.model = models.build_model(ctx.cfg, ctx.seed, ctx.device)
+        ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+        self.ddp = DDP(self.model, device_ids=ids)
+        if zero:
+            self.opt: torch.optim.Optimizer = ZeroRedundancyOptimizer(
+                self.ddp.parameters(), optimizer_class=torch.optim.AdamW, **_adamw_kwargs(kernel)
+            )
+        else:
+            self.opt = torch.optim.AdamW(self.ddp.parameters(), **_adamw_kwargs(kernel))
+        self.zero = zero
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with _phase("forward"):
+            loss = self.loss(self.ddp(x), y)
+        with _phase("backward"):
+            loss.backward()
+        with _phase("optimizer"):
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    def state_bytes(self) -> dict[str, int | None]:
+        if self.zero:
+            local = self.opt.optim  # type: ignore[attr-defined]
+            mine = [p for g in local.param_groups for p in g["params"]]
+            return {
+                "opt_state": _opt_state_bytes(local),
+                "master": _param_bytes(mine),
+                "params": _param_bytes(self.model.parameters()) - _param_bytes(mine),
+            }
+        return {"opt_state": _opt_state_bytes(self.opt), "master": _param_bytes(self.model.parameters()), "params": 0}
+
+    def full_params(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach() for n, p in self.model.named_parameters()}
+
+
+class FSDP2System(System):
+    def __init__(self, info: SystemInfo, ctx: Context, kernel: str) -> None:
+        super().__init__(info, ctx)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        self.model = models.build_model(ctx.cfg, ctx.seed, ctx.device)
+        mesh = init_device_mesh(ctx.device.type, (ctx.world,))
+        for blk in self.model.blocks:  # type: ignore[union-attr]
+            fully_shard(blk, mesh=mesh, reshard_after_forward=False)
+        fully_shard(self.model, mesh=mesh, reshard_after_forward=False)
+        self.opt = torch.optim.AdamW(self.model.parameters(), **_adamw_kwargs(kernel))
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with _phase("forward"):
+            loss = self.loss(self.model(x), y)
+        with _phase("backward"):
+            loss.backward()
+        with _phase("optimizer"):
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    def state_bytes(self) -> dict[str, int | None]:
+        return {"opt_state": _opt_state_bytes(self.opt), "master": _param_bytes(self.model.parameters()), "params": 0}
+
+    def full_params(self) -> dict[str, torch.Tensor]:
+        return {n: p.full_tensor().detach() for n, p in self.model.named_parameters()}
+
+
+class DeepSpeedSystem(System):
+    def __init__(self, info: SystemInfo, ctx: Context, kernel: str, stage: int) -> None:
+        super().__init__(info, ctx)
+        import logging
+        import warnings
+
+        # DeepSpeed calls the deprecated all_gather_into_tensor on every step; not ours to fix.
+        warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
+        os.environ.setdefault("DS_ACCELERATOR", "cuda" if ctx.device.type == "cuda" else "cpu")
+        import deepspeed
+
+        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+        deepspeed.init_distributed(dist_backend=dist.get_backend(), verbose=False)
+        self.model = models.build_model(ctx.cfg, ctx.seed, ctx.device)
+        opt = torch.optim.AdamW(self.model.parameters(), **_adamw_kwargs(kernel))
+        config = {
+            "train_micro_batch_size_per_gpu": ctx.cfg.batch,
+            "gradient_accumulation_steps": 1,
+            "zero_optimization": {"stage": stage},
+            "zero_allow_untested_optimizer": True,
+            "steps_per_print": 10**9,
+        }
+        self.engine, self.opt, _, _ = deepspeed.initialize(model=self.model, optimizer=opt, config=config)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with _phase("forward"):
+            loss = self.loss(self.engine(x), y)
+        with _phase("backward"):
+            self.engine.backward(loss)
+        with _phase("optimizer"):
+            self.engine.step()
+        return loss.detach()
+
+    def state_bytes(self) -> dict[str, int | None]:
+        zopt = self.engine.optimizer
+        master = getattr(zopt, "single_partition_of_fp32_groups", None)
+        inner = getattr(zopt, "optimizer", None)
+        return {
+            "opt_state": _opt_state_bytes(inner) if inner is not None else None,
+            "master": _tensor_bytes(master) if master is not None else None,
+            "params": _param_bytes(self.model.parameters()),
+        }
+
+    def full_params(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach() for n, p in self.model.named_parameters()}
+
+
+class ZerofnFunctional(System):
+    """``torch.func.grad`` + the four stage functions, as in zerofn's README."""
+
+    def __init__(self, info: SystemInfo, ctx: Context, kernel: str, donate: bool) -> None:
+        super().__init__(info, ctx)
+        self.model = models.build_model(ctx.cfg, ctx.seed, ctx.device)
+        for p in self.model.parameters():
+            p.requires_grad_(False)  # torch.func.grad differentiates the dict we pass in
+        self.params: dict[str, torch.Tensor] = {n: p.detach() for n, p in self.model.named_parameters()}
+        self.state = zf.shard_params(self.params, zf.optim.adamw(**_adamw_kwargs(kernel)))
+        self.donate = donate
+        loss, model = self.loss, self.model
+
+        def loss_of(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return loss(torch.func.functional_call(model, params, (x,)), y)
+
+        self.grad_fn = torch.func.grad_and_value(loss_of)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with _phase("forward+backward"):
+            grads, loss = self.grad_fn(self.params, x, y)
+        with _phase("reduce_grads"):
+            gshards = zf.reduce_grads(grads, self.state.layout, stage=2)
+            del grads
+        with _phase("step_shards"):
+            self.state, _ = zf.step_shards(self.state, gshards, donate=self.donate)
+        with _phase("gather_params"):
+            self.params = zf.gather_params(self.state, out=self.params if self.donate else None)
+        return loss.detach()
+
+    def state_bytes(self) -> dict[str, int | None]:
+        master = _tensor_bytes(dict(self.state.master))
+        return {"opt_state": self.state.nbytes - master, "master": master, "params": _param_bytes(self.params.values())}
+
+    def zerofn_layout(self) -> zf.ShardLayout:
+        return self.state.layout
+
+    def full_params(self) -> dict[str, torch.Tensor]:
+        return dict(self.params)
+
+
+class ZerofnFacade(System):
+    """``ZeroOptimizer`` around ``torch.optim.AdamW`` in an ordinary ``nn.Module`` loop."""
+
+    def __init__(
+        self, info: SystemInfo, ctx: Context, kernel: str, stage: int, overlap: bool, byte_optimal: bool = False
+    ) -> None:
+        super().__init__(info, ctx)
+        self.model = models.build_model(ctx.cfg, ctx.seed, ctx.device)
+        topt = torch.optim.AdamW(self.model.parameters(), **_adamw_kwargs(kernel))
+        self.opt = zf.ZeroOptimizer(
+            topt,
+            partition_grad=stage == 2,
+            overlap_communication=overlap,
+            module=self.model,
+            comm_policy=zf.CommPolicy.byte_optimal() if byte_optimal else None,
+        )
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with _phase("forward"):
+            loss = self.loss(self.model(x), y)
+        with _phase("backward"):
+            self.opt.backward(loss)
+        with _phase("optimizer"):
+            self.opt.step()
+            self.opt.zero_grad()
+        return loss.detach()
+
+    def state_bytes(self) -> dict[str, int | None]:
+        state = self.opt.state
+        master = _tensor_bytes(dict(state.master))
+        return {"opt_state": state.nbytes - master, "master": master, "params": _param_bytes(self.model.parameters())}
+
+    def zerofn_layout(self) -> zf.ShardLayout:
+        return self.opt.state.layout
+
+    def full_params(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach() for n, p in self.model.named_parameters()}
+
+    def close(self) -> None:
+        self.opt.close()
+
+
+def _make(name: str, ctx: Context) -> System:
+    info = SYSTEMS[name]
+    k = ctx.kernel
+    builders: dict[str, Callable[[], System]] = {
+        "ddp-fused": lambda: DDPSystem(info, ctx, "fused"),
+        "ddp-foreach": lambda: DDPSystem(info, ctx, "foreach"),
+        "zero-redundancy": lambda: DDPSystem(info, ctx, k, zero=True),
+        "fsdp2": lambda: FSDP2System(info, ctx, k),
+        "deepspeed-z1": lambda: DeepSpeedSystem(info, ctx, k, 1),
+        "deepspeed-z2": lambda: DeepSpeedSystem(info, ctx, k, 2),
+        "zerofn-fn-pure": lambda: ZerofnFunctional(info, ctx, k, donate=False),
+        "zerofn-fn-donated": lambda: ZerofnFunctional(info, ctx, k, donate=True),
+        "zerofn-s1": lambda: ZerofnFacade(info, ctx, k, 1, overlap=False),
+        "zerofn-s1-overlap": lambda: ZerofnFacade(info, ctx, k, 1, overlap=True),
+        "zerofn-s2": lambda: ZerofnFacade(info, ctx, k, 2, overlap=False),
+        "zerofn-s2-overlap": lambda: ZerofnFacade(info, ctx, k, 2, overlap=True),
+        "zerofn-s2-byteopt": lambda: ZerofnFacade(info, ctx, k, 2, overlap=False, byte_optimal=True),
+    }
+    return builders[name]()
+
+
+# ----------------------------------------------------------------------------- rank commands
+
+
+def _proc_status() -> dict[str, int]:
+    """VmRSS / VmHWM of this process in bytes (Linux), else ru_maxrss for the peak."""
+    out: dict[str, int] = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in ("VmRSS", "VmHWM"):
+                    out[key] = int(rest.split()[0]) * 1024
+    except OSError:
+        import resource
+
+        out["VmHWM"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return out
+
+
+def setup(cfg: models.ModelConfig, seed: int, n_batches: int, kernel: str) -> dict[str, Any]:
+    """Make this rank's context: device, batches. Returns the model's size."""
+    global _CTX
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    batches = models.make_batches(cfg, seed, rank, n_batches, device)
+    _CTX = Context(cfg, seed, device, rank, world, batches, kernel)
+    probe = models.build_model(cfg, seed, torch.device("cpu"))
+    psi, n_params = models.param_count(probe)
+    del probe
+    # Page in the kernels and libraries a first training step loads (oneDNN, autograd, gloo
+    # buffers) with a tiny model, so the RSS taken now is a baseline every system shares.
+    tiny = models.model_config(cfg.name, quick=True)
+    warm = models.build_model(tiny, seed, device)
+    x, y = models.make_batches(tiny, seed, rank, 1, device)[0]
+    models.loss_fn(tiny)(warm(x), y).backward()
+    t = torch.ones(1024, device=device)
+    dist.all_reduce(t)
+    dist.broadcast(t, src=0)
+    del warm, x, y, t
+    return {"psi": psi, "n_params": n_params, "device": str(device), "rss": _proc_status()}
+
+
+def build(name: str) -> dict[str, Any]:
+    """Build system ``name`` on this rank (every rank must call it)."""
+    ctx = _ctx()
+    if name in _BUILT:
+        raise ValueError(f"system {name} is already built")
+    _BUILT[name] = _make(name, ctx)
+    return {"name": name}
+
+
+def run_block(name: str, count: int, untimed: int = 0) -> dict[str, Any]:
+    """Run ``untimed + count`` steps of ``name``; time the last ``count``.
+
+    Returns this rank's step times (s), losses (all steps) and the bytes sent per timed
+    step, counted by zerofn (``zerofn``) and by the Python collective wrapper (``python``).
+    """
+    ctx = _ctx()
+    system = _BUILT[name]
+    losses: list[float] = []
+    times: list[float] = []
+    zbytes = pbytes = 0
+    by_collective: dict[str, int] = {}
+    zby_collective: dict[str, int] = {}
+    dist.barrier()
+    for i in range(untimed + count):
+        x, y = ctx.batches[system.steps_done % len(ctx.batches)]
+        timed = i >= untimed
+        with zf.count_bytes() as zc, _count.counting() as pc:
+            _sync()
+            t0 = time.perf_counter()
+            loss = system.step(x, y)
+            _sync()
+            t1 = time.perf_counter()
+        system.steps_done += 1
+        losses.append(float(loss))
+        if timed:
+            times.append(t1 - t0)
+            zbytes += zc.bytes_sent
+            pbytes += pc.bytes_sent
+            for k, v in pc.by_collective.items():
+                by_collective[k] = by_collective.get(k, 0) + v
+            for k, v in zc.by_collective.items():
+                zby_collective[k] = zby_collective.get(k, 0) + v
+    per = max(count, 1)
+    return {
+        "times": times,
+        "losses": losses,
+        "zerofn_bytes": zbytes / per if count else None,
+        "python_bytes": pbytes / per if count else None,
+        "python_by_collective": {k: v / per for k, v in by_collective.items()},
+        "zerofn_by_collective": {k: v / per for k, v in zby_collective.items()},
+    }
+
+
+def describe(name: str) -> dict[str, Any]:
+    """State bytes, zerofn's layout facts and memory of this rank for ``name``."""
+    system = _BUILT[name]
+    out: dict[str, Any] = {"state": system.state_bytes(), "steps_done": system.steps_done}
+    layout = system.zerofn_layout()
+    if layout is not None:
+        out["shard_elems"] = sum(s.shard_numel for s in layout.params)
+        out["padded_elems"] = sum(s.padded_numel for s in layout.params)
+        out["elem_size"] = layout.params[0].dtype.itemsize
+    return out
+
+
+def eval_loss(name: str) -> float:
+    """Loss of ``name``'s current full params on batch 0 of this rank (no grad)."""
+    ctx = _ctx()
+    system = _BUILT[name]
+    params = system.full_params()
+    if params is None:
+        return math.nan
+    ref = models.build_model(ctx.cfg, ctx.seed, ctx.device)
+    x, y = ctx.batches[0]
+    with torch.no_grad():
+        return float(system.loss(torch.func.functional_call(ref, params, (x,)), y))
+
+
+def drop(name: str) -> None:
+    system = _BUILT.pop(name, None)
+    if system is not None:
+        system.close()
+
+
+def memory() -> dict[str, int]:
+    """This process's RSS and peak RSS (VmHWM), and the CUDA peak when on a GPU."""
+    out = _proc_status()
+    if _ctx().device.type == "cuda":
+        out["cuda_max_allocated"] = torch.cuda.max_memory_allocated()
+    return out
+
+
+def profile(name: str, steps: int, untimed: int, row_limit: int = 45) -> dict[str, Any]:
+    """Profile ``name`` on every rank: ``steps`` steps under torch.profiler (with ``bench.*``
+    phase ranges), then ``steps`` more under cProfile (Python functions). Tables as text."""
+    import cProfile
+    import io
+    import pstats
+
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprofile
+
+    global _PROFILING
+    run_block(name, 0, untimed)
+    plain = run_block(name, steps)["times"]
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if _ctx().device.type == "cuda" else [])
+    _PROFILING = True
+    try:
+        with tprofile(activities=activities) as tp:
+            traced = run_block(name, steps)["times"]
+    finally:
+        _PROFILING = False
+    prof = cProfile.Profile()
+    prof.enable()
+    run_block(name, steps)
+    prof.disable()
+    texts = {}
+    for key in ("cumulative", "tottime"):
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(row_limit)
+        texts[key] = buf.getvalue()
+    events = tp.key_averages()
+    phases = {e.key: e.cpu_time_total / 1e3 / steps for e in events if e.key.startswith("bench.")}
+    return {
+        "times": plain,
+        "traced_times": traced,
+        "phases_ms": phases,
+        "torch": events.table(sort_by="self_cpu_time_total", row_limit=row_limit),
+        "torch_total": events.table(sort_by="cpu_time_total", row_limit=row_limit),
+        "cprofile_cumulative": texts["cumulative"],
+        "cprofile_tottime": texts["tottime"],
+    }

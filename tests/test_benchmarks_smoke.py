@@ -1,0 +1,159 @@
+"""The benchmark harness runs end to end on tiny models and writes well-formed results.
+
+No timing is asserted (speed targets live in the benchmark's own report). What is checked
+exactly: every zerofn system runs at N = 2, its losses agree with DDP's, and the bytes
+zerofn counts equal the formula of the collective realisation in use (and what the
+harness's own ``torch.distributed`` wrapper counts for the same steps).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # the benchmarks package lives at the repository root
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import report  # noqa: E402
+from benchmarks import run as bench  # noqa: E402
+
+ZEROFN_SYSTEMS = [s for s in bench.ALL_SYSTEMS if s.startswith("zerofn-")]
+N = 2
+STEPS = 2
+
+
+@pytest.fixture(scope="module")
+def quick_results(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
+    out = tmp_path_factory.mktemp("bench") / "quick"
+    args = bench.parse_args(
+        [
+            "--quick",
+            "--models",
+            "transformer",
+            "--world-sizes",
+            str(N),
+            "--systems",
+            "ddp-fused",
+            *ZEROFN_SYSTEMS,
+            "--steps",
+            str(STEPS),
+            "--device",
+            "cpu",
+            "--no-plot",
+            "--strict",
+            "--out",
+            str(out),
+        ]
+    )
+    results = bench.run(args)
+    return results, out
+
+
+def test_quick_run_writes_json_and_markdown_that_agree(quick_results: tuple[dict, Path]) -> None:
+    results, out = quick_results
+    on_disk = json.loads(out.with_suffix(".json").read_text())
+    assert on_disk["runs"][0]["psi"] == results["runs"][0]["psi"]
+    assert set(on_disk) >= {"meta", "runs", "targets", "notes"}
+    md = out.with_suffix(".md").read_text()
+    for name in ["ddp-fused", *ZEROFN_SYSTEMS]:
+        assert f"`{name}`" in md
+    assert "Issue-7 targets" in md
+
+
+def test_every_zerofn_system_ran_its_steps_with_finite_losses(quick_results: tuple[dict, Path]) -> None:
+    results, _ = quick_results
+    (run,) = results["runs"]
+    assert (run["model"], run["world_size"], run["backend"]) == ("transformer", N, "gloo")
+    for name in ["ddp-fused", *ZEROFN_SYSTEMS]:
+        s = run["systems"][name]
+        assert s["status"] == "ok", (name, s.get("note"))
+        assert len(s["step_ms"]) == STEPS  # one round of STEPS timed steps
+        assert all(t > 0 for t in s["step_ms"])
+        assert len(s["losses"]) == N and all(math.isfinite(v) for r in s["losses"] for v in r)
+        assert s["ratio_ddp_fused"] is not None
+
+
+def test_zerofn_losses_match_ddp(quick_results: tuple[dict, Path]) -> None:
+    (run,) = quick_results[0]["runs"]
+    for name in ZEROFN_SYSTEMS:
+        assert run["systems"][name]["max_loss_diff_vs_ref"] <= 1e-5, name
+
+
+def test_zerofn_bytes_equal_the_formula_of_the_realisation(quick_results: tuple[dict, Path]) -> None:
+    (run,) = quick_results[0]["runs"]
+    for name in ZEROFN_SYSTEMS:
+        s = run["systems"][name]
+        shard_elems = s["describe"][0]["shard_elems"]
+        b = s["describe"][0]["elem_size"]
+        by = s["zerofn_by_collective"]
+        if name == "zerofn-s2-byteopt":
+            assert by["reduce_scatter"] == (N - 1) * shard_elems * b
+            assert by["all_gather"] == (N - 1) * shard_elems * b
+        else:  # gloo's default policy: all-reduce for the reduce, one broadcast per rank for the gather
+            assert by["all_reduce"] == 2 * (N - 1) * shard_elems * b
+            assert by["broadcast"] == (N - 1) * shard_elems * b
+        assert by["scalars"] == 2 * ((N - 1) * 16 // N)  # norm + overflow flag, float64
+        assert 0 < by["check"] <= 256
+        assert s["bytes_sent"] == sum(by.values())
+        assert s["bytes_extra"] == by["scalars"] + by["check"]
+        # The harness's wrapper around torch.distributed sees the same collectives.
+        assert s["python_bytes"] == s["zerofn_bytes"]
+
+
+def test_state_bytes_are_the_sharded_adamw_state(quick_results: tuple[dict, Path]) -> None:
+    (run,) = quick_results[0]["runs"]
+    n_params = run["n_params"]
+    for name in ZEROFN_SYSTEMS:
+        s = run["systems"][name]
+        shard_elems = s["describe"][0]["shard_elems"]
+        # master + exp_avg + exp_avg_sq (fp32) per shard element, plus one fp32 step per tensor
+        assert s["state_master_bytes"] == 12 * shard_elems + 4 * n_params
+        assert s["state_theory"] == 12 * math.ceil(run["psi"] / N)
+
+
+def test_memory_phase_reports_peak_rss_per_rank(tmp_path: Path) -> None:
+    args = bench.parse_args(
+        [
+            "--quick",
+            "--models",
+            "mlp-small",
+            "--systems",
+            "zerofn-s2",
+            "--memory",
+            "isolated",
+            "--device",
+            "cpu",
+            "--no-plot",
+            "--strict",
+            "--out",
+            str(tmp_path / "mem"),
+        ]
+    )
+    results = bench.run(args)
+    (run,) = results["runs"]
+    assert run["n_params"] >= 16  # many small params even in the quick config
+    mem = run["systems"]["zerofn-s2"]["memory"]
+    assert len(mem["peak_rss"]) == N and all(p > 0 for p in mem["peak_rss"])
+    assert all(p >= b for p, b in zip(mem["peak_rss"], mem["baseline_rss"], strict=True))
+
+
+def test_report_targets_read_ratios_from_runs() -> None:
+    run = {
+        "model": "transformer",
+        "world_size": 2,
+        "systems": {
+            "zerofn-s2": {"status": "ok", "family": "zerofn", "median_ms": 60.0, "ratio_ddp_foreach": 0.7},
+            "zerofn-s2-overlap": {"status": "ok", "family": "zerofn", "median_ms": 80.0},
+            "zerofn-fn-pure": {"status": "ok", "family": "zerofn", "median_ms": 66.0},
+            "zerofn-fn-donated": {"status": "ok", "family": "zerofn", "median_ms": 60.0},
+        },
+    }
+    got = {t["target"]: t for t in report.targets([run])}
+    assert got["stage-2 facade <= 0.75x DDP foreach"]["met"] is True
+    assert got["stage-2 facade <= 0.75x DDP foreach"]["detail"] == "zerofn-s2"
+    assert got["pure functional <= 1.10x donated"]["value"] == pytest.approx(1.1)
