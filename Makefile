@@ -3,6 +3,7 @@
 #   make demo                 # python -m zerofn demo (ARGS="--world-size 3 --stage 1")
 #   make test                 # python -m pytest      (PYTEST_ARGS="-k demo -x")
 #   make lint                 # ruff check + ruff format --check
+#   make notebooks            # execute notebooks/NN_*.py into NN_*.ipynb (ARGS="03")
 #
 # torch is installed first, pinned, so that `pip install -e .[test]` finds its `torch>=2.4`
 # already satisfied: an unpinned torch would pull a CUDA build of several GB on a machine
@@ -21,7 +22,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.zerofn-installed
 TORCH_STAMP := $(VENV)/.torch-spec
 
-.PHONY: install demo test lint clean FORCE
+.PHONY: install demo test lint notebooks clean FORCE
 
 install: $(STAMP)
 
@@ -48,6 +49,9 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+
+notebooks: $(STAMP)
+	$(PY) notebooks/build.py $(ARGS)
 
 clean:
 	rm -rf $(VENV)
