@@ -1,0 +1,51 @@
+"""The teaching notebooks: each runs top to bottom, and each committed .ipynb matches its source.
+
+The sources are ``notebooks/NN_name.py`` (jupytext percent format); ``notebooks/build.py``
+turns them into the committed, executed ``.ipynb`` files. Here every source is executed
+in a fresh kernel of *this* interpreter (a kernelspec made on the fly, never an installed
+``python3`` kernel of some other environment), with a timeout per cell; any cell that
+raises fails the test. Each notebook ends with an assert against an unsharded or DDP
+reference, so a notebook that runs is a claim that holds.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import nbformat
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("zerofn_notebooks_build", ROOT / "notebooks" / "build.py")
+assert _spec is not None and _spec.loader is not None
+build = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(build)
+
+EXPECTED = ["01_sharding", "02_collectives", "03_training_loop", "04_mixed_precision", "05_checkpoints"]
+# Appended to each notebook under test (not to the committed one): every World the
+# notebook started must have been closed, so no worker process outlives it.
+NO_WORKERS_LEFT = (
+    "import multiprocessing\n"
+    "assert not multiprocessing.active_children(), "
+    "f'worker processes left running (call world.close()): {multiprocessing.active_children()}'"
+)
+
+
+def test_the_five_notebooks_are_there() -> None:
+    assert [p.stem for p in build.NOTEBOOKS] == EXPECTED
+
+
+@pytest.mark.parametrize("source", build.NOTEBOOKS, ids=lambda p: p.stem)
+def test_committed_notebook_has_the_cells_of_its_source(source: Path) -> None:
+    problem = build.out_of_sync(source)
+    assert problem is None, f"{problem}; regenerate with `python notebooks/build.py {source.stem[:2]}`"
+
+
+@pytest.mark.parametrize("source", build.NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_runs_top_to_bottom_and_closes_its_workers(source: Path) -> None:
+    nb = build.read_source(source)
+    nb.cells.append(nbformat.v4.new_code_cell(NO_WORKERS_LEFT))
+    build.execute(nb)  # raises CellExecutionError, with the cell and its traceback, on any error
+    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
+    assert not errors
