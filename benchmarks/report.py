@@ -217,9 +217,9 @@ def markdown(results: dict[str, Any]) -> str:
             f"## {run['model']}, N = {n} ({run['backend']}, {run['device']}): Ψ = {run['psi']:,} in "
             f"{run['n_params']} tensors",
             "",
-            "| system | median ms | p10–p90 ms | × DDP fused | × DDP foreach | peak RSS MiB/rank (Δ) "
+            "| system | median ms | min ms | p10–p90 ms | × DDP fused | × DDP foreach | peak RSS MiB/rank (Δ) "
             "| state+master MiB/rank | ÷ (4+K)·⌈Ψ/N⌉ | sent MiB/rank/step | ÷ 2(N-1)/N·Ψ·b | max abs Δloss vs DDP |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         notes = []
         for name, s in run["systems"].items():
@@ -234,7 +234,8 @@ def markdown(results: dict[str, Any]) -> str:
                 rss = "error"
             theory_mark = "" if s.get("family") == "zerofn" or name in ("fsdp2",) or "deepspeed" in name else "*"
             lines.append(
-                f"| `{name}` | {_f(s.get('median_ms'))} | {_f(s.get('p10_ms'))}–{_f(s.get('p90_ms'))} "
+                f"| `{name}` | {_f(s.get('median_ms'))} | {_f(s.get('min_ms'))} "
+                f"| {_f(s.get('p10_ms'))}–{_f(s.get('p90_ms'))} "
                 f"| {_f(s.get('ratio_ddp_fused'), '{:.2f}')} | {_f(s.get('ratio_ddp_foreach'), '{:.2f}')} | {rss} "
                 f"| {_mib(s.get('state_master_bytes'))} | {_f(s.get('state_ratio'), '{:.4f}')} "
                 f"| {_mib(s.get('bytes_sent'))}{theory_mark} | {_f(s.get('bytes_ratio'), '{:.3f}')} "

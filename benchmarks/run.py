@@ -267,6 +267,7 @@ def _bench_one(model: str, n: int, backend: str, args: argparse.Namespace) -> di
             entry.update(
                 step_ms=[t * 1e3 for t in per_step],
                 median_ms=_ms(_median(per_step)),
+                min_ms=_ms(min(per_step) if per_step else None),
                 p10_ms=_ms(_quantile(per_step, 0.1)),
                 p90_ms=_ms(_quantile(per_step, 0.9)),
                 losses=rec["losses"],
@@ -355,6 +356,27 @@ def _profile(args: argparse.Namespace, out_prefix: Path) -> list[Path]:
                 )
                 _log(f"wrote {path}")
                 written.append(path)
+            try:
+                with Pool(n, backend, threads=args.threads, timeout=args.timeout) as pool:
+                    pool.call(systems.setup, cfg, args.seed, 8, args.kernel)
+                    per_rank = pool.call(systems.parts, max(2 * args.profile_steps, 3))
+            except PoolError as exc:  # it reaches into zerofn's private bucket helpers
+                if args.strict:
+                    raise
+                _log(f"parts of the step not timed: {exc.short()}")
+                continue
+            path = out_prefix.with_name(f"{out_prefix.name}-parts-{model}-n{n}.txt")
+            rows = [
+                f"{label:<66} " + "  ".join(f"{r[i][1]:8.2f}" for r in per_rank)
+                for i, (label, _) in enumerate(per_rank[0])
+            ]
+            head = f"{'part (min over reps, ms)':<66} " + "  ".join(f"{'rank ' + str(r):>8}" for r in range(n))
+            path.write_text(
+                f"# the parts of a step timed alone: {model}, N={n}, {backend}, {args.threads} thread(s) per rank\n"
+                f"{head}\n" + "\n".join(rows).replace("     nan", "        ") + "\n"
+            )
+            _log(f"wrote {path}")
+            written.append(path)
     return written
 
 

@@ -273,6 +273,7 @@ class DeepSpeedSystem(System):
             "train_micro_batch_size_per_gpu": ctx.cfg.batch,
             "gradient_accumulation_steps": 1,
             "zero_optimization": {"stage": stage},
+            "gradient_clipping": 0.0,  # DeepSpeed clips at 1.0 by default; no system here clips
             "zero_allow_untested_optimizer": True,
             "steps_per_print": 10**9,
         }
@@ -579,3 +580,142 @@ def profile(name: str, steps: int, untimed: int, row_limit: int = 45) -> dict[st
         "cprofile_cumulative": texts["cumulative"],
         "cprofile_tottime": texts["tottime"],
     }
+
+
+def parts(reps: int, bucket_numel: int = 2**20) -> list[tuple[str, float]]:
+    """Each part of a zerofn stage-2 step and of a DDP step, timed alone: min over ``reps`` (ms).
+
+    The minimum is the figure least disturbed by other load on the machine. Collective
+    parts start after a barrier, so they time the collective, not the wait for the slowest
+    rank. Uses zerofn's bucket helpers (``_rows_from_full`` and ``_full_from_rows`` are
+    private; this is a profiling aid that may need updating when they change).
+    """
+    from zerofn import checks, stages
+
+    ctx = _ctx()
+    n, device = ctx.world, ctx.device
+    model = models.build_model(ctx.cfg, ctx.seed, device)
+    lossf = models.loss_fn(ctx.cfg)
+    x, y = ctx.batches[0]
+    params = dict(model.named_parameters())
+    out: list[tuple[str, float]] = []
+
+    def timed(label: str, fn: Callable[[], Any], collective: bool = False) -> None:
+        best = math.inf
+        for _ in range(reps):
+            if collective:
+                dist.barrier()
+            _sync()
+            t0 = time.perf_counter()
+            fn()
+            _sync()
+            best = min(best, time.perf_counter() - t0)
+        out.append((label, best * 1e3))
+
+    def fwd() -> None:
+        lossf(model(x), y)
+
+    def fwd_bwd() -> None:
+        model.zero_grad(set_to_none=True)
+        lossf(model(x), y).backward()
+
+    timed("model: forward (graph built, then dropped)", fwd)
+    timed("model: forward + backward (no hooks, no DDP)", fwd_bwd)
+    fwd_bwd()
+    grads = {name: p.grad.detach().clone() for name, p in params.items()}
+    detached = {name: p.detach().clone() for name, p in params.items()}
+    state = zf.shard_params(detached, zf.optim.adamw(**_adamw_kwargs("fused")))
+    layout = state.layout
+    buckets = layout.buckets(bucket_numel)
+    dtype = torch.float32
+    out.append((f"  ({len(buckets)} buckets of <= {bucket_numel:,} elements, {len(layout.params)} params)", math.nan))
+
+    def flatten() -> list[torch.Tensor]:
+        rows = [stages._rows_from_full(grads, layout, b, dtype, device) for b in buckets]
+        for r in rows:
+            r.mul_(1.0 / n)
+        return rows
+
+    timed("zerofn reduce: flatten grads into rank-major buckets + x1/N", flatten)
+    rows = flatten()
+    timed("zerofn reduce: all_reduce of the buckets (gloo default)", lambda: [dist.all_reduce(r) for r in rows], True)
+    timed(
+        "zerofn reduce: reduce_scatter of the buckets (byte-optimal)",
+        lambda: [zf.comm.sum_rows(r, None, "reduce_scatter").wait() for r in rows],
+        True,
+    )
+    present = set(layout.names)
+    shards: dict[str, torch.Tensor] = {}
+
+    def split() -> None:
+        for b, r in zip(buckets, rows, strict=True):
+            shards.update(stages.split_bucket_row(r[ctx.rank], layout, b, present))
+
+    timed("zerofn reduce: cut own row into shards (clone)", split)
+    timed("zerofn reduce: reduce_grads() whole (check + all above)", lambda: zf.reduce_grads(grads, layout), True)
+    timed(
+        "zerofn reduce: check_ranks_agree (tiny all_gather)", lambda: checks.check_ranks_agree(layout, None, "x"), True
+    )
+    gshards = zf.reduce_grads(grads, layout)
+    timed(
+        "zerofn step: global norm, float64 per param + scalar all_reduce",
+        lambda: stages._global_norm(gshards, 2.0, None, device),
+        True,
+    )
+    st = {"s": state}
+
+    def adam_shards() -> None:
+        s = st["s"]
+        master, opt_state = s.optimizer.update(dict(gshards), s.opt_state, s.master, donate=True)
+        st["s"] = s.replace(master=zf.FrozenDict(master), opt_state=opt_state)
+
+    timed("zerofn step: fused AdamW kernel on the shards (Ψ/N)", adam_shards)
+    timed(
+        "zerofn step: step_shards() whole (donate=True)",
+        lambda: st.update(s=zf.step_shards(st["s"], dict(gshards), donate=True)[0]),
+        True,
+    )
+    s = st["s"]
+    cat_rows = [torch.cat([s.master[name] for name in b.names]) for b in buckets]
+    timed(
+        "zerofn gather: cat master shards into bucket rows",
+        lambda: [torch.cat([s.master[name] for name in b.names]) for b in buckets],
+    )
+    timed(
+        "zerofn gather: one broadcast per rank per bucket (gloo default)",
+        lambda: [zf.comm.gather_rows(r, None, "broadcast").wait() for r in cat_rows],
+        True,
+    )
+    timed(
+        "zerofn gather: all_gather per bucket (byte-optimal)",
+        lambda: [zf.comm.gather_rows(r, None, "all_gather").wait() for r in cat_rows],
+        True,
+    )
+    gathered = [zf.comm.gather_rows(r, None, "broadcast").wait() for r in cat_rows]
+
+    def unflatten() -> None:
+        with torch.no_grad():
+            for b, g in zip(buckets, gathered, strict=True):
+                for name, col in zip(b.names, b.offsets, strict=True):
+                    stages._full_from_rows(g, layout[name], col, params[name])
+
+    timed("zerofn gather: copy gathered rows into the params", unflatten)
+    timed("zerofn gather: gather_params(out=params) whole", lambda: zf.gather_params(s, out=params), True)
+    # DDP's side: one all-reduce of Ψ in its 25 MiB buckets, AdamW over all of Ψ.
+    flat = torch.cat([g.reshape(-1) for g in grads.values()])
+    chunk = 25 * 2**20 // 4
+    ddp_buckets = [flat[i : i + chunk].clone() for i in range(0, flat.numel(), chunk)]
+    timed(
+        f"DDP: all_reduce of Ψ in {len(ddp_buckets)} x 25 MiB buckets",
+        lambda: [dist.all_reduce(b) for b in ddp_buckets],
+        True,
+    )
+    flat2 = torch.empty_like(flat)
+    timed("DDP: copy grads into / out of its buckets (2 x Ψ memcpy)", lambda: [flat2.copy_(flat), flat.copy_(flat2)])
+    for name, p in params.items():
+        p.grad = grads[name]
+    for kernel in ("fused", "foreach"):
+        opt = torch.optim.AdamW(params.values(), **_adamw_kwargs(kernel))
+        opt.step()  # state
+        timed(f"DDP: AdamW({kernel}=True) on all of Ψ", opt.step)
+    return out
