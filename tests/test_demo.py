@@ -17,7 +17,6 @@ from conftest import get_world
 
 from zerofn import demo
 from zerofn.__main__ import build_parser, main
-from zerofn.testing import World
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")
@@ -190,10 +189,64 @@ def _exec_readme_loop(code: str) -> tuple[float, int, dict[str, list[float]]]:
 
 def test_readme_functional_loop_runs_on_two_ranks() -> None:
     code = _readme_block("## The functional training loop")
-    with World(2) as world:
-        results = world.run(_exec_readme_loop, code)
+    results = get_world(2).run(_exec_readme_loop, code)
     assert results[0] == results[1]  # params identical on every rank after gather_params
     assert results[0][1] == 20
+
+
+def _exec_readme_facade(code: str) -> dict[str, Any]:
+    """Run the README's facade loop on this rank; what it ends with."""
+    scope: dict[str, Any] = {"__name__": "readme"}
+    exec(code, scope)
+    model, optimizer = scope["model"], scope["optimizer"]
+    return {
+        "step": optimizer.state.step,
+        "params": {n: p.detach().reshape(-1).tolist() for n, p in model.named_parameters()},
+        "first_grad": tuple(scope["first_grad"].shape),
+        "lr": optimizer.param_groups[0]["lr"],
+        "grads_freed": all(p.grad is None for p in model.parameters()),
+    }
+
+
+def test_readme_facade_loop_runs_on_two_ranks() -> None:
+    code = _readme_block("## The facade (ZeroOptimizer)")
+    assert "ZeroOptimizer(" in code and "no_sync()" in code and "get_param_grad" in code
+    results = get_world(2).run(_exec_readme_facade, code)
+    assert results[0] == results[1]  # the same weights on every rank after step()
+    r = results[0]
+    assert r["step"] == 20
+    assert r["first_grad"] == (32, 16)  # the full gradient of model[0].weight, gathered
+    assert r["lr"] == pytest.approx(0.0, abs=1e-12)  # the cosine schedule ran its 20 steps
+    assert r["grads_freed"]
+
+
+def _exec_readme_checkpoints(code: str, where: str) -> dict[str, Any]:
+    """Run the README's two loops and its checkpoint block in ``where``; what they leave."""
+    old = os.getcwd()
+    os.chdir(where)  # the block writes to relative paths; every rank in the same folder
+    try:
+        scope: dict[str, Any] = {"__name__": "readme"}
+        exec(code, scope)
+        folder = Path("checkpoints")
+        return {
+            "step": scope["state"].step,
+            "facade_step": scope["optimizer"].state.step,
+            "plain_step": float(scope["plain"].state_dict()["state"][0]["step"]),
+            "links": sorted(p.name for p in folder.iterdir() if p.is_symlink()),
+            "params": {n: p.reshape(-1).tolist() for n, p in scope["params"].items()},
+        }
+    finally:
+        os.chdir(old)
+
+
+def test_readme_checkpoint_block_runs_after_both_loops(tmp_path: Path) -> None:
+    blocks = ("## The functional training loop", "## The facade (ZeroOptimizer)", "## Checkpoints")
+    code = "\n".join(_readme_block(heading) for heading in blocks)
+    results = get_world(2).run(_exec_readme_checkpoints, code, str(tmp_path))
+    assert results[0] == results[1]
+    r = results[0]
+    assert (r["step"], r["facade_step"], r["plain_step"]) == (20, 20, 20.0)
+    assert r["links"] == ["facade", "functional"]  # each path is a symlink to its last save
 
 
 def test_config_rejects_what_the_command_line_rejects() -> None:
