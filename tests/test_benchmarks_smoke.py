@@ -97,10 +97,14 @@ def test_zerofn_bytes_equal_the_formula_of_the_realisation(quick_results: tuple[
         else:  # gloo's default policy: all-reduce for the reduce, one broadcast per rank for the gather
             assert by["all_reduce"] == 2 * (N - 1) * shard_elems * b
             assert by["broadcast"] == (N - 1) * shard_elems * b
-        assert by["scalars"] == 2 * ((N - 1) * 16 // N)  # norm + overflow flag, float64
-        assert 0 < by["check"] <= 256
+        # Beyond the buckets only O(1) bytes: the rank-agreement check and the norm scalars.
+        small = {k: v for k, v in by.items() if k in ("check", "scalars")}
+        assert set(by) - set(small) == (
+            {"reduce_scatter", "all_gather"} if name.endswith("byteopt") else {"all_reduce", "broadcast"}
+        )
+        assert 0 <= sum(small.values()) <= 256
         assert s["bytes_sent"] == sum(by.values())
-        assert s["bytes_extra"] == by["scalars"] + by["check"]
+        assert s["bytes_extra"] == sum(small.values())
         # The harness's wrapper around torch.distributed sees the same collectives.
         assert s["python_bytes"] == s["zerofn_bytes"]
 
@@ -111,8 +115,8 @@ def test_state_bytes_are_the_sharded_adamw_state(quick_results: tuple[dict, Path
     for name in ZEROFN_SYSTEMS:
         s = run["systems"][name]
         shard_elems = s["describe"][0]["shard_elems"]
-        # master + exp_avg + exp_avg_sq (fp32) per shard element, plus one fp32 step per tensor
-        assert s["state_master_bytes"] == 12 * shard_elems + 4 * n_params
+        # master + exp_avg + exp_avg_sq (fp32) per shard element, plus at most one fp32 step per tensor
+        assert 12 * shard_elems <= s["state_master_bytes"] <= 12 * shard_elems + 4 * n_params
         assert s["state_theory"] == 12 * math.ceil(run["psi"] / N)
 
 
