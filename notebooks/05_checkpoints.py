@@ -137,7 +137,8 @@ world.close()  # stop the 2 worker processes
 for r, got in enumerate(before):
     print(f"rank {r} of 2 saved master shards of shape {got['shapes']}")
 target = os.path.realpath(path)
-print(f"\nckpt -> {os.path.basename(target)}/  (in a temporary folder)")
+token = os.path.basename(target).removeprefix("ckpt.")
+print(f"\nckpt -> ckpt.<token>/   (a symlink; the token is {len(token)} random hex digits, new at every save)")
 for name in sorted(os.listdir(target)):
     print(f"  {name:14s} {os.path.getsize(os.path.join(target, name)):>7,} B")
 

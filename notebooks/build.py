@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import base64
 import contextlib
+import hashlib
 import json
 import os
 import sys
@@ -48,6 +49,17 @@ def read_source(py: Path):  # -> nbformat.NotebookNode
     nb = jupytext.read(py, fmt="py:percent")
     nb.metadata.pop("jupytext", None)
     nb.metadata["kernelspec"] = dict(KERNELSPEC)
+    # Cell ids from the cell's content (nbformat would draw random ones): a rebuild of an
+    # unchanged notebook rewrites an identical file, and an edit changes only its cell's id.
+    seen: set[str] = set()
+    for cell in nb.cells:
+        digest = hashlib.sha1(f"{cell.cell_type}:{cell.source}".encode()).hexdigest()
+        cell_id = digest[:8]
+        while cell_id in seen:
+            digest = hashlib.sha1(digest.encode()).hexdigest()
+            cell_id = digest[:8]
+        seen.add(cell_id)
+        cell["id"] = cell_id
     return nb
 
 
@@ -72,10 +84,15 @@ def kernel_manager() -> Iterator[object]:
         }
         (spec_dir / "kernel.json").write_text(json.dumps(spec))
         ksm = KernelSpecManager(kernel_dirs=[tmp], ensure_native_kernel=False)
-        # IPC sockets in the temporary folder: local only, and no "running over TCP without
-        # encryption" warning from the kernel.
+        # The connection file and IPC sockets live in the temporary folder too: nothing is
+        # written to Jupyter's runtime directory, the sockets are local only, and the kernel
+        # does not warn about "running over TCP without encryption".
         yield AsyncKernelManager(
-            kernel_name=KERNEL_NAME, kernel_spec_manager=ksm, transport="ipc", ip=str(Path(tmp) / "kernel")
+            kernel_name=KERNEL_NAME,
+            kernel_spec_manager=ksm,
+            connection_file=str(Path(tmp) / "connection.json"),
+            transport="ipc",
+            ip=str(Path(tmp) / "kernel"),
         )
 
 
