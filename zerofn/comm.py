@@ -131,7 +131,7 @@ class CommPolicy:
 # --------------------------------------------------------------------------- counting
 
 
-@dataclass
+@dataclass(eq=False)  # identity, not value: nested counters are told apart on the stack
 class CommCounter:
     """Bytes this rank sent, total and per collective kind, while the counter was active."""
 
