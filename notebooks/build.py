@@ -111,18 +111,21 @@ def execute(nb, *, cell_timeout: int = CELL_TIMEOUT_S) -> None:
             record_timing=False,
             resources={"metadata": {"path": str(HERE)}},
         )
-        client.execute(cleanup_kc=True)  # we made the manager, so say: shut the kernel down after
+        # Inline PNGs whatever MPLBACKEND the caller has set (e.g. Agg would drop every plot).
+        env = {**os.environ, "MPLBACKEND": "module://matplotlib_inline.backend_inline"}
+        client.execute(cleanup_kc=True, env=env)  # we made the manager: shut the kernel down after
     nb.metadata["kernelspec"] = dict(KERNELSPEC)
 
 
 def readme_figure(nb) -> bytes | None:
-    """The PNG of the cell tagged ``readme-figure``, if the notebook has one."""
+    """The PNG of the cell tagged ``readme-figure``; None if no cell has the tag."""
     for cell in nb.cells:
         if README_FIGURE_TAG in cell.get("metadata", {}).get("tags", []):
             for out in cell.get("outputs", []):
                 png = out.get("data", {}).get("image/png")
                 if png:
                     return base64.b64decode(png)
+            raise RuntimeError(f"the cell tagged {README_FIGURE_TAG!r} drew no PNG")
     return None
 
 
