@@ -576,7 +576,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     new_state.loss_scale.scale,
                 )
             return
-        gather_params(new_state, self._group, bucket_numel=self._bucket_numel, policy=self._policy, out=self._params)
+        # The layout and bucket size were confirmed on every rank at construction.
+        gather_params(
+            new_state, self._group, bucket_numel=self._bucket_numel, policy=self._policy, out=self._params, check=False
+        )
 
     def update_master_params(self, model: torch.nn.Module | None = None) -> None:
         """Re-read the master shards from the model's current params (after editing weights)."""

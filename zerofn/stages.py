@@ -542,6 +542,7 @@ def gather_params(
     bucket_numel: int = DEFAULT_BUCKET_NUMEL,
     policy: CommPolicy | None = None,
     out: Mapping[str, torch.Tensor] | None = None,
+    check: bool = True,
 ) -> dict[str, torch.Tensor]:
     """All ranks' master shards, gathered into full params in their working dtypes.
 
@@ -559,6 +560,9 @@ def gather_params(
       out: explicit donation of destination tensors: name -> tensor of the param's
         shape and dtype (e.g. the model's own parameters) to write into in place instead
         of allocating new ones. Validated before any collective.
+      check: confirm with one tiny all-gather that every rank has the same layout and
+        bucket size (the default). A caller that has confirmed it once for this layout
+        and group, as the facade does at construction, may pass False to save the round trip.
 
     Returns:
       A new dict name -> full param (layout order, original shape, working dtype, on the
@@ -566,8 +570,9 @@ def gather_params(
       caller owns fresh tensors that nothing in ``state`` aliases; with ``out`` the
       values are ``out``'s tensors.
 
-    Collectives: one tiny ``all_gather`` (rank agreement), then per bucket one
-    ``all_gather`` (NCCL) or one ``broadcast`` per rank (gloo) of ``S`` elements each.
+    Collectives: one tiny ``all_gather`` (rank agreement, unless ``check=False``), then
+    per bucket one ``all_gather`` (NCCL) or one ``broadcast`` per rank (gloo) of ``S``
+    elements each.
     """
     layout = state.layout
     checks.validate_world(layout, group, "gather_params")
@@ -576,7 +581,8 @@ def gather_params(
     device = state.work_device
     if out is not None:
         checks.validate_out(out, layout, "gather_params")
-    checks.check_ranks_agree(layout, group, "gather_params", settings={"bucket_numel": bucket_numel}, device=device)
+    if check:
+        checks.check_ranks_agree(layout, group, "gather_params", settings={"bucket_numel": bucket_numel}, device=device)
     how = (policy or CommPolicy()).resolve(group)[1]
     result = {
         s.name: out[s.name] if out is not None else torch.empty(s.shape, dtype=s.dtype, device=device)
