@@ -24,7 +24,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import zerofn as zf
-from zerofn import checkpoint  # a submodule: `import zerofn` alone does not load it
 from zerofn.testing import World
 
 torch.set_num_threads(1)
@@ -73,7 +72,7 @@ for r in range(3):
 #
 # Each step uses a global batch of 96 samples, split evenly over the ranks (48 each at
 # $N = 2$, 32 each at $N = 3$), so every world size computes the mean gradient of the
-# same 96 samples. At step 20 the ranks save: `checkpoint.save(path, state, params=...)`
+# same 96 samples. At step 20 the ranks save: `zf.checkpoint.save(path, state, params=...)`
 # writes every rank's shards and the model weights, checksums every file, and commits by
 # atomically pointing the symlink `path` at the new directory.
 #
@@ -121,8 +120,8 @@ def first_run(model, path):
     params = {k: v.detach() for k, v in model.named_parameters()}
     state = zf.shard_params(params, zf.optim.adamw(lr=1e-2))
     state, params, losses = train(state, params, 0, SAVE_AT)
-    checkpoint.save(path, state, params=params)
-    saved = checkpoint.full_state_dict(state)  # the whole state, gathered: for the check at the end
+    zf.checkpoint.save(path, state, params=params)
+    saved = zf.checkpoint.full_state_dict(state)  # the whole state, gathered: for the check at the end
     _, final, more = train(state, params, SAVE_AT, STEPS)  # the run that never stopped
     shapes = {k: tuple(v.shape) for k, v in state.master.items()}
     return {"shapes": shapes, "saved": saved, "losses": losses + more, "final": final}
@@ -152,7 +151,7 @@ for name in sorted(os.listdir(target)):
 # ## Resume on 3 ranks
 #
 # A fresh `World(3)`: three new processes that know nothing but the model's shapes.
-# `checkpoint.load` builds the 3-rank layout, reads the overlapping pieces, and fills
+# `zf.checkpoint.load` builds the 3-rank layout, reads the overlapping pieces, and fills
 # the model weights in place (`params_out`); the optimizer and its hyperparameters come
 # from the checkpoint.
 
@@ -161,8 +160,8 @@ for name in sorted(os.listdir(target)):
 def resume(model, path):
     like = {k: v.detach() for k, v in model.named_parameters()}  # names, shapes, dtypes
     params = {k: torch.full_like(v, float("nan")) for k, v in like.items()}  # overwritten by the load
-    state = checkpoint.load(path, like, params_out=params)
-    loaded = checkpoint.full_state_dict(state)
+    state = zf.checkpoint.load(path, like, params_out=params)
+    loaded = zf.checkpoint.full_state_dict(state)
     shapes = {k: tuple(v.shape) for k, v in state.master.items()}
     state, final, losses = train(state, params, SAVE_AT, STEPS)
     return {"shapes": shapes, "loaded": loaded, "losses": losses, "final": final, "step": state.step}
