@@ -9,6 +9,8 @@ collective was issued, that no input changed, and that the group works afterward
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -149,3 +151,47 @@ def _none_or_missing():
 def test_none_and_missing_gradients_agree_across_ranks(world):
     names = ["a.weight", "a.bias", "b.weight"]
     assert world.run(_none_or_missing) == [names] * world.world_size
+
+
+# --------------------------------------------------------------------------- one rank's bad input
+
+
+def _one_rank_rejects(stage_fn: str) -> str:
+    """Rank 1 alone passes a bad input; every rank must raise, none may wait in a collective."""
+    params = {"w": torch.ones(6), "b": torch.ones(3)}
+    state = zf.shard_params(params, zf.optim.sgd(lr=0.1))
+    bad = dist.get_rank() == 1
+    try:
+        if stage_fn == "reduce_grads":
+            grads = {"w": torch.ones(5 if bad else 6), "b": torch.ones(3)}  # wrong shape on rank 1 only
+            zf.reduce_grads(grads, state.layout)
+        else:
+            shards = zf.reduce_grads({"w": torch.ones(6), "b": torch.ones(3)}, state.layout)
+            if bad:
+                shards = {"w": torch.ones(99), "b": shards["b"]}
+            zf.step_shards(state, shards)
+    except (ValueError, zf.RankMismatchError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+@pytest.mark.parametrize("stage_fn", ["reduce_grads", "step_shards"])
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_a_bad_input_on_one_rank_makes_every_rank_raise_at_once(worlds, n, stage_fn):
+    start = time.monotonic()
+    messages = worlds[n].run(_one_rank_rejects, stage_fn)
+    assert time.monotonic() - start < 30  # far below the 60 s process-group timeout: nobody waited
+    assert messages[1].startswith("ValueError") and "rank 1" in messages[1]
+    for r, m in enumerate(messages):
+        if r != 1:
+            assert m.startswith("RankMismatchError") and "rank 1 rejected its input" in m, m
+    # Every rank left the call cleanly: the same group carries on with a normal step.
+    restarts = worlds[n].restarts
+    assert worlds[n].run(_normal_step) == [1] * n
+    assert worlds[n].restarts == restarts
+
+
+def _normal_step() -> int:
+    state = zf.shard_params({"w": torch.ones(6)}, zf.optim.sgd(lr=0.1))
+    state, _ = zf.step_shards(state, zf.reduce_grads({"w": torch.ones(6)}, state.layout))
+    return state.step

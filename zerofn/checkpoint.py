@@ -258,7 +258,14 @@ def _optimizer_for(
             "load it with the optimizer that saved it"
         )
     known = set(optimizer.defaults)
-    groups = [{"params": names_of(g["params"]), **{k: v for k, v in g.items() if k in known}} for g in saved_groups]
+    # JSON (the sharded checkpoint's metadata) turns tuples such as betas into lists.
+    groups = [
+        {
+            "params": names_of(g["params"]),
+            **{k: tuple(v) if isinstance(v, list) else v for k, v in g.items() if k in known},
+        }
+        for g in saved_groups
+    ]
     return dataclasses.replace(optimizer, groups=optim._make_groups(optimizer.name, groups))
 
 
@@ -401,8 +408,9 @@ def save(
     group: Group = None,
     *,
     params: Mapping[str, torch.Tensor] | None = None,
+    replicate_group: Group = None,
     _before_commit: Callable[[], None] | None = None,
-) -> str:
+) -> str | None:
     """Write a sharded, world-size-free checkpoint of ``state`` (and ``params``) to ``path``.
 
     Each rank writes only its shards (DCP); replicated values (model ``params``, step
@@ -414,12 +422,19 @@ def save(
       state: this rank's ZeroState.
       group: the sharding group; every rank of it must call ``save``.
       params: optional full model weights (name -> tensor) to store alongside.
+      replicate_group: for a hybrid layout, the ranks holding the same shards as this
+        one; only the shard group whose members are rank 0 of their replicate groups
+        writes, the others wait for the commit. Every rank of the world calls ``save``.
 
     Returns:
-      The directory the checkpoint was written to.
+      The directory the checkpoint was written to (``None`` on ranks that only waited).
 
-    Collectives: a broadcast of the directory name, DCP's plan exchange, two barriers.
+    Collectives: a broadcast of the directory name, DCP's plan exchange, two barriers
+    (within ``group``); with replicas one more barrier over ``replicate_group``.
     """
+    if replicate_group is not None and comm.group_rank(replicate_group) != 0:
+        comm.barrier(replicate_group)  # a replica: the first shard group writes the same shards
+        return None
     path = os.path.abspath(os.fspath(path))
     if os.path.isdir(path) and not os.path.islink(path):
         raise CheckpointError(f"{path} is a plain directory; zerofn manages checkpoint paths as symlinks")
@@ -487,6 +502,8 @@ def save(
         if previous and previous != target and os.path.isdir(previous):
             shutil.rmtree(previous, ignore_errors=True)
     comm.barrier(group)
+    if replicate_group is not None:
+        comm.barrier(replicate_group)  # release the replicas: the checkpoint is committed
     return target
 
 

@@ -160,27 +160,68 @@ def check_ranks_agree(
     present: list[str] | None = None,
     settings: Mapping[str, int] | None = None,
     device: torch.device | str = "cpu",
+    failure: Exception | None = None,
 ) -> None:
     """Confirm every rank has the same layout, gradient set and settings, or raise.
 
-    Cost: one ``all_gather`` of ``2 + len(settings)`` int64 values per call (a few
+    ``failure`` is this rank's local validation error, if any: it travels in the same
+    all-gather as a flag, so when any rank rejected its input *every* rank raises (that
+    rank its own error, the others a :class:`RankMismatchError` quoting it) and none is
+    left waiting in a collective.
+
+    Cost: one ``all_gather`` of ``3 + len(settings)`` int64 values per call (a few
     dozen bytes; on gloo tens of microseconds), plus hashing the names of ``present``.
     Only when ranks differ does a second, slower object all-gather collect the details
     for the message; every rank sees the same table, so all raise together.
     """
     settings = dict(settings or {})
-    values = [layout.fingerprint_int, _names_hash(present) if present is not None else 0, *settings.values()]
+    values = [
+        layout.fingerprint_int,
+        _names_hash(present) if present is not None else 0,
+        int(failure is not None),
+        *settings.values(),
+    ]
     table = comm.all_gather_ints(values, group, device=device)
-    if bool((table == table[0]).all()):
+    if bool((table == table[0]).all()) and failure is None:
         return
     mine: dict[str, Any] = {
         "params": [(p.name, p.shape, str(p.dtype)) for p in layout.params],
         "world_size": layout.world_size,
         "present": present,
         "settings": settings,
+        "failure": None if failure is None else f"{type(failure).__name__}: {failure}",
     }
     everyone = comm.all_gather_objects(mine, group)
+    if failure is not None:
+        raise failure
+    failed = [(r, e["failure"]) for r, e in enumerate(everyone) if e["failure"] is not None]
+    if failed:
+        r, why = failed[0]
+        raise RankMismatchError(
+            f"{where}: rank {r} rejected its input ({why}), so no rank exchanged anything; fix the input on that rank"
+        )
     raise RankMismatchError(f"{where}: ranks disagree before any shard was exchanged. {_explain(everyone)}")
+
+
+def validate_replicas(replicate_group: comm.Group, where: str) -> None:
+    """A replicate group, when given, must contain this rank."""
+    if replicate_group is not None:
+        comm.group_rank(replicate_group)  # raises for a group this rank is not in
+
+
+def validate_bucket_dtypes(
+    buckets: Iterable[Any], grad_dtypes: Mapping[str, torch.dtype], group: comm.Group, where: str
+) -> None:
+    """All present gradients of one bucket must share a dtype (a bucket is one flat buffer)."""
+    for bucket in buckets:
+        kinds = {grad_dtypes[n] for n in bucket.names if n in grad_dtypes}
+        if len(kinds) > 1:
+            listing = ", ".join(f"{n!r}: {grad_dtypes[n]}" for n in bucket.names if n in grad_dtypes)
+            raise ValueError(
+                f"{where} on rank {comm.group_rank(group)}: the params of one bucket have gradients "
+                f"in different dtypes ({listing}); give them all in the params' dtype or all in the "
+                "accumulation dtype"
+            )
 
 
 def _explain(everyone: list[Any]) -> str:

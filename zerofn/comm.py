@@ -65,6 +65,7 @@ __all__ = [
     "gather_rows",
     "group_rank",
     "group_size",
+    "sum_across",
     "sum_rows",
 ]
 
@@ -240,6 +241,21 @@ def sum_rows(rows: torch.Tensor, group: Group, how: str, *, async_op: bool = Fal
         _record("all_reduce", 2 * _ring_share(n, n * s, elem))
         return Pending([handle], lambda: rows[rank])
     raise ValueError(f"unknown reduce realisation {how!r}")
+
+
+def sum_across(t: torch.Tensor, group: Group) -> torch.Tensor:
+    """Sum a contiguous tensor in place over ``group`` (the replicas of a hybrid layout).
+
+    Returns ``t``. Collectives: one ``all_reduce`` of ``t.numel()`` elements (none for a
+    group of one or ``None``, which here means "no replicas", not the default group).
+    """
+    if group is None:
+        return t
+    n = group_size(group)
+    if n > 1:
+        dist.all_reduce(t, group=group)
+        _record("all_reduce", 2 * _ring_share(n, t.numel(), t.element_size()))
+    return t
 
 
 def gather_rows(row: torch.Tensor, group: Group, how: str, *, async_op: bool = False) -> Pending:

@@ -53,6 +53,7 @@ __all__ = [
     "shard_params",
     "split_bucket_row",
     "step_shards",
+    "sum_over_replicas",
 ]
 
 DEFAULT_BUCKET_NUMEL = 2**20
@@ -204,6 +205,7 @@ def launch_bucket_reduce(
     *,
     comm_dtype: torch.dtype | None = None,
     async_op: bool = False,
+    replicas: int = 1,
 ) -> comm.Pending:
     """Start averaging one bucket of full gradients over the group (a building block).
 
@@ -213,7 +215,8 @@ def launch_bucket_reduce(
     accumulation dtype such as float32; all present members must share it), multiplied by
     ``1/N`` in that dtype *before* the sum, as DDP does, so low-precision sums do not
     overflow, and then cast to the wire dtype (the seed's order). Absent members
-    contribute zeros.
+    contribute zeros. With ``replicas > 1`` (a hybrid layout) the factor is
+    ``1/(N * replicas)`` and :func:`sum_over_replicas` completes the mean.
 
     Returns:
       A :class:`~zerofn.comm.Pending` whose ``wait()`` is this rank's ``(bucket.shard_numel,)``
@@ -224,11 +227,25 @@ def launch_bucket_reduce(
     present = [g for g in (grads.get(n) for n in bucket.names) if g is not None]
     dtype, device = present[0].dtype, present[0].device
     rows = _rows_from_full(grads, layout, bucket, dtype, device)
-    rows.mul_(1.0 / layout.world_size)
+    rows.mul_(1.0 / (layout.world_size * replicas))
     wire = comm_dtype if comm_dtype is not None else layout[bucket.names[0]].dtype
     if wire != dtype:
         rows = rows.to(wire)
     return comm.sum_rows(rows, group, how, async_op=async_op)
+
+
+def sum_over_replicas(row: torch.Tensor, replicate_group: Group) -> torch.Tensor:
+    """Finish a hybrid reduction: add the replicas' copies of this rank's reduced row.
+
+    Ranks with the same position in their shard groups hold the same shards; summing
+    their rows (each already scaled by ``1/(N * R)``) gives the mean over all ``N * R``
+    ranks. A no-op when ``replicate_group`` is ``None``.
+
+    Collectives: one ``all_reduce`` of the row over ``replicate_group``.
+    """
+    if replicate_group is None:
+        return row
+    return comm.sum_across(row.contiguous(), replicate_group)
 
 
 def split_bucket_row(
@@ -267,6 +284,7 @@ def reduce_grads(
     policy: CommPolicy | None = None,
     comm_dtype: torch.dtype | None = None,
     precision: PrecisionPolicy | None = None,
+    replicate_group: Group = None,
 ) -> FrozenDict[torch.Tensor]:
     """Average full local gradients over the group and keep this rank's shards.
 
@@ -295,41 +313,47 @@ def reduce_grads(
         float32-accumulated gradients, unless told otherwise).
       precision: the state's :class:`~zerofn.precision.PrecisionPolicy`
         (``state.policy``), for the wire and accumulation dtypes; ``None``: the default.
+      replicate_group: for a hybrid layout, the group of ranks that hold the same shards
+        as this one (one per shard group); gradients are then averaged over all
+        ``N * R`` ranks. ``None`` (default): no replicas. Note the asymmetry with
+        ``group``: here ``None`` does not mean the default group.
 
     Returns:
       name -> ``(shard_numel,)`` mean-gradient shard in the dtype the gradient came in
       (cast back from the wire), for the names that had gradients (in layout order).
       Padding elements are zero.
 
-    Collectives: one tiny ``all_gather`` (rank agreement, see ``check_ranks_agree``), then
-    per bucket one ``reduce_scatter`` (stage 2, NCCL) or one ``all_reduce`` (stage 1, or
-    stage 2 on gloo) of ``N*S`` elements.
+    Collectives: one tiny ``all_gather`` (rank agreement and input verdict, see
+    ``check_ranks_agree``), then per bucket one ``reduce_scatter`` (stage 2, NCCL) or one
+    ``all_reduce`` (stage 1, or stage 2 on gloo) of ``N*S`` elements, and with replicas
+    one ``all_reduce`` of ``S`` elements over ``replicate_group``.
     """
-    if stage not in (1, 2):
-        raise ValueError(f"reduce_grads: stage must be 1 or 2, got {stage!r}")
-    if not isinstance(bucket_numel, int) or bucket_numel <= 0:
-        raise ValueError(f"reduce_grads: bucket_numel must be a positive int (elements), got {bucket_numel!r}")
-    if precision is not None and not isinstance(precision, PrecisionPolicy):
-        raise TypeError(
-            f"reduce_grads: precision must be a zerofn.PrecisionPolicy (state.policy) or None, "
-            f"got {type(precision).__name__}"
-        )
-    precision = precision or DEFAULT_POLICY
-    comm_dtype = comm_dtype if comm_dtype is not None else precision.comm_dtype
-    checks.validate_world(layout, group, "reduce_grads")
-    accum = precision.grad_accum_dtype_for
-    present = checks.validate_grads(grads, layout, group, "reduce_grads", accum_dtype_for=accum)
-    buckets = layout.buckets(bucket_numel)
-    grad_dtypes = {n: grads[n].dtype for n in present}  # type: ignore[union-attr]
-    for bucket in buckets:
-        kinds = {grad_dtypes[n] for n in bucket.names if n in grad_dtypes}
-        if len(kinds) > 1:
-            listing = ", ".join(f"{n!r}: {grad_dtypes[n]}" for n in bucket.names if n in grad_dtypes)
-            raise ValueError(
-                f"reduce_grads on rank {comm.group_rank(group)}: the params of one bucket have gradients "
-                f"in different dtypes ({listing}); give them all in the params' dtype or all in the "
-                "accumulation dtype"
+    comm.group_rank(group)  # a rank outside the group cannot take part: raise here, alone
+    # Local validation first; its verdict travels in the agreement all-gather, so a bad
+    # input on one rank makes every rank raise instead of leaving the others waiting.
+    try:
+        if stage not in (1, 2):
+            raise ValueError(f"reduce_grads: stage must be 1 or 2, got {stage!r}")
+        if not isinstance(bucket_numel, int) or isinstance(bucket_numel, bool) or bucket_numel <= 0:
+            raise ValueError(f"reduce_grads: bucket_numel must be a positive int (elements), got {bucket_numel!r}")
+        if precision is not None and not isinstance(precision, PrecisionPolicy):
+            raise TypeError(
+                f"reduce_grads: precision must be a zerofn.PrecisionPolicy (state.policy) or None, "
+                f"got {type(precision).__name__}"
             )
+        precision = precision or DEFAULT_POLICY
+        comm_dtype = comm_dtype if comm_dtype is not None else precision.comm_dtype
+        checks.validate_world(layout, group, "reduce_grads")
+        checks.validate_replicas(replicate_group, "reduce_grads")
+        present = checks.validate_grads(
+            grads, layout, group, "reduce_grads", accum_dtype_for=precision.grad_accum_dtype_for
+        )
+        buckets = layout.buckets(bucket_numel)
+        grad_dtypes = {n: grads[n].dtype for n in present}  # type: ignore[union-attr]
+        checks.validate_bucket_dtypes(buckets, grad_dtypes, group, "reduce_grads")
+        failure: Exception | None = None
+    except (TypeError, ValueError, KeyError) as e:
+        failure, present, grad_dtypes = e, [], {}
     device = next((grads[n].device for n in present), torch.device("cpu"))  # type: ignore[union-attr]
     checks.check_ranks_agree(
         layout,
@@ -337,21 +361,25 @@ def reduce_grads(
         "reduce_grads",
         present=present,
         settings={
-            "stage": stage,
-            "bucket_numel": bucket_numel,
+            "stage": stage if isinstance(stage, int) else -1,
+            "bucket_numel": bucket_numel if isinstance(bucket_numel, int) else -1,
             "comm_dtype": checks.dtype_code(comm_dtype),
             "grad_dtypes": checks.dtypes_mask(set(grad_dtypes.values())),
+            "replicas": comm.group_size(replicate_group) if replicate_group is not None else 1,
         },
         device=device,
+        failure=failure,
     )
     how = reduce_realisation(stage, group, policy)
+    replicas = comm.group_size(replicate_group) if replicate_group is not None else 1
     present_set = set(present)
     out: dict[str, torch.Tensor] = {}
     for bucket in buckets:
         members = [n for n in bucket.names if n in present_set]
         if not members:
             continue
-        row = launch_bucket_reduce(grads, layout, bucket, group, how, comm_dtype=comm_dtype).wait()
+        row = launch_bucket_reduce(grads, layout, bucket, group, how, comm_dtype=comm_dtype, replicas=replicas).wait()
+        row = sum_over_replicas(row, replicate_group)
         out.update(split_bucket_row(row, layout, bucket, present_set, dtype=grad_dtypes[members[0]]))
     for name in present:
         if name not in out:  # empty params travel in no bucket
@@ -365,14 +393,21 @@ def reduce_realisation(stage: int, group: Group, policy: CommPolicy | None) -> s
 
 
 def _global_norm(
-    grad_shards: Mapping[str, torch.Tensor], norm_type: float, group: Group, device: torch.device
-) -> float:
+    grad_shards: Mapping[str, torch.Tensor],
+    norm_type: float,
+    group: Group,
+    device: torch.device,
+    *,
+    rejected: bool = False,
+) -> tuple[float, bool]:
     """Global ``norm_type`` norm of the mean gradient over the group, in float64.
 
     Padding is zero, so summing over padded shards equals the norm of the full grads.
-    Returns ``inf`` if any rank holds a non-finite gradient element: the second value
-    all-reduced is that flag, so every rank learns it from the same collective.
-    Collectives: one ``all_reduce`` of two float64 values, on ``device``.
+    The norm is ``inf`` if any rank holds a non-finite gradient element: the second value
+    all-reduced is that flag, so every rank learns it from the same collective. The third
+    is ``rejected`` (this rank found its input invalid); the second return value tells
+    whether any rank did.
+    Collectives: one ``all_reduce`` of three float64 values, on ``device``.
     """
     if norm_type == 2.0:
         local = sum(
@@ -389,13 +424,13 @@ def _global_norm(
         [
             local if finite else torch.zeros_like(local),
             torch.tensor(0.0 if finite else 1.0, dtype=torch.float64, device=device),
+            torch.tensor(float(rejected), dtype=torch.float64, device=device),
         ]
     )
-    total = comm.all_reduce_scalars(packed, "sum" if norm_type == 2.0 else "max", group)
-    if float(total[1]) > 0:
-        return math.inf
-    value = float(total[0])
-    return math.sqrt(value) if norm_type == 2.0 else value
+    total = comm.all_reduce_scalars(packed, "max" if norm_type == math.inf else "sum", group).tolist()
+    if total[1] > 0:
+        return math.inf, total[2] > 0
+    return (math.sqrt(total[0]) if norm_type == 2.0 else total[0]), total[2] > 0
 
 
 def step_shards(
@@ -461,30 +496,43 @@ def step_shards(
     with ``nonfinite="raise"`` and a bad step, one object all-gather of the offending
     names before raising.
     """
-    checks.validate_world(state.layout, group, "step_shards")
-    if comm.group_rank(group) != state.rank:
-        raise ValueError(
-            f"step_shards: the state holds rank {state.rank}'s shards but this process is rank "
-            f"{comm.group_rank(group)} of the group"
-        )
-    if norm_type not in (2.0, math.inf):
-        raise ValueError(f"step_shards: norm_type must be 2.0 or math.inf, got {norm_type!r}")
-    if max_norm is not None and not (max_norm > 0 and math.isfinite(max_norm)):
-        raise ValueError(f"step_shards: max_norm must be a positive finite number or None, got {max_norm!r}")
-    for name, g in grad_shards.items():
-        if name not in state.layout:
-            raise KeyError(f"step_shards on rank {state.rank}: gradient shard for unknown param {name!r}")
-        spec = state.layout[name]
-        if tuple(g.shape) != (spec.shard_numel,):
+    comm.group_rank(group)  # a rank outside the group cannot take part: raise here, alone
+    # Validate locally, then tell the other ranks through the norm all-reduce itself (a
+    # third flag), so a bad input on one rank makes every rank raise, none waits.
+    try:
+        checks.validate_world(state.layout, group, "step_shards")
+        if comm.group_rank(group) != state.rank:
             raise ValueError(
-                f"step_shards on rank {state.rank}: shard of {name!r} has shape {tuple(g.shape)}, expected "
-                f"({spec.shard_numel},) for a param of shape {spec.shape} over {state.layout.world_size} ranks; "
-                "pass the output of reduce_grads, not full gradients"
+                f"step_shards: the state holds rank {state.rank}'s shards but this process is rank "
+                f"{comm.group_rank(group)} of the group"
             )
-        if not g.is_floating_point():
-            raise TypeError(f"step_shards on rank {state.rank}: shard of {name!r} has dtype {g.dtype}, not floating")
+        if norm_type not in (2.0, math.inf):
+            raise ValueError(f"step_shards: norm_type must be 2.0 or math.inf, got {norm_type!r}")
+        if max_norm is not None and not (max_norm > 0 and math.isfinite(max_norm)):
+            raise ValueError(f"step_shards: max_norm must be a positive finite number or None, got {max_norm!r}")
+        for name, g in grad_shards.items():
+            if name not in state.layout:
+                raise KeyError(f"step_shards on rank {state.rank}: gradient shard for unknown param {name!r}")
+            spec = state.layout[name]
+            if tuple(g.shape) != (spec.shard_numel,):
+                raise ValueError(
+                    f"step_shards on rank {state.rank}: shard of {name!r} has shape {tuple(g.shape)}, expected "
+                    f"({spec.shard_numel},) for a param of shape {spec.shape} over {state.layout.world_size} ranks; "
+                    "pass the output of reduce_grads, not full gradients"
+                )
+            if not g.is_floating_point():
+                raise TypeError(
+                    f"step_shards on rank {state.rank}: shard of {name!r} has dtype {g.dtype}, not floating"
+                )
+        failure: Exception | None = None
+    except (TypeError, ValueError, KeyError) as e:
+        failure = e
     policy, loss_scale = state.policy, state.loss_scale
-    norm = _global_norm(grad_shards, norm_type, group, state.work_device)
+    norm, rejected = _global_norm(
+        grad_shards if failure is None else {}, norm_type, group, state.work_device, rejected=failure is not None
+    )
+    if rejected:
+        _raise_rejected(failure, group)
     found = not math.isfinite(norm)
     new_loss_scale = policy.loss_scaler.update(loss_scale, found)
     if found:
@@ -509,6 +557,17 @@ def step_shards(
         master=FrozenDict(new_master), opt_state=new_opt_state, step=state.step + 1, loss_scale=new_loss_scale
     )
     return new_state, StepInfo(true_norm, False, max_norm / (true_norm + 1e-6) if clipped else 1.0)
+
+
+def _raise_rejected(failure: Exception | None, group: Group) -> None:
+    """Every rank: some rank found its ``step_shards`` input invalid; all raise, none changed state."""
+    everyone = comm.all_gather_objects(None if failure is None else f"{type(failure).__name__}: {failure}", group)
+    if failure is not None:
+        raise failure
+    r, why = next((r, w) for r, w in enumerate(everyone) if w is not None)
+    raise checks.RankMismatchError(
+        f"step_shards: rank {r} rejected its input ({why}), so no rank applied this step; fix the input on that rank"
+    )
 
 
 def _raise_nonfinite(state: ZeroState, grad_shards: Mapping[str, torch.Tensor], group: Group) -> None:

@@ -1,0 +1,123 @@
+"""Hybrid layouts: shard within one group, replicate across another (4 ranks as 2 x 2).
+
+Gradients are averaged over all four ranks (reduce-scatter inside the shard group, then
+an all-reduce of the shard across its replicas), shards are exchanged only inside a shard
+group, and the global norm is the norm of the mean gradient: every replica holds the same
+reduced shards, so the norm over one shard group already is the global one (no adding of
+per-group norms). Tolerance: max relative param difference <= 1e-6 against DDP over all
+four ranks (fp32; the two-level sum adds in another order than DDP's ring).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from helpers import Net, batches, max_rel_diff
+
+import zerofn as zf
+from zerofn import checkpoint as ck
+
+PARITY = 1e-6
+_GROUPS: dict[str, tuple[Any, Any]] = {}
+
+
+def _groups(arrangement: str) -> tuple[Any, Any]:
+    """(shard group, replicate group) of this rank; built once per arrangement on every rank.
+
+    "contiguous": shard groups {0,1} {2,3}, replicas {0,2} {1,3};
+    "strided":    shard groups {0,2} {1,3}, replicas {0,1} {2,3}.
+    """
+    if arrangement not in _GROUPS:
+        shards = [[0, 1], [2, 3]] if arrangement == "contiguous" else [[0, 2], [1, 3]]
+        replicas = [list(r) for r in zip(*shards, strict=True)]
+        made = {tuple(r): dist.new_group(r) for r in [*shards, *replicas]}  # same order on every rank
+        me = dist.get_rank()
+        shard = next(made[tuple(r)] for r in shards if me in r)
+        replicate = next(made[tuple(r)] for r in replicas if me in r)
+        _GROUPS[arrangement] = (shard, replicate)
+    return _GROUPS[arrangement]
+
+
+def _hybrid_vs_ddp(arrangement: str, kind: str, clip: float, stage: int) -> dict[str, Any]:
+    shard, replicate = _groups(arrangement)
+    torch.manual_seed(0)
+    model = Net()
+    ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(model), find_unused_parameters=True)
+    topt = (
+        torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.1)
+        if kind == "adamw"
+        else torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    )
+    fopt = zf.optim.adamw(lr=1e-2, weight_decay=0.1) if kind == "adamw" else zf.optim.sgd(lr=0.05, momentum=0.9)
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    state = zf.shard_params(params, fopt, shard)
+    norms = []
+    for x, y in batches(dist.get_rank(), 12):
+
+        def loss_fn(p: dict[str, torch.Tensor], x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
+            return ((torch.func.functional_call(model, p, (x,)) - y) ** 2).mean()
+
+        grads = {n: g for n, g in torch.func.grad(loss_fn)(params).items() if not n.startswith("unused.")}
+        shards = zf.reduce_grads(grads, state.layout, shard, stage, 100, replicate_group=replicate)
+        state, info = zf.step_shards(state, shards, shard, clip or None)
+        params = zf.gather_params(state, shard)
+        norms.append(info.grad_norm)
+        topt.zero_grad()
+        ((ddp(x) - y) ** 2).mean().backward()
+        if clip:
+            norms[-1] = (norms[-1], float(torch.nn.utils.clip_grad_norm_(ddp.parameters(), clip)))
+        topt.step()
+    ref = {n: p.detach() for n, p in ddp.module.named_parameters()}
+    return {"diff": max_rel_diff(params, ref), "norms": norms, "params": params}
+
+
+@pytest.mark.parametrize("arrangement", ["contiguous", "strided"])
+@pytest.mark.parametrize(("kind", "clip", "stage"), [("adamw", 0.0, 2), ("adamw", 0.05, 1), ("sgd", 0.05, 2)])
+def test_hybrid_2x2_matches_ddp_over_all_four_ranks(worlds, arrangement, kind, clip, stage):
+    results = worlds[4].run(_hybrid_vs_ddp, arrangement, kind, clip, stage)
+    for res in results:
+        assert res["diff"] <= PARITY
+        if clip:  # the global norm is DDP's norm over all ranks, not a sum of group norms
+            for ours, theirs in res["norms"]:
+                assert abs(ours - theirs) <= 1e-6 * theirs
+    for res in results[1:]:  # replicas and shard groups all end with the same params
+        assert max_rel_diff(res["params"], results[0]["params"]) == 0.0
+
+
+def _hybrid_save(path: str) -> dict[str, Any]:
+    shard, replicate = _groups("strided")
+    torch.manual_seed(0)
+    model = Net()
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    state = zf.shard_params(params, zf.optim.adamw(lr=1e-2), shard)
+    for x, y in batches(dist.get_rank(), 3):
+        grads = torch.func.grad(lambda p, x=x, y=y: ((torch.func.functional_call(model, p, (x,)) - y) ** 2).mean())(
+            params
+        )
+        state, _ = zf.step_shards(state, zf.reduce_grads(grads, state.layout, shard, replicate_group=replicate), shard)
+        params = zf.gather_params(state, shard)
+    written = ck.save(path, state, shard, params=params, replicate_group=replicate)
+    return {"full": ck.full_state_dict(state, shard), "wrote": written is not None}
+
+
+def _plain_load(path: str) -> dict[str, Any]:
+    torch.manual_seed(1)
+    params = {n: p.detach().clone() for n, p in Net().named_parameters()}
+    return ck.full_state_dict(ck.load(path, params, params_out=params))
+
+
+def test_a_hybrid_checkpoint_loads_at_other_layouts(worlds, tmp_path):
+    path = str(tmp_path / "hybrid")
+    saved = worlds[4].run(_hybrid_save, path)
+    assert [s["wrote"] for s in saved] == [True, False, True, False]  # shard group {0, 2} wrote
+    for m in (1, 3, 4):
+        for loaded in worlds[m].run(_plain_load, path):
+            for key in ("state", "param_groups"):
+                assert repr(loaded[key]) == repr(saved[0]["full"][key])
+            for name, t in loaded["zerofn"]["master"].items():
+                assert torch.equal(t, saved[0]["full"]["zerofn"]["master"][name])
