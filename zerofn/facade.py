@@ -51,7 +51,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zerofn import checks, comm, optim, torch_optim
+from zerofn import _placement, checks, comm, optim, torch_optim
 from zerofn.comm import CommPolicy
 from zerofn.layout import Bucket
 from zerofn.precision import (
@@ -64,6 +64,7 @@ from zerofn.precision import (
     scale_loss,
 )
 from zerofn.stages import (
+    _full_from_rows,
     gather_params,
     launch_bucket_reduce,
     reduce_grads,
@@ -71,6 +72,7 @@ from zerofn.stages import (
     shard_params,
     split_bucket_row,
     step_shards,
+    sum_over_replicas,
 )
 from zerofn.state import StepInfo, ZeroState
 
@@ -107,9 +109,29 @@ class ZeroOptimizer(torch.optim.Optimizer):
       communication_dtype: dtype gradients are cast to on the wire (``None``: their own).
       overlap_communication: launch each bucket's reduction asynchronously as soon as
         its gradients are ready during backward.
+      overlap_allgather: hide the parameter gather behind the next forward (the seed's
+        option of the same name; needs ``module=``, which must own every param). ``step``
+        launches every bucket's gather asynchronously and returns; a forward pre-hook on
+        each module that owns params waits for the buckets its params live in and writes
+        them into the params (the same values, bit for bit, as without it), and the
+        module's forward post-hook completes the rest. Until then ``p.data`` holds the
+        *previous* values: read params outside the module's forward (evaluation through
+        another function, logging ``p.data``, a param used by a module that does not own
+        it before its owner runs) only after :meth:`wait_params`. The facade's own
+        readers (``step``, ``backward``, ``state_dict``, checkpoints, ``get_param_grad``,
+        ``update_master_params``, ``close``) and the module's ``state_dict`` /
+        ``load_state_dict`` wait by themselves. Memory: the gathered ``(N, S)`` buckets,
+        Ψ·b bytes, are held from ``step`` until the forward writes them.
       clip_grad_norm: clip by the global gradient norm when > 0.
       norm_type: 2.0 or ``math.inf`` for clipping and ``get_grad_norm``.
-      dp_process_group: the data-parallel (sharding) group; ``None`` for the default.
+      dp_process_group: the data-parallel group; ``None`` for the default. Shards live
+        across all of it unless ``sub_dp_size`` or ``replicate_group`` make it hybrid.
+      sub_dp_size: the seed's hybrid option: split ``dp_process_group`` (ranks in order)
+        into ``sub_dp_size`` shard groups of ``N / sub_dp_size`` consecutive ranks; a
+        rank's replicas are the ranks at its position in the other shard groups. Every
+        rank of ``dp_process_group`` must construct the optimizer (it creates groups).
+      replicate_group: explicit hybrid layout: ``dp_process_group`` is then this rank's
+        shard group and ``replicate_group`` the ranks holding the same shards.
       comm_policy: collective realisations (default per backend, see :mod:`zerofn.comm`).
       module: optional model whose ``named_parameters()`` names the params of a wrapped
         torch optimizer (for messages and ``state.master`` keys); otherwise they are
@@ -158,9 +180,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         reduce_bucket_size: int = 1024 * 1024,
         communication_dtype: torch.dtype | None = None,
         overlap_communication: bool = False,
+        overlap_allgather: bool = False,
         partition_grad: bool = False,
         cpu_offload: bool = False,
         dp_process_group: dist.ProcessGroup | None = None,
+        sub_dp_size: int = 1,
+        replicate_group: dist.ProcessGroup | None = None,
         forced_dtype: torch.dtype | None = None,
         master_weights: bool = True,
         comm_policy: CommPolicy | None = None,
@@ -196,13 +221,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
         named_groups, fopt, torch_groups = _resolve_params(optimizer, functional_optimizer, module)
         named = {n: p for g in named_groups for n, p in g}
+        if overlap_allgather:
+            _check_gather_module(named, module)
         policy = _precision_policy(named, precision, precision_options, scaler_options)
         # Validated: now cast (forced_dtype), as the seed does, before anything reads them.
         for p in named.values():
             if policy.param_dtype is not None and p.dtype != policy.param_dtype:
                 p.grad = None
                 p.data = p.data.to(policy.param_dtype)
-        self._group = dp_process_group
+        self._group, self._replicate = _hybrid_groups(dp_process_group, sub_dp_size, replicate_group)
+        self._replicas = comm.group_size(self._replicate) if self._replicate is not None else 1
         self._stage = 2 if partition_grad else 1
         self._bucket_numel = reduce_bucket_size
         self._comm_dtype = policy.comm_dtype
@@ -263,6 +291,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._hooks: list[Any] = []
         if self._hook_reduce or self._accum_names:
             self._attach_hooks()
+        # overlap_allgather: per bucket, the gather launched by the last step and not yet
+        # written into the params (its Pending and the row it sends), or None.
+        self._overlap_gather = overlap_allgather
+        self._gather_how = self._policy.resolve(self._group)[1]
+        self._gathers: list[tuple[comm.Pending, torch.Tensor] | None] = [None] * len(self._buckets)
+        self._gathers_left = 0
+        if overlap_allgather:
+            assert module is not None  # _check_gather_module
+            self._attach_gather_hooks(module)
 
     # ------------------------------------------------------------------ public state
 
@@ -330,6 +367,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
         Without loss scaling (scale 1.0) this is ``loss.backward()``.
         """
+        # Pending gathers here mean a forward ran outside the model's hooks and read old params: writing
+        # them now makes autograd refuse the saved tensors (modified in place) instead of training on them.
+        self.wait_params()
         if self._state.loss_scale.scale != 1.0:
             loss = scale_loss(loss, self._state.loss_scale)
         loss.backward(retain_graph=retain_graph)
@@ -338,6 +378,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def backward_by_grad(self, tensor: torch.Tensor, grad: torch.Tensor) -> None:
         """``torch.autograd.backward(tensor, grad * loss scale)``, then reduce as ``backward``."""
+        # Pending gathers here mean a forward ran outside the model's hooks and read old params: writing
+        # them now makes autograd refuse the saved tensors (modified in place) instead of training on them.
+        self.wait_params()
         if self._state.loss_scale.scale != 1.0:
             grad = scale_loss(grad, self._state.loss_scale)
         torch.autograd.backward(tensor, grad)
@@ -370,6 +413,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         name = self._name_of.get(id(param))
         if name is None:
             raise KeyError("get_param_grad: this tensor is not one of the optimizer's params")
+        self.wait_params()
         shard = self._grad_shards.get(name)
         if shard is None:
             return None
@@ -423,6 +467,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._bucket_numel,
             policy=self._policy,
             precision=self._state.policy,
+            replicate_group=self._replicate,
         )
         self._merge(shards)
 
@@ -443,14 +488,91 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._hooks.append(p.register_post_accumulate_grad_hook(make_hook(name)))
 
     def close(self) -> None:
-        """Remove the gradient hooks from the model's params (also done on garbage collection)."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
+        """Finish pending param gathers, remove the facade's hooks from the model (also on garbage collection)."""
+        try:
+            self.wait_params()
+        finally:
+            for h in self._hooks:
+                h.remove()
+            self._hooks = []
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.close()
+
+    # ------------------------------------------------------------------ overlapped gather
+
+    def _attach_gather_hooks(self, module: torch.nn.Module) -> None:
+        """Forward pre-hooks that write the buckets of each module's own params before it runs.
+
+        Every module that directly owns params waits for exactly the buckets they live
+        in (writing every member of those buckets); the root's forward post-hook and its
+        ``state_dict`` / ``load_state_dict`` pre-hooks complete whatever is left. The
+        hooks hold the facade by weak reference, like the gradient hooks.
+        """
+        me = weakref.ref(self)
+
+        def make_pre(buckets: tuple[int, ...]) -> Any:
+            def pre(mod: torch.nn.Module, args: Any) -> None:
+                opt = me()
+                if opt is not None and opt._gathers_left:
+                    opt._complete_gathers(buckets)
+
+            return pre
+
+        def finish(*args: Any) -> None:
+            opt = me()
+            if opt is not None and opt._gathers_left:
+                opt._complete_gathers(range(len(opt._buckets)))
+
+        for mod in module.modules():
+            owned = {self._name_of.get(id(p)) for p in mod.parameters(recurse=False)}
+            buckets = tuple(sorted({self._bucket_of[n] for n in owned if n in self._bucket_of}))
+            if buckets:
+                self._hooks.append(mod.register_forward_pre_hook(make_pre(buckets)))
+            if buckets or mod is module:
+                self._hooks.append(mod.register_state_dict_pre_hook(finish))
+                self._hooks.append(mod.register_load_state_dict_pre_hook(finish))
+        self._hooks.append(module.register_forward_hook(finish))
+
+    def wait_params(self) -> None:
+        """Complete the param gathers the last ``step`` left in flight (``overlap_allgather``).
+
+        After it, every param holds its updated value. Needed only before reading params
+        outside the model's forward (evaluation through another function, logging
+        ``p.data``); without ``overlap_allgather``, or when nothing is pending, it returns
+        at once. Not a collective: the peers launched their side of the gathers in their
+        own ``step``.
+        """
+        if self._gathers_left:
+            self._complete_gathers(range(len(self._buckets)))
+
+    def _launch_gathers(self, state: ZeroState) -> None:
+        """``gather_params(state, out=params)``'s collectives, launched without waiting."""
+        layout = state.layout
+        device = state.work_device
+        for b, bucket in enumerate(self._buckets):
+            dtype = layout[bucket.names[0]].dtype
+            row = _placement.cat_to([state.master[name].to(dtype) for name in bucket.names], device)
+            self._gathers[b] = (comm.gather_rows(row, self._group, self._gather_how, async_op=True), row)
+            self._gathers_left += 1
+
+    def _complete_gathers(self, buckets: Iterable[int]) -> None:
+        """Wait for these buckets' gathers (those still pending) and write them into the params."""
+        layout = self._state.layout
+        with torch.no_grad():  # the params are leaves that require grad
+            for b in buckets:
+                entry = self._gathers[b]
+                if entry is None:
+                    continue
+                self._gathers[b] = None
+                self._gathers_left -= 1
+                rows = entry[0].wait()
+                bucket = self._buckets[b]
+                for name, col in zip(bucket.names, bucket.offsets, strict=True):
+                    _full_from_rows(rows, layout[name], col, self._params[name])
+
+    # ------------------------------------------------------------------ hook path (gradients)
 
     def _on_grad_ready(self, name: str) -> None:
         if name in self._accum_names and (not self._require_sync or self._accumulating):
@@ -482,6 +604,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._how,
             comm_dtype=self._comm_dtype,
             async_op=self._overlap,
+            replicas=self._replicas,
         )
         dtype = next(g.dtype for g in grads.values() if g is not None)
         self._launched.add(b)
@@ -496,7 +619,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """
         while self._inflight and (len(self._inflight) > keep or self._inflight[0][1].done()):
             bucket, pending, present, dtype = self._inflight.pop(0)
-            self._merge(split_bucket_row(pending.wait(), self._state.layout, bucket, present, dtype=dtype))
+            row = sum_over_replicas(pending.wait(), self._replicate)
+            self._merge(split_bucket_row(row, self._state.layout, bucket, present, dtype=dtype))
 
     def _finish_backward(self) -> None:
         """End of a backward pass: launch partial buckets (layer drop), wait, keep shards."""
@@ -554,6 +678,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """
         if closure is not None:
             raise ValueError("ZeroOptimizer.step does not take a closure")
+        self.wait_params()  # the last step's gathers, if no forward has written them
         self._reduce_local_grads()  # e.g. stage 1 after a plain loss.backward()
         if not self._grad_shards:
             raise RuntimeError(
@@ -576,6 +701,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     new_state.loss_scale.scale,
                 )
             return
+        if self._overlap_gather:  # written into the params by the next forward (or wait_params)
+            self._launch_gathers(new_state)
+            return
         # The layout and bucket size were confirmed on every rank at construction.
         gather_params(
             new_state, self._group, bucket_numel=self._bucket_numel, policy=self._policy, out=self._params, check=False
@@ -584,6 +712,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def update_master_params(self, model: torch.nn.Module | None = None) -> None:
         """Re-read the master shards from the model's current params (after editing weights)."""
         del model  # the facade already holds the model's param tensors
+        self.wait_params()
         fresh = shard_params(self._params, self._state.optimizer, self._group, policy=self._state.policy)
         self._state = self._state.replace(master=fresh.master)
 
@@ -596,6 +725,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """
         from zerofn import checkpoint
 
+        self.wait_params()
         self._state = self._state.replace(optimizer=self._current_optimizer())
         return checkpoint.full_state_dict(self._state, self._group, bucket_numel=self._bucket_numel)
 
@@ -608,6 +738,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """
         from zerofn import checkpoint
 
+        self.wait_params()  # master weights may come from the params, and a late gather would overwrite them
         if len(state_dict["param_groups"]) != len(self.param_groups):
             raise ValueError(
                 f"ZeroOptimizer.load_state_dict: the state dict has {len(state_dict['param_groups'])} param "
@@ -658,13 +789,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """
         from zerofn import checkpoint
 
+        self.wait_params()
         self._state = self._state.replace(optimizer=self._current_optimizer())
-        return checkpoint.save(path, self._state, self._group, params=self._params if with_model else None)
+        return checkpoint.save(
+            path,
+            self._state,
+            self._group,
+            params=self._params if with_model else None,
+            replicate_group=self._replicate,
+        )
 
     def load_checkpoint(self, path: str, *, with_model: bool = True) -> None:
         """Resume from :meth:`save_checkpoint` (any world size): state, hyperparameters, weights."""
         from zerofn import checkpoint
 
+        self.wait_params()  # a late gather would overwrite the loaded weights
         new = checkpoint.load(
             path,
             self._params,
@@ -686,6 +825,24 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return (
             f"ZeroOptimizer(stage={self._stage}, optimizer={self._state.optimizer.name}, params={len(layout)}, "
             f"world_size={layout.world_size}, bucket_numel={self._bucket_numel}, overlap={self._overlap})"
+        )
+
+
+def _check_gather_module(named: Mapping[str, torch.Tensor], module: torch.nn.Module | None) -> None:
+    """``overlap_allgather`` writes params from ``module``'s forward hooks: it must own them all."""
+    if module is None:
+        raise ValueError(
+            "ZeroOptimizer: overlap_allgather=True needs module=<the model>: the gathered params are written "
+            "into the model from its forward pre-hooks"
+        )
+    owned = {id(p) for p in module.parameters()}
+    stray = [n for n, p in named.items() if id(p) not in owned]
+    if stray:
+        raise ValueError(
+            f"ZeroOptimizer: overlap_allgather=True, but {len(stray)} param(s) of the optimizer are not parameters "
+            f"of module= ({', '.join(repr(n) for n in stray[:5])}{', ...' if len(stray) > 5 else ''}); no forward "
+            "hook would write their gathered values. Pass the module that owns every param, or leave "
+            "overlap_allgather off"
         )
 
 
@@ -756,6 +913,41 @@ _PRECISION_DEFAULTS: dict[str, Any] = {
     "hysteresis": 2,
     "max_scale": 2**24,
 }
+
+
+def _hybrid_groups(
+    dp_group: dist.ProcessGroup | None, sub_dp_size: int, replicate_group: dist.ProcessGroup | None
+) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """(shard group, replicate group) from the seed's ``sub_dp_size`` or an explicit pair.
+
+    With ``sub_dp_size = k`` the data-parallel ranks, in order, are read as a
+    ``(k, N / k)`` grid: row ``i`` is a shard group, column ``j`` the replicas of shard
+    position ``j``. Group creation is collective: every rank creates every group, in the
+    same order.
+    """
+    if not isinstance(sub_dp_size, int) or sub_dp_size < 1:
+        raise ValueError(f"ZeroOptimizer: sub_dp_size must be an int >= 1, got {sub_dp_size!r}")
+    if sub_dp_size == 1:
+        return dp_group, replicate_group
+    if replicate_group is not None:
+        raise ValueError("ZeroOptimizer: give sub_dp_size or replicate_group, not both")
+    ranks = dist.get_process_group_ranks(dp_group) if dp_group is not None else list(range(dist.get_world_size()))
+    if len(ranks) % sub_dp_size:
+        raise ValueError(
+            f"ZeroOptimizer: sub_dp_size={sub_dp_size} does not divide the {len(ranks)} data-parallel ranks"
+        )
+    width = len(ranks) // sub_dp_size
+    rows = [ranks[i * width : (i + 1) * width] for i in range(sub_dp_size)]
+    cols = [[row[j] for row in rows] for j in range(width)]
+    me = dist.get_rank()
+    shard = replicate = None
+    for members in rows:
+        g = dist.new_group(members)
+        shard = g if me in members else shard
+    for members in cols:
+        g = dist.new_group(members)
+        replicate = g if me in members else replicate
+    return shard, replicate
 
 
 def _resolve_params(
