@@ -134,7 +134,7 @@ def targets(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             }
         )
 
-    s2 = ("zerofn-s2", "zerofn-s2-overlap")
+    s2 = ("zerofn-s2", "zerofn-s2-overlap", "zerofn-s2-overlap-ag")
     for run in runs:
         best = _best(run, s2)
         if best is not None:

@@ -55,6 +55,7 @@ ALL_SYSTEMS = (
     "zerofn-s1-overlap",
     "zerofn-s2",
     "zerofn-s2-overlap",
+    "zerofn-s2-overlap-ag",
     "zerofn-s2-byteopt",
 )
 REFERENCE = "ddp-fused"

@@ -76,6 +76,13 @@ SYSTEMS: dict[str, SystemInfo] = {
         SystemInfo("zerofn-s2", "zerofn ZeroOptimizer stage 2, overlap off", "zerofn", True, True),
         SystemInfo("zerofn-s2-overlap", "zerofn ZeroOptimizer stage 2, overlap on", "zerofn", True, True),
         SystemInfo(
+            "zerofn-s2-overlap-ag",
+            "zerofn ZeroOptimizer stage 2, overlap on, overlap_allgather (gather hidden behind the next forward)",
+            "zerofn",
+            True,
+            True,
+        ),
+        SystemInfo(
             "zerofn-s2-byteopt",
             "zerofn ZeroOptimizer stage 2, overlap off, CommPolicy.byte_optimal() (reduce-scatter + all-gather)",
             "zerofn",
@@ -159,6 +166,9 @@ class System:
     def full_params(self) -> dict[str, torch.Tensor] | None:
         """Full params (for checks); may issue collectives on every rank."""
         return None
+
+    def settle(self) -> None:
+        """End of a block (untimed): finish work a step left in flight for the next one."""
 
     def close(self) -> None:
         pass
@@ -347,7 +357,14 @@ class ZerofnFacade(System):
     """``ZeroOptimizer`` around ``torch.optim.AdamW`` in an ordinary ``nn.Module`` loop."""
 
     def __init__(
-        self, info: SystemInfo, ctx: Context, kernel: str, stage: int, overlap: bool, byte_optimal: bool = False
+        self,
+        info: SystemInfo,
+        ctx: Context,
+        kernel: str,
+        stage: int,
+        overlap: bool,
+        byte_optimal: bool = False,
+        allgather: bool = False,
     ) -> None:
         super().__init__(info, ctx)
         self.model = models.build_model(ctx.cfg, ctx.seed, ctx.device)
@@ -356,6 +373,7 @@ class ZerofnFacade(System):
             topt,
             partition_grad=stage == 2,
             overlap_communication=overlap,
+            overlap_allgather=allgather,
             module=self.model,
             comm_policy=zf.CommPolicy.byte_optimal() if byte_optimal else None,
         )
@@ -379,7 +397,14 @@ class ZerofnFacade(System):
         return self.opt.state.layout
 
     def full_params(self) -> dict[str, torch.Tensor]:
+        self.opt.wait_params()  # overlap_allgather: the last step's gather may still be in flight
         return {n: p.detach() for n, p in self.model.named_parameters()}
+
+    def settle(self) -> None:
+        # overlap_allgather: the last step's gather, which the next forward would complete;
+        # finished here so that it does not run beside another system's block. Each timed
+        # step still completes one gather (the previous step's) in its forward.
+        self.opt.wait_params()
 
     def close(self) -> None:
         self.opt.close()
@@ -401,6 +426,7 @@ def _make(name: str, ctx: Context) -> System:
         "zerofn-s1-overlap": lambda: ZerofnFacade(info, ctx, k, 1, overlap=True),
         "zerofn-s2": lambda: ZerofnFacade(info, ctx, k, 2, overlap=False),
         "zerofn-s2-overlap": lambda: ZerofnFacade(info, ctx, k, 2, overlap=True),
+        "zerofn-s2-overlap-ag": lambda: ZerofnFacade(info, ctx, k, 2, overlap=True, allgather=True),
         "zerofn-s2-byteopt": lambda: ZerofnFacade(info, ctx, k, 2, overlap=False, byte_optimal=True),
     }
     return builders[name]()
@@ -490,6 +516,7 @@ def run_block(name: str, count: int, untimed: int = 0) -> dict[str, Any]:
                 by_collective[k] = by_collective.get(k, 0) + v
             for k, v in zc.by_collective.items():
                 zby_collective[k] = zby_collective.get(k, 0) + v
+    system.settle()
     per = max(count, 1)
     return {
         "times": times,
