@@ -121,3 +121,41 @@ def test_a_hybrid_checkpoint_loads_at_other_layouts(worlds, tmp_path):
                 assert repr(loaded[key]) == repr(saved[0]["full"][key])
             for name, t in loaded["zerofn"]["master"].items():
                 assert torch.equal(t, saved[0]["full"]["zerofn"]["master"][name])
+
+
+def _facade_hybrid_vs_ddp(how: str, overlap: bool) -> float:
+    torch.manual_seed(0)
+    model = Net()
+    ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(model), find_unused_parameters=True)
+    topt = torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.1)
+    if how == "sub_dp_size":  # the seed's option: ranks {0,1} and {2,3} shard, {0,2} and {1,3} replicate
+        groups: dict[str, Any] = {"sub_dp_size": 2}
+    else:
+        shard, replicate = _groups("strided")
+        groups = {"dp_process_group": shard, "replicate_group": replicate}
+    zopt = zf.ZeroOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1),
+        partition_grad=True,
+        overlap_communication=overlap,
+        clip_grad_norm=0.05,
+        reduce_bucket_size=100,
+        module=model,
+        **groups,
+    )
+    assert zopt.state.layout.world_size == 2
+    for x, y in batches(dist.get_rank(), 10):
+        zopt.backward(((model(x) - y) ** 2).mean())
+        zopt.step()
+        topt.zero_grad()
+        ((ddp(x) - y) ** 2).mean().backward()
+        torch.nn.utils.clip_grad_norm_(ddp.parameters(), 0.05)
+        topt.step()
+    mine = {n: p.detach() for n, p in model.named_parameters()}
+    return max_rel_diff(mine, {n: p.detach() for n, p in ddp.module.named_parameters()})
+
+
+@pytest.mark.parametrize("how", ["sub_dp_size", "replicate_group"])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_facade_in_a_hybrid_layout_matches_ddp(worlds, how, overlap):
+    for diff in worlds[4].run(_facade_hybrid_vs_ddp, how, overlap):
+        assert diff <= PARITY

@@ -280,6 +280,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._ready: list[set[str]] = [set() for _ in self._buckets]
         self._launched: set[int] = set()
         self._inflight: list[tuple[Bucket, comm.Pending, set[str], torch.dtype]] = []
+        self._replica_rows: list[tuple[Bucket, torch.Tensor, set[str], torch.dtype]] = []
         self._callback_queued = False
         # Accumulation in another dtype than the working one (float32 under fp16/bf16):
         # micro-step gradients are moved out of p.grad into these by the hooks.
@@ -348,6 +349,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         total += sum(s.numel() * s.element_size() for s in self._grad_shards.values())
         n = self._state.layout.world_size
         total += sum(b.shard_numel * n * d.itemsize for b, _, _, d in self._inflight)
+        total += sum(row.numel() * row.element_size() for _, row, _, _ in self._replica_rows)
         return total
 
     # ------------------------------------------------------------------ gradients
@@ -619,8 +621,22 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """
         while self._inflight and (len(self._inflight) > keep or self._inflight[0][1].done()):
             bucket, pending, present, dtype = self._inflight.pop(0)
-            row = sum_over_replicas(pending.wait(), self._replicate)
+            row = pending.wait()
+            if self._replicate is not None:
+                # Hybrid: the replicas' sum waits for the end of backward. Harvesting happens
+                # at timing-dependent moments; a blocking all-reduce over the replicate group
+                # here could interleave with another rank's shard-group collective and
+                # deadlock. Keep just this rank's row (1/N of the bucket) until then.
+                self._replica_rows.append((bucket, row.clone() if row._base is not None else row, present, dtype))
+                continue
             self._merge(split_bucket_row(row, self._state.layout, bucket, present, dtype=dtype))
+
+    def _sum_replica_rows(self) -> None:
+        """Hybrid only: add the replicas' rows, in bucket launch order (the same on every rank)."""
+        for bucket, row, present, dtype in self._replica_rows:
+            row = sum_over_replicas(row, self._replicate)
+            self._merge(split_bucket_row(row, self._state.layout, bucket, present, dtype=dtype))
+        self._replica_rows = []
 
     def _finish_backward(self) -> None:
         """End of a backward pass: launch partial buckets (layer drop), wait, keep shards."""
@@ -639,6 +655,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if b not in self._launched and self._ready[b]:
                 self._launch(b)
         self._harvest(0)
+        self._sum_replica_rows()
         empty = [n for n in ready if n not in self._bucket_of]
         self._merge({n: g.new_empty(0) for n in empty if (g := self._take_grad(n)) is not None})
         self._accumulating = bool(self._accum)  # leftovers (no gradient in this backward) go in step()
