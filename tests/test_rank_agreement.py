@@ -187,11 +187,11 @@ def test_a_bad_input_on_one_rank_makes_every_rank_raise_at_once(worlds, n, stage
             assert m.startswith("RankMismatchError") and "rank 1 rejected its input" in m, m
     # Every rank left the call cleanly: the same group carries on with a normal step.
     restarts = worlds[n].restarts
-    assert worlds[n].run(_normal_step) == [1] * n
+    assert worlds[n].run(_one_plain_step) == [1] * n
     assert worlds[n].restarts == restarts
 
 
-def _normal_step() -> int:
+def _one_plain_step() -> int:
     state = zf.shard_params({"w": torch.ones(6)}, zf.optim.sgd(lr=0.1))
     state, _ = zf.step_shards(state, zf.reduce_grads({"w": torch.ones(6)}, state.layout))
     return state.step
