@@ -12,8 +12,9 @@ Gradient flow per step:
 * **no hooks** (stage 1 without overlap): ``backward`` runs autograd, then reduces all
   ``p.grad`` with :func:`~zerofn.reduce_grads` and frees them.
 * **hooks** (stage 2, or ``overlap_communication=True``): a post-accumulate-grad hook
-  counts each bucket's members as their gradients land; a full bucket is flattened, its
-  members' ``p.grad`` freed, and its reduction launched (asynchronously when
+  counts each bucket's members as their gradients land; a full bucket is flattened (into
+  an ``(N, S)`` staging buffer reused between buckets and steps, see ``staging_bytes``),
+  its members' ``p.grad`` freed, and its reduction launched (asynchronously when
   overlapping: gloo work handles, or NCCL's own stream, which waits on the current
   stream at launch and is waited on before the result is read). When autograd finishes,
   an engine callback launches the buckets with absent members (layer drop) and waits for
@@ -53,7 +54,7 @@ import torch.distributed as dist
 
 from zerofn import _placement, checks, comm, optim, torch_optim
 from zerofn.comm import CommPolicy
-from zerofn.layout import Bucket
+from zerofn.layout import Bucket, ShardLayout
 from zerofn.precision import (
     DynamicLossScaler,
     GradAccumDtype,
@@ -66,7 +67,6 @@ from zerofn.precision import (
 from zerofn.stages import (
     _full_from_rows,
     gather_params,
-    launch_bucket_reduce,
     reduce_grads,
     reduce_realisation,
     shard_params,
@@ -279,7 +279,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # Hook-path bookkeeping for the backward pass in progress.
         self._ready: list[set[str]] = [set() for _ in self._buckets]
         self._launched: set[int] = set()
-        self._inflight: list[tuple[Bucket, comm.Pending, set[str], torch.dtype]] = []
+        # (bucket, pending reduction, names present, gradient dtype, staging buffer it uses)
+        self._inflight: list[tuple[Bucket, comm.Pending, set[str], torch.dtype, torch.Tensor]] = []
+        # Reused (N, S) staging buffers for the hook path's reductions: fresh multi-MB
+        # buffers every step would fault in new pages (measured: ~3x the copy itself).
+        self._staging = _Staging(keep=_MAX_INFLIGHT + 1 if self._overlap else 1, min_numel=self._bucket_numel)
         self._replica_rows: list[tuple[Bucket, torch.Tensor, set[str], torch.dtype]] = []
         self._callback_queued = False
         # Accumulation in another dtype than the working one (float32 under fp16/bf16):
@@ -343,14 +347,27 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return {id(self._state.master[n]): p for n, p in self._params.items()}
 
     def grad_bytes(self) -> int:
-        """Bytes this rank holds for gradients right now: ``p.grad``, accumulators, buckets in flight, shards."""
+        """Bytes this rank holds for gradients right now: ``p.grad``, accumulators, buckets in flight, shards.
+
+        Not counted: the idle staging buffers the gradient hooks keep for reuse between
+        steps (:meth:`staging_bytes`).
+        """
         total = sum(p.grad.numel() * p.grad.element_size() for p in self._params.values() if p.grad is not None)
         total += sum(a.numel() * a.element_size() for a in self._accum.values())
         total += sum(s.numel() * s.element_size() for s in self._grad_shards.values())
         n = self._state.layout.world_size
-        total += sum(b.shard_numel * n * d.itemsize for b, _, _, d in self._inflight)
+        total += sum(b.shard_numel * n * buf.element_size() for b, _, _, _, buf in self._inflight)
         total += sum(row.numel() * row.element_size() for _, row, _, _ in self._replica_rows)
         return total
+
+    def staging_bytes(self) -> int:
+        """Bytes of the reusable bucket staging buffers held now, idle or in flight.
+
+        The gradient hooks copy each bucket into an ``(N, S)`` buffer kept for the next
+        bucket and the next step (with ``overlap_communication`` up to three per dtype,
+        otherwise one; each ``max(reduce_bucket_size, N·S)`` elements). ``close()`` frees them.
+        """
+        return self._staging.nbytes() + sum(buf.numel() * buf.element_size() for *_, buf in self._inflight)
 
     # ------------------------------------------------------------------ gradients
 
@@ -497,6 +514,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for h in self._hooks:
                 h.remove()
             self._hooks = []
+            self._staging.clear()
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
@@ -598,20 +616,35 @@ class ZeroOptimizer(torch.optim.Optimizer):
         present = set(self._ready[b])
         # Taken (and freed here): the bucket buffer holds a copy of the full gradients.
         grads = {n: self._take_grad(n) for n in bucket.names if n in present}
-        pending = launch_bucket_reduce(
-            grads,
-            self._state.layout,
-            bucket,
-            self._group,
-            self._how,
-            comm_dtype=self._comm_dtype,
-            async_op=self._overlap,
-            replicas=self._replicas,
-        )
-        dtype = next(g.dtype for g in grads.values() if g is not None)
+        first = next(g for g in grads.values() if g is not None)
+        pending, buf = self._launch_reduce(grads, bucket, first.dtype, first.device)
         self._launched.add(b)
-        self._inflight.append((bucket, pending, present, dtype))
+        self._inflight.append((bucket, pending, present, first.dtype, buf))
         self._harvest(_MAX_INFLIGHT if self._overlap else 0)
+
+    def _launch_reduce(
+        self, grads: Mapping[str, torch.Tensor], bucket: Bucket, dtype: torch.dtype, device: torch.device
+    ) -> tuple[comm.Pending, torch.Tensor]:
+        """:func:`~zerofn.stages.launch_bucket_reduce` into a reused staging buffer; returns it too.
+
+        The same numbers in the same order: the rows in the gradients' dtype, times
+        ``1/(N·replicas)`` in that dtype (here fused with the copy: one pass instead of a
+        copy and a ``mul_``), cast to the wire dtype, summed over the group. The buffer
+        goes back to the pool once the bucket is harvested.
+        """
+        layout = self._state.layout
+        n, s = layout.world_size, bucket.shard_numel
+        buf = self._staging.take(n * s, dtype, device)
+        rows = buf[: n * s].view(n, s)
+        _scaled_rows(grads, layout, bucket, 1.0 / (layout.world_size * self._replicas), rows)
+        wire = self._comm_dtype if self._comm_dtype is not None else layout[bucket.names[0]].dtype
+        if wire != dtype:
+            wire_buf = self._staging.take(n * s, wire, device)
+            wire_rows = wire_buf[: n * s].view(n, s)
+            wire_rows.copy_(rows)  # what rows.to(wire) computes
+            self._staging.give(buf)  # stream-ordered before any later writer on this device
+            buf, rows = wire_buf, wire_rows
+        return comm.sum_rows(rows, self._group, self._how, async_op=self._overlap), buf
 
     def _harvest(self, keep: int) -> None:
         """Turn finished buckets into shards, oldest first, leaving at most ``keep`` in flight.
@@ -620,16 +653,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
         rank's gradient memory at its shards plus a few buckets.
         """
         while self._inflight and (len(self._inflight) > keep or self._inflight[0][1].done()):
-            bucket, pending, present, dtype = self._inflight.pop(0)
+            bucket, pending, present, dtype, buf = self._inflight.pop(0)
             row = pending.wait()
             if self._replicate is not None:
                 # Hybrid: the replicas' sum waits for the end of backward. Harvesting happens
                 # at timing-dependent moments; a blocking all-reduce over the replicate group
                 # here could interleave with another rank's shard-group collective and
                 # deadlock. Keep just this rank's row (1/N of the bucket) until then.
-                self._replica_rows.append((bucket, row.clone() if row._base is not None else row, present, dtype))
+                kept = row.clone() if row._base is not None else row
+                self._replica_rows.append((bucket, kept, present, dtype))
+                self._staging.give_unless_aliased(buf, [kept])
                 continue
-            self._merge(split_bucket_row(row, self._state.layout, bucket, present, dtype=dtype))
+            shards = split_bucket_row(row, self._state.layout, bucket, present, dtype=dtype)
+            self._merge(shards)
+            self._staging.give_unless_aliased(buf, shards.values())
 
     def _sum_replica_rows(self) -> None:
         """Hybrid only: add the replicas' rows, in bucket launch order (the same on every rank)."""
@@ -843,6 +880,75 @@ class ZeroOptimizer(torch.optim.Optimizer):
             f"ZeroOptimizer(stage={self._stage}, optimizer={self._state.optimizer.name}, params={len(layout)}, "
             f"world_size={layout.world_size}, bucket_numel={self._bucket_numel}, overlap={self._overlap})"
         )
+
+
+class _Staging:
+    """A free list of flat staging buffers per (dtype, device), reused between buckets and steps.
+
+    ``take`` hands out the smallest free buffer with room (or a new one of at least
+    ``min_numel`` elements); ``give`` returns one once nothing reads it any more, keeping at
+    most ``keep`` per (dtype, device) (the smallest are dropped).
+    """
+
+    def __init__(self, keep: int, min_numel: int) -> None:
+        self._keep = keep
+        self._min_numel = min_numel
+        self._free: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        free = self._free.get((dtype, device))
+        if free:
+            fits = [i for i, b in enumerate(free) if b.numel() >= numel]
+            if fits:
+                return free.pop(min(fits, key=lambda i: free[i].numel()))
+        return torch.empty(max(numel, self._min_numel), dtype=dtype, device=device)
+
+    def give(self, buf: torch.Tensor) -> None:
+        free = self._free.setdefault((buf.dtype, buf.device), [])
+        free.append(buf)
+        if len(free) > self._keep:
+            free.pop(min(range(len(free)), key=lambda i: free[i].numel()))
+
+    def give_unless_aliased(self, buf: torch.Tensor, readers: Iterable[torch.Tensor]) -> None:
+        """Return ``buf`` unless one of ``readers`` is a view of it (then it is simply dropped)."""
+        ptr = buf.untyped_storage().data_ptr()
+        if all(t.untyped_storage().data_ptr() != ptr for t in readers):
+            self.give(buf)
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for free in self._free.values() for b in free)
+
+    def clear(self) -> None:
+        self._free = {}
+
+
+def _scaled_rows(
+    grads: Mapping[str, torch.Tensor | None], layout: ShardLayout, bucket: Bucket, scale: float, rows: torch.Tensor
+) -> None:
+    """``stages._rows_from_full`` then ``rows.mul_(scale)``, in one pass, into the given ``(N, S)`` rows.
+
+    Bitwise the same: each element is ``grad * scale`` rounded once in the rows' dtype
+    (the gradients' dtype); padding and absent members are zeros.
+    """
+    n = layout.world_size
+    for name, col in zip(bucket.names, bucket.offsets, strict=True):
+        spec = layout[name]
+        s = spec.shard_numel
+        block = rows[:, col : col + s]
+        t = grads.get(name)
+        if t is None:
+            block.zero_()
+            continue
+        flat = t.detach().reshape(-1)
+        if spec.padding == 0:
+            torch.mul(flat.view(n, s), scale, out=block)
+            continue
+        whole = spec.numel // s
+        torch.mul(flat[: whole * s].view(whole, s), scale, out=block[:whole])
+        block[whole:].zero_()
+        rest = spec.numel - whole * s
+        if rest:
+            torch.mul(flat[whole * s :], scale, out=block[whole, :rest])
 
 
 def _check_gather_module(named: Mapping[str, torch.Tensor], module: torch.nn.Module | None) -> None:
