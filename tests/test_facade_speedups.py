@@ -53,6 +53,7 @@ def _train(
     wait: bool = False,
     bucket: int = 64,
     dtype: torch.dtype = torch.float32,
+    wide: bool = False,
 ) -> dict[str, Any]:
     """Steps of Net (layer drop, one never-used layer) recording losses, and params after each step.
 
@@ -61,7 +62,7 @@ def _train(
     params are read once, after the last step.
     """
     torch.manual_seed(0)
-    model = Net().to(dtype)
+    model = (Wide() if wide else Net()).to(dtype)
     opt = zf.ZeroOptimizer(
         torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1),
         partition_grad=stage == 2,
@@ -120,9 +121,13 @@ def test_overlap_allgather_is_bitwise_equal_to_the_eager_gather(world):
                     assert_trees_equal(got, want)
 
 
-def test_overlap_allgather_in_bfloat16_with_a_large_bucket(world):
-    # One bucket holds every param: one module's pre-hook writes the others' params too.
-    configs = [{"stage": 2, "overlap": True, "allgather": a, "bucket": 2**20, "dtype": torch.bfloat16} for a in (0, 1)]
+@pytest.mark.parametrize(("dtype", "wide"), [(torch.bfloat16, False), (torch.float32, True)])
+def test_overlap_allgather_with_large_buckets(world, dtype, wide):
+    # Net: one bucket holds every param, so one module's pre-hook writes the others' params
+    # too. Wide: large members (one-pass staging copies) share buckets with small ones.
+    configs = [
+        {"stage": 2, "overlap": True, "allgather": a, "bucket": 2**20, "dtype": dtype, "wide": wide} for a in (0, 1)
+    ]
     for eager, hidden in world.run(_matrix, configs):
         assert torch.equal(hidden["losses"], eager["losses"])
         assert_trees_equal(hidden["final"], eager["final"])
@@ -281,11 +286,37 @@ def test_overlap_allgather_needs_the_module_that_owns_every_param(worlds):
 # --------------------------------------------------------------------------- staging buffers
 
 
-def _facade_vs_functional(stage: int, overlap: bool, wire: str | None, accumulate: int) -> dict[str, Any]:
+class Wide(nn.Module):
+    """Net's interface with two members above the one-pass copy threshold (2**16 elements).
+
+    ``mid.weight`` has 257 * 256 = 65792 elements: no padding at N = 1, 2, 4, one padding
+    element at N = 3; ``top.weight`` 65537 * 1 pads at every N > 1.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(7, 256)
+        self.mid = nn.Linear(256, 257)
+        self.top = nn.Linear(257, 1, bias=False)
+        self.extra = nn.Parameter(torch.randn(65537) * 0.01)
+        self.b = nn.Linear(257, 5)
+
+    def forward(self, x: torch.Tensor, use_gate: bool = True) -> torch.Tensor:
+        h = torch.tanh(self.mid(torch.tanh(self.a(x))))
+        if use_gate:
+            h = h + self.top(h) * self.extra[:257]
+        return self.b(h)
+
+
+def _facade_vs_functional(
+    stage: int, overlap: bool, wire: str | None, accumulate: int, wide: bool = False
+) -> dict[str, Any]:
     """The facade and the functional loop on the same batches, params compared after every step."""
     torch.manual_seed(0)
     dtype = torch.bfloat16 if accumulate > 1 else torch.float32
-    model = Net().to(dtype)
+    make = Wide if wide else Net
+    bucket = 2**17 if wide else 64  # wide: small and large members share buckets
+    model = make().to(dtype)
     functional = {n: p.detach().clone() for n, p in model.named_parameters()}
     comm_dtype = getattr(torch, wire) if wire else None
     precision = zf.PrecisionPolicy.for_dtype(dtype).replace(comm_dtype=comm_dtype)
@@ -295,7 +326,7 @@ def _facade_vs_functional(stage: int, overlap: bool, wire: str | None, accumulat
         fopt,
         partition_grad=stage == 2,
         overlap_communication=overlap,
-        reduce_bucket_size=64,
+        reduce_bucket_size=bucket,
         precision=precision,
     )
     state = zf.shard_params(functional, fopt, policy=precision)
@@ -311,20 +342,20 @@ def _facade_vs_functional(stage: int, overlap: bool, wire: str | None, accumulat
             with contextlib.nullcontext() if last else opt.no_sync():
                 opt.backward(((model(x, use_gate) - y) ** 2).mean())
             params = {n: t.requires_grad_(True) for n, t in functional.items()}
-            loss = ((torch.func.functional_call(Net().to(dtype), params, (x, use_gate)) - y) ** 2).mean()
+            loss = ((torch.func.functional_call(make().to(dtype), params, (x, use_gate)) - y) ** 2).mean()
             got = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
             for (n, _), g in zip(params.items(), got, strict=True):
                 if g is not None:
                     acc = precision.grad_accum_dtype_for(dtype) if accumulate > 1 else dtype
                     grads[n] = g.to(acc) if n not in grads else grads[n] + g.to(acc)
             functional = {n: t.detach() for n, t in functional.items()}
-        shards = zf.reduce_grads(grads, state.layout, stage=stage, precision=precision, bucket_numel=64)
+        shards = zf.reduce_grads(grads, state.layout, stage=stage, precision=precision, bucket_numel=bucket)
         # The reduced shards themselves (AdamW would hide a gradient scale error).
         held = opt._grad_shards
         mismatches += [(step, "grad", n) for n in shards if n not in held or not torch.equal(held[n], shards[n])]
         mismatches += [(step, "grad", n) for n in held if n not in shards]
         state, _ = zf.step_shards(state, shards)
-        functional = dict(zf.gather_params(state, bucket_numel=64))
+        functional = dict(zf.gather_params(state, bucket_numel=bucket))
         opt.step()
         opt.zero_grad()
         mine = {n: p.detach() for n, p in model.named_parameters()}
@@ -333,13 +364,21 @@ def _facade_vs_functional(stage: int, overlap: bool, wire: str | None, accumulat
 
 
 @pytest.mark.parametrize(
-    ("stage", "overlap", "wire", "accumulate"),
-    [(2, False, None, 1), (2, True, None, 1), (1, True, "bfloat16", 1), (2, True, "float16", 1), (2, True, None, 3)],
+    ("stage", "overlap", "wire", "accumulate", "wide"),
+    [
+        (2, False, None, 1, False),
+        (2, True, None, 1, False),
+        (1, True, "bfloat16", 1, False),
+        (2, True, "float16", 1, False),
+        (2, True, None, 3, False),
+        (2, True, None, 1, True),
+        (2, False, "bfloat16", 3, True),
+    ],
 )
 def test_reused_staging_buffers_keep_the_facade_bitwise_equal_to_the_functional_loop(
-    world, stage, overlap, wire, accumulate
+    world, stage, overlap, wire, accumulate, wide
 ):
-    for res in world.run(_facade_vs_functional, stage, overlap, wire, accumulate):
+    for res in world.run(_facade_vs_functional, stage, overlap, wire, accumulate, wide):
         assert res["mismatches"] == []
 
 

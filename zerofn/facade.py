@@ -65,7 +65,6 @@ from zerofn.precision import (
     scale_loss,
 )
 from zerofn.stages import (
-    _full_from_rows,
     gather_params,
     reduce_grads,
     reduce_realisation,
@@ -83,6 +82,11 @@ log = logging.getLogger("zerofn")
 # Buckets whose reduction may be in flight at once when overlapping: enough to keep the
 # network busy while backward computes, few enough to bound the buffers held.
 _MAX_INFLIGHT = 2
+
+# Members of at least this many elements are copied and scaled into a staging buffer in
+# one pass; smaller ones in a batched _foreach_copy_ + _foreach_mul_ (per-call overhead
+# dominates for them).
+_FUSED_MIN_NUMEL = 2**16
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -271,6 +275,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._how = reduce_realisation(self._stage, self._group, self._policy)
         self._buckets: tuple[Bucket, ...] = layout.buckets(self._bucket_numel)
         self._bucket_of = {name: i for i, b in enumerate(self._buckets) for name in b.names}
+        self._position = {name: i for i, name in enumerate(layout.names)}  # layout order, for sorting
         self._hp_cache: tuple[Any, ...] | None = None
 
         self._grad_shards: dict[str, torch.Tensor] = {}
@@ -587,10 +592,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     continue
                 self._gathers[b] = None
                 self._gathers_left -= 1
-                rows = entry[0].wait()
-                bucket = self._buckets[b]
-                for name, col in zip(bucket.names, bucket.offsets, strict=True):
-                    _full_from_rows(rows, layout[name], col, self._params[name])
+                _write_rows(entry[0].wait(), layout, self._buckets[b], self._params)
 
     # ------------------------------------------------------------------ hook path (gradients)
 
@@ -678,7 +680,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _finish_backward(self) -> None:
         """End of a backward pass: launch partial buckets (layer drop), wait, keep shards."""
         self._callback_queued = False
-        ready = sorted(set().union(*self._ready), key=self._state.layout.names.index)
+        ready = sorted(set().union(*self._ready), key=self._position.__getitem__)
         # Every rank must have produced gradients for the same params before the last
         # buckets go out; one tiny all-gather (see checks.check_ranks_agree).
         checks.check_ranks_agree(
@@ -925,12 +927,17 @@ class _Staging:
 def _scaled_rows(
     grads: Mapping[str, torch.Tensor | None], layout: ShardLayout, bucket: Bucket, scale: float, rows: torch.Tensor
 ) -> None:
-    """``stages._rows_from_full`` then ``rows.mul_(scale)``, in one pass, into the given ``(N, S)`` rows.
+    """``stages._rows_from_full`` then ``rows.mul_(scale)``, into the given ``(N, S)`` rows.
 
     Bitwise the same: each element is ``grad * scale`` rounded once in the rows' dtype
-    (the gradients' dtype); padding and absent members are zeros.
+    (the gradients' dtype); padding and absent members are zeros. Large members are
+    copied and scaled in one pass (``torch.mul(..., out=)``); small ones in one
+    ``_foreach_copy_`` and one ``_foreach_mul_`` per bucket, so a bucket of hundreds of
+    small params costs two calls, not hundreds.
     """
     n = layout.world_size
+    dst: list[torch.Tensor] = []
+    src: list[torch.Tensor] = []
     for name, col in zip(bucket.names, bucket.offsets, strict=True):
         spec = layout[name]
         s = spec.shard_numel
@@ -940,15 +947,42 @@ def _scaled_rows(
             block.zero_()
             continue
         flat = t.detach().reshape(-1)
-        if spec.padding == 0:
-            torch.mul(flat.view(n, s), scale, out=block)
-            continue
         whole = spec.numel // s
-        torch.mul(flat[: whole * s].view(whole, s), scale, out=block[:whole])
-        block[whole:].zero_()
+        rest = spec.numel - whole * s
+        if whole < n:
+            block[whole:].zero_()  # padding: the partial row's tail and any empty rows
+        parts = [(block[:whole], flat[: whole * s].view(whole, s))] if whole else []
+        if rest:
+            parts.append((block[whole, :rest], flat[whole * s :]))
+        for out, part in parts:
+            if spec.numel >= _FUSED_MIN_NUMEL:
+                torch.mul(part, scale, out=out)
+            else:
+                dst.append(out)
+                src.append(part)
+    if dst:
+        torch._foreach_copy_(dst, src)
+        torch._foreach_mul_(dst, scale)
+
+
+def _write_rows(rows: torch.Tensor, layout: ShardLayout, bucket: Bucket, params: Mapping[str, torch.Tensor]) -> None:
+    """``stages._full_from_rows`` for every member of a gathered bucket, in one ``_foreach_copy_``."""
+    dst: list[torch.Tensor] = []
+    src: list[torch.Tensor] = []
+    for name, col in zip(bucket.names, bucket.offsets, strict=True):
+        spec = layout[name]
+        s = spec.shard_numel
+        flat = params[name].view(-1)
+        whole = spec.numel // s
+        if whole:
+            dst.append(flat[: whole * s].view(whole, s))
+            src.append(rows[:whole, col : col + s])
         rest = spec.numel - whole * s
         if rest:
-            torch.mul(flat[whole * s :], scale, out=block[whole, :rest])
+            dst.append(flat[whole * s :])
+            src.append(rows[whole, col : col + rest])
+    if dst:
+        torch._foreach_copy_(dst, src)
 
 
 def _check_gather_module(named: Mapping[str, torch.Tensor], module: torch.nn.Module | None) -> None:
