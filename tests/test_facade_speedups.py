@@ -418,3 +418,37 @@ def test_staging_buffers_are_reused_across_steps_and_bounded(world, overlap, wir
             assert res["sizes"][1:] == [res["sizes"][1]] * (len(res["sizes"]) - 1)
             assert all(p == res["ptrs"][1] for p in res["ptrs"][2:])
         assert res["after_close"] == 0
+
+
+_EXIT_SCRIPT = """
+import os, torch, torch.distributed as dist, torch.nn as nn
+import zerofn as zf
+os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", "{port}"
+dist.init_process_group("gloo", rank=0, world_size=1)
+model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+opt = zf.ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), partition_grad=True,
+                       overlap_allgather=True, module=model)
+opt.backward(model(torch.randn(4, 8)).square().mean())
+opt.step()
+assert opt._gathers_left > 0
+{end}
+"""
+
+
+@pytest.mark.parametrize("end", ["", "dist.destroy_process_group()"])
+def test_exiting_with_gathers_pending_is_clean(tmp_path, end):
+    """A script that ends right after step() (gathers still pending) exits normally."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    script = tmp_path / "exit.py"
+    script.write_text(_EXIT_SCRIPT.format(port=port, end=end))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert "INTERNAL ASSERT" not in proc.stderr, proc.stderr[-2000:]
+    # The one known teardown abort of gloo (see DESIGN.md) is not this test's business.
+    known = "terminate called without an active exception" in proc.stderr
+    assert proc.returncode == 0 or known, proc.stderr[-2000:]

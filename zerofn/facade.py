@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import sys
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
@@ -522,6 +523,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._staging.clear()
 
     def __del__(self) -> None:
+        if sys.is_finalizing():
+            # Interpreter teardown: the model's tensors may be half torn down already, and
+            # writing pending gathers into them aborts the process (a torch internal assert
+            # in THPVariable_clear). Nobody reads the params any more: leave everything.
+            return
         with contextlib.suppress(Exception):
             self.close()
 
