@@ -584,7 +584,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         device = state.work_device
         for b, bucket in enumerate(self._buckets):
             dtype = layout[bucket.names[0]].dtype
-            row = _placement.cat_to([state.master[name].to(dtype) for name in bucket.names], device)
+            parts = [state.master[name].to(dtype) for name in bucket.names]
+            if len(parts) == 1 and parts[0].device == device and parts[0].is_contiguous():
+                # A param alone in its bucket: its shard is the row, no copy. Nothing writes
+                # the master shards before this gather completes (step() waits for it first).
+                row = parts[0]
+            else:
+                row = _placement.cat_to(parts, device)
             self._gathers[b] = (comm.gather_rows(row, self._group, self._gather_how, async_op=True), row)
             self._gathers_left += 1
 
