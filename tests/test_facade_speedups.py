@@ -227,6 +227,91 @@ def test_checkpoints_with_overlap_allgather(worlds, tmp_path):
         assert_trees_equal(res["hidden"], res["eager"])
 
 
+class Blocks(nn.Module):
+    """A weight assembled from an ``nn.ParameterList`` (no forward of its own) in the parent's forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.parts = nn.ParameterList(nn.Parameter(torch.randn(3, 7) * 0.3) for _ in range(5))
+        self.extra = nn.ParameterDict({"bias": nn.Parameter(torch.zeros(15))})
+        self.out = nn.Linear(15, 5)
+
+    def forward(self, x: torch.Tensor, use_gate: bool = True) -> torch.Tensor:
+        h = torch.tanh(torch.nn.functional.linear(x, torch.cat(list(self.parts)), self.extra["bias"]))
+        return self.out(h)
+
+
+class Sneaky(nn.Module):
+    """Reads ``self.proj.weight`` without calling ``self.proj``: its pre-hook never runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(7, 5)
+
+    def forward(self, x: torch.Tensor, use_gate: bool = True) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.proj.weight) + self.proj.bias
+
+
+def _container_params() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for allgather in (False, True):
+        torch.manual_seed(0)
+        model = Blocks()
+        opt = zf.ZeroOptimizer(
+            torch.optim.AdamW(model.parameters(), lr=1e-2),
+            partition_grad=True,
+            overlap_allgather=allgather,
+            module=model,
+        )
+        losses = []
+        for x, y in batches(dist.get_rank(), 5):
+            loss = ((model(x) - y) ** 2).mean()
+            opt.backward(loss)
+            opt.step()
+            losses.append(loss.detach())
+        out[allgather] = torch.stack(losses)
+    return out
+
+
+def test_params_of_containers_are_written_by_the_parents_forward(world):
+    for res in world.run(_container_params):
+        assert torch.equal(res[True], res[False])
+
+
+def _stale_read() -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = Sneaky()
+    opt = zf.ZeroOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), partition_grad=True, overlap_allgather=True, module=model
+    )
+    data = list(batches(dist.get_rank(), 3))
+    x, y = data[0]
+    opt.backward(((model(x) - y) ** 2).mean())
+    opt.step()
+    message = ""
+    try:
+        model(data[1][0])
+    except RuntimeError as e:
+        message = str(e)
+    current = opt._gathers_left == 0
+    # After wait_params() such a model trains (the user takes charge of the timing).
+    opt.wait_params()
+    x, y = data[2]
+    opt.backward(((model(x) - y) ** 2).mean())
+    opt.step()
+    opt.wait_params()
+    with torch.no_grad():
+        model(x)  # nothing pending: no check, no error
+    return {"message": message, "current": current}
+
+
+def test_a_forward_that_reads_a_param_before_its_gather_is_written_raises(worlds):
+    for res in worlds[2].run(_stale_read):
+        assert "'proj.weight'" in res["message"] and "wait_params()" in res["message"]
+        assert "'proj.bias'" in res["message"]
+        assert res["current"]
+
+
 def _lifetime() -> dict[str, Any]:
     torch.manual_seed(0)
     model = Net()

@@ -52,6 +52,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 
 from zerofn import _placement, checks, comm, optim, torch_optim
 from zerofn.comm import CommPolicy
@@ -117,16 +118,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
       overlap_allgather: hide the parameter gather behind the next forward (the seed's
         option of the same name; needs ``module=``, which must own every param). ``step``
         launches every bucket's gather asynchronously and returns; a forward pre-hook on
-        each module that owns params waits for the buckets its params live in and writes
-        them into the params (the same values, bit for bit, as without it), and the
-        module's forward post-hook completes the rest. Until then ``p.data`` holds the
-        *previous* values: read params outside the module's forward (evaluation through
-        another function, logging ``p.data``, a param used by a module that does not own
-        it before its owner runs) only after :meth:`wait_params`. The facade's own
-        readers (``step``, ``backward``, ``state_dict``, checkpoints, ``get_param_grad``,
-        ``update_master_params``, ``close``) and the module's ``state_dict`` /
-        ``load_state_dict`` wait by themselves. Memory: the gathered ``(N, S)`` buckets,
-        Ψ·b bytes, are held from ``step`` until the forward writes them.
+        each module that owns params (for a container without a ``forward``, such as
+        ``nn.ParameterList``, on its parent) waits for the buckets its params live in and
+        writes them into the params (the same values, bit for bit, as without it), and the
+        model's forward post-hook completes the rest. Until then ``p.data`` holds the
+        *previous* values: read params outside the model's forward (evaluation through
+        another function, logging ``p.data``) only after :meth:`wait_params`. A forward
+        that reads a param before its owner's ``forward`` runs (``F.linear(x,
+        self.proj.weight)`` without calling ``self.proj``) would see old values: with
+        autograd on, the model's forward post-hook finds such params in the graph and
+        raises. The facade's own readers (``step``, ``backward``, ``state_dict``,
+        checkpoints, ``get_param_grad``, ``update_master_params``, ``close``) and the
+        model's ``state_dict`` / ``load_state_dict`` wait by themselves. Memory: the
+        gathered ``(N, S)`` buckets, Ψ·b bytes, are held from ``step`` until the forward
+        writes them.
       clip_grad_norm: clip by the global gradient norm when > 0.
       norm_type: 2.0 or ``math.inf`` for clipping and ``get_grad_norm``.
       dp_process_group: the data-parallel group; ``None`` for the default. Shards live
@@ -536,10 +541,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _attach_gather_hooks(self, module: torch.nn.Module) -> None:
         """Forward pre-hooks that write the buckets of each module's own params before it runs.
 
-        Every module that directly owns params waits for exactly the buckets they live
-        in (writing every member of those buckets); the root's forward post-hook and its
-        ``state_dict`` / ``load_state_dict`` pre-hooks complete whatever is left. The
-        hooks hold the facade by weak reference, like the gradient hooks.
+        A param's hook sits on the module that owns it, or, when that module has no
+        ``forward`` of its own (``nn.ParameterList``, ``nn.ParameterDict``, ``nn.ModuleList``,
+        ...: its params are read by the parent's ``forward``), on the nearest ancestor that
+        has one. The hook waits for exactly the buckets those params live in (writing every
+        member of those buckets). The root's forward post-hook completes whatever is left,
+        and refuses a forward that read a param whose gather was still pending (see
+        :meth:`_finish_forward`); its ``state_dict`` / ``load_state_dict`` pre-hooks wait
+        too. The hooks hold the facade by weak reference, like the gradient hooks.
         """
         me = weakref.ref(self)
 
@@ -556,15 +565,75 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if opt is not None and opt._gathers_left:
                 opt._complete_gathers(range(len(opt._buckets)))
 
+        def after_forward(mod: torch.nn.Module, args: Any, output: Any) -> None:
+            opt = me()
+            if opt is not None and opt._gathers_left:
+                opt._finish_forward(output)
+
+        parent: dict[int, torch.nn.Module] = {}
+        for mod in module.modules():
+            for child in mod.children():
+                parent.setdefault(id(child), mod)
+        buckets_of: dict[int, set[int]] = {}
+        owner_of: dict[int, torch.nn.Module] = {}
         for mod in module.modules():
             owned = {self._name_of.get(id(p)) for p in mod.parameters(recurse=False)}
-            buckets = tuple(sorted({self._bucket_of[n] for n in owned if n in self._bucket_of}))
-            if buckets:
-                self._hooks.append(mod.register_forward_pre_hook(make_pre(buckets)))
-            if buckets or mod is module:
-                self._hooks.append(mod.register_state_dict_pre_hook(finish))
-                self._hooks.append(mod.register_load_state_dict_pre_hook(finish))
-        self._hooks.append(module.register_forward_hook(finish))
+            buckets = {self._bucket_of[n] for n in owned if n in self._bucket_of}
+            if not buckets:
+                continue
+            owner = mod
+            while type(owner).forward is torch.nn.Module.forward and id(owner) in parent:
+                owner = parent[id(owner)]  # a container: its params are read by its parent's forward
+            buckets_of.setdefault(id(owner), set()).update(buckets)
+            owner_of[id(owner)] = owner
+            self._hooks.append(mod.register_state_dict_pre_hook(finish))
+            self._hooks.append(mod.register_load_state_dict_pre_hook(finish))
+        for key, owner in owner_of.items():
+            self._hooks.append(owner.register_forward_pre_hook(make_pre(tuple(sorted(buckets_of[key])))))
+        self._hooks.append(module.register_state_dict_pre_hook(finish))
+        self._hooks.append(module.register_load_state_dict_pre_hook(finish))
+        self._hooks.append(module.register_forward_hook(after_forward))
+
+    def _finish_forward(self, output: Any) -> None:
+        """End of the model's forward with gathers still pending: write them, and check none was read.
+
+        Buckets still pending here were never waited for in this forward, so any use of
+        their params in it read the values from before the last step. Params that took no
+        part (layer drop, unused layers) are fine; a param that reached the autograd graph
+        of ``output`` is an error (raised after the params are written), as it would
+        otherwise train on stale weights silently. Forwards without autograd (``no_grad``)
+        cannot be checked this way.
+        """
+        pending = {
+            id(self._params[name]): name
+            for b, entry in enumerate(self._gathers)
+            if entry is not None
+            for name in self._buckets[b].names
+        }
+        self._complete_gathers(range(len(self._buckets)))
+        stack = [t.grad_fn for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
+        seen: set[Any] = set()
+        stale: list[str] = []
+        while stack:
+            fn = stack.pop()
+            if fn is None or fn in seen:
+                continue
+            seen.add(fn)
+            var = getattr(fn, "variable", None)  # an AccumulateGrad node: a leaf tensor
+            if var is not None and id(var) in pending:
+                stale.append(pending[id(var)])
+            stack.extend(f for f, _ in fn.next_functions)
+        if stale:
+            stale.sort(key=self._position.__getitem__)
+            listing = ", ".join(repr(n) for n in stale[:5]) + (", ..." if len(stale) > 5 else "")
+            raise RuntimeError(
+                f"ZeroOptimizer(overlap_allgather=True): this forward read {len(stale)} param(s) ({listing}) before "
+                "their gathered values were written: the forward pre-hook that writes a param sits on the module "
+                "that owns it, and that module's forward did not run before the param was used (e.g. "
+                "F.linear(x, self.proj.weight) without calling self.proj). The forward's result used the weights "
+                "from before the last step; they are current now. Call optimizer.wait_params() before such a "
+                "forward, or leave overlap_allgather off for this model."
+            )
 
     def wait_params(self) -> None:
         """Complete the param gathers the last ``step`` left in flight (``overlap_allgather``).
