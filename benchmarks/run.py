@@ -368,12 +368,21 @@ def _profile(args: argparse.Namespace, out_prefix: Path) -> list[Path]:
                 continue
             path = out_prefix.with_name(f"{out_prefix.name}-parts-{model}-n{n}.txt")
             rows = [
-                f"{label:<66} " + "  ".join(f"{r[i][1]:8.2f}" for r in per_rank)
-                for i, (label, _) in enumerate(per_rank[0])
+                f"{label:<78} "
+                + "  ".join(f"{r[i][1]:8.2f}" for r in per_rank)
+                + "  "
+                + "  ".join(f"{r[i][2]:8.2f}" for r in per_rank)
+                for i, (label, *_) in enumerate(per_rank[0])
             ]
-            head = f"{'part (min over reps, ms)':<66} " + "  ".join(f"{'rank ' + str(r):>8}" for r in range(n))
+            head = (
+                f"{'part (min over reps, ms)':<78} "
+                + "  ".join(f"{'wall r' + str(r):>8}" for r in range(n))
+                + "  "
+                + "  ".join(f"{'cpu r' + str(r):>8}" for r in range(n))
+            )
             path.write_text(
                 f"# the parts of a step timed alone: {model}, N={n}, {backend}, {args.threads} thread(s) per rank\n"
+                "# wall: elapsed; cpu: process CPU time of the rank (all its threads, gloo's included)\n"
                 f"{head}\n" + "\n".join(rows).replace("     nan", "        ") + "\n"
             )
             _log(f"wrote {path}")

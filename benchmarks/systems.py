@@ -609,15 +609,18 @@ def profile(name: str, steps: int, untimed: int, row_limit: int = 45) -> dict[st
     }
 
 
-def parts(reps: int, bucket_numel: int = 2**20) -> list[tuple[str, float]]:
+def parts(reps: int, bucket_numel: int = 2**20) -> list[tuple[str, float, float]]:
     """Each part of a zerofn stage-2 step and of a DDP step, timed alone: min over ``reps`` (ms).
 
-    The minimum is the figure least disturbed by other load on the machine. Collective
-    parts start after a barrier, so they time the collective, not the wait for the slowest
-    rank. Uses zerofn's bucket helpers (``_rows_from_full`` and ``_full_from_rows`` are
-    private; this is a profiling aid that may need updating when they change).
+    Two figures per part: wall time, and the process's CPU time (``time.process_time``:
+    every thread of the rank, gloo's communication threads and the kernel's copies for
+    the loopback sockets included). The minimum is the figure least disturbed by other
+    load on the machine. Collective parts start after a barrier, so they time the
+    collective, not the wait for the slowest rank. Uses zerofn's private bucket helpers
+    (``stages._rows_from_full``, ``stages._full_from_rows``, the facade's staging
+    helpers); this is a profiling aid that may need updating when they change.
     """
-    from zerofn import checks, stages
+    from zerofn import checks, facade, stages
 
     ctx = _ctx()
     n, device = ctx.world, ctx.device
@@ -625,19 +628,20 @@ def parts(reps: int, bucket_numel: int = 2**20) -> list[tuple[str, float]]:
     lossf = models.loss_fn(ctx.cfg)
     x, y = ctx.batches[0]
     params = dict(model.named_parameters())
-    out: list[tuple[str, float]] = []
+    out: list[tuple[str, float, float]] = []
 
     def timed(label: str, fn: Callable[[], Any], collective: bool = False) -> None:
-        best = math.inf
+        best = cpu = math.inf
         for _ in range(reps):
             if collective:
                 dist.barrier()
             _sync()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             fn()
             _sync()
             best = min(best, time.perf_counter() - t0)
-        out.append((label, best * 1e3))
+            cpu = min(cpu, time.process_time() - c0)
+        out.append((label, best * 1e3, cpu * 1e3))
 
     def fwd() -> None:
         lossf(model(x), y)
@@ -655,7 +659,9 @@ def parts(reps: int, bucket_numel: int = 2**20) -> list[tuple[str, float]]:
     layout = state.layout
     buckets = layout.buckets(bucket_numel)
     dtype = torch.float32
-    out.append((f"  ({len(buckets)} buckets of <= {bucket_numel:,} elements, {len(layout.params)} params)", math.nan))
+    out.append(
+        (f"  ({len(buckets)} buckets of <= {bucket_numel:,} elements, {len(layout.params)} params)", math.nan, math.nan)
+    )
 
     def flatten() -> list[torch.Tensor]:
         rows = [stages._rows_from_full(grads, layout, b, dtype, device) for b in buckets]
@@ -664,8 +670,23 @@ def parts(reps: int, bucket_numel: int = 2**20) -> list[tuple[str, float]]:
         return rows
 
     timed("zerofn reduce: flatten grads into rank-major buckets + x1/N", flatten)
+    staging = facade._Staging(keep=1, min_numel=bucket_numel)
+
+    def flatten_reused() -> None:
+        for b in buckets:
+            buf = staging.take(n * b.shard_numel, dtype, device)
+            facade._scaled_rows(grads, layout, b, 1.0 / n, buf[: n * b.shard_numel].view(n, b.shard_numel))
+            staging.give(buf)
+
+    timed("zerofn reduce: the facade's flatten (reused buffer, copy and x1/N fused)", flatten_reused)
     rows = flatten()
     timed("zerofn reduce: all_reduce of the buckets (gloo default)", lambda: [dist.all_reduce(r) for r in rows], True)
+
+    def all_reduce_async() -> None:
+        for h in [dist.all_reduce(r, async_op=True) for r in rows]:
+            h.wait()
+
+    timed("zerofn reduce: the same, all launched async, then waited", all_reduce_async, True)
     timed(
         "zerofn reduce: reduce_scatter of the buckets (byte-optimal)",
         lambda: [zf.comm.sum_rows(r, None, "reduce_scatter").wait() for r in rows],
@@ -713,6 +734,12 @@ def parts(reps: int, bucket_numel: int = 2**20) -> list[tuple[str, float]]:
         lambda: [zf.comm.gather_rows(r, None, "broadcast").wait() for r in cat_rows],
         True,
     )
+
+    def broadcast_async() -> None:
+        for p in [zf.comm.gather_rows(r, None, "broadcast", async_op=True) for r in cat_rows]:
+            p.wait()
+
+    timed("zerofn gather: the same, all launched async (overlap_allgather), then waited", broadcast_async, True)
     timed(
         "zerofn gather: all_gather per bucket (byte-optimal)",
         lambda: [zf.comm.gather_rows(r, None, "all_gather").wait() for r in cat_rows],
