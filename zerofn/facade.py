@@ -43,6 +43,8 @@ Between ``backward`` and ``step`` a rank holds only its shards of the reduced gr
 from __future__ import annotations
 
 import contextlib
+import functools
+import itertools
 import logging
 import math
 import sys
@@ -1005,6 +1007,22 @@ class _Staging:
         self._free = {}
 
 
+@functools.lru_cache(maxsize=1024)
+def _bucket_plan(layout: ShardLayout, bucket: Bucket) -> tuple[tuple[int, ...], tuple[tuple[str, int, int, int], ...]]:
+    """A bucket's static copy plan: its members' widths (``shard_numel``), for one
+    ``torch.split`` of the ``(N, S)`` rows into column blocks, and per member ``(name,
+    shard_numel, whole rows, numel in the partial row)``."""
+    widths = tuple(layout[name].shard_numel for name in bucket.names)
+    starts = (0, *itertools.accumulate(widths))
+    if starts[:-1] != bucket.offsets or starts[-1] != bucket.shard_numel:  # split needs them side by side
+        raise AssertionError(f"zerofn: bucket members are not packed side by side: {bucket}")
+    members = []
+    for name, s in zip(bucket.names, widths, strict=True):
+        numel = layout[name].numel
+        members.append((name, s, numel // s, numel - (numel // s) * s))
+    return widths, tuple(members)
+
+
 def _scaled_rows(
     grads: Mapping[str, torch.Tensor | None], layout: ShardLayout, bucket: Bucket, scale: float, rows: torch.Tensor
 ) -> None:
@@ -1014,29 +1032,33 @@ def _scaled_rows(
     (the gradients' dtype); padding and absent members are zeros. Large members are
     copied and scaled in one pass (``torch.mul(..., out=)``); small ones in one
     ``_foreach_copy_`` and one ``_foreach_mul_`` per bucket, so a bucket of hundreds of
-    small params costs two calls, not hundreds.
+    small params costs a few calls, not hundreds.
     """
     n = layout.world_size
+    widths, members = _bucket_plan(layout, bucket)
     dst: list[torch.Tensor] = []
     src: list[torch.Tensor] = []
-    for name, col in zip(bucket.names, bucket.offsets, strict=True):
-        spec = layout[name]
-        s = spec.shard_numel
-        block = rows[:, col : col + s]
+    for (name, s, whole, rest), block in zip(members, rows.split(widths, dim=1), strict=True):
         t = grads.get(name)
         if t is None:
             block.zero_()
             continue
+        large = s * n >= _FUSED_MIN_NUMEL
+        if whole == n:  # no padding: the gradient is the block
+            part = t.detach().reshape(n, s)
+            if large:
+                torch.mul(part, scale, out=block)
+            else:
+                dst.append(block)
+                src.append(part)
+            continue
         flat = t.detach().reshape(-1)
-        whole = spec.numel // s
-        rest = spec.numel - whole * s
-        if whole < n:
-            block[whole:].zero_()  # padding: the partial row's tail and any empty rows
+        block[whole:].zero_()  # padding: the partial row's tail and any empty rows
         parts = [(block[:whole], flat[: whole * s].view(whole, s))] if whole else []
         if rest:
             parts.append((block[whole, :rest], flat[whole * s :]))
         for out, part in parts:
-            if spec.numel >= _FUSED_MIN_NUMEL:
+            if large:
                 torch.mul(part, scale, out=out)
             else:
                 dst.append(out)
@@ -1048,20 +1070,22 @@ def _scaled_rows(
 
 def _write_rows(rows: torch.Tensor, layout: ShardLayout, bucket: Bucket, params: Mapping[str, torch.Tensor]) -> None:
     """``stages._full_from_rows`` for every member of a gathered bucket, in one ``_foreach_copy_``."""
+    n = layout.world_size
+    widths, members = _bucket_plan(layout, bucket)
     dst: list[torch.Tensor] = []
     src: list[torch.Tensor] = []
-    for name, col in zip(bucket.names, bucket.offsets, strict=True):
-        spec = layout[name]
-        s = spec.shard_numel
+    for (name, s, whole, rest), block in zip(members, rows.split(widths, dim=1), strict=True):
+        if whole == n:
+            dst.append(params[name].view(n, s))
+            src.append(block)
+            continue
         flat = params[name].view(-1)
-        whole = spec.numel // s
         if whole:
             dst.append(flat[: whole * s].view(whole, s))
-            src.append(rows[:whole, col : col + s])
-        rest = spec.numel - whole * s
+            src.append(block[:whole])
         if rest:
             dst.append(flat[whole * s :])
-            src.append(rows[whole, col : col + rest])
+            src.append(block[whole, :rest])
     if dst:
         torch._foreach_copy_(dst, src)
 
