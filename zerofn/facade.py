@@ -1065,7 +1065,9 @@ def _scaled_rows(
                 src.append(part)
     if dst:
         torch._foreach_copy_(dst, src)
-        torch._foreach_mul_(dst, scale)
+        # A 0-d tensor, not a Python float: _foreach_mul_ rounds a Python scalar to the
+        # list's dtype first (1/3 in fp16 or bf16), mul_ does not; the tensor keeps them equal.
+        torch._foreach_mul_(dst, torch.tensor(scale))
 
 
 def _write_rows(rows: torch.Tensor, layout: ShardLayout, bucket: Bucket, params: Mapping[str, torch.Tensor]) -> None:
