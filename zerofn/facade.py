@@ -315,6 +315,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._gather_how = self._policy.resolve(self._group)[1]
         self._gathers: list[tuple[comm.Pending, torch.Tensor] | None] = [None] * len(self._buckets)
         self._gathers_left = 0
+        # overlap_allgather: per bucket of several params, the row it sends, reused every step.
+        self._gather_rows: list[torch.Tensor | None] = [None] * len(self._buckets)
         if overlap_allgather:
             assert module is not None  # _check_gather_module
             self._attach_gather_hooks(module)
@@ -378,9 +380,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
         The gradient hooks copy each bucket into an ``(N, S)`` buffer kept for the next
         bucket and the next step (with ``overlap_communication`` up to three per dtype,
-        otherwise one; each ``max(reduce_bucket_size, N·S)`` elements). ``close()`` frees them.
+        otherwise one; each ``max(reduce_bucket_size, N·S)`` elements). With
+        ``overlap_allgather`` each bucket of several params also keeps the ``(S,)`` row of
+        master shards it sends (at most Ψ/N elements of the working dtype in all).
+        ``close()`` frees them.
         """
-        return self._staging.nbytes() + sum(buf.numel() * buf.element_size() for *_, buf in self._inflight)
+        total = self._staging.nbytes() + sum(buf.numel() * buf.element_size() for *_, buf in self._inflight)
+        return total + sum(r.numel() * r.element_size() for r in self._gather_rows if r is not None)
 
     # ------------------------------------------------------------------ gradients
 
@@ -528,6 +534,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 h.remove()
             self._hooks = []
             self._staging.clear()
+            self._gather_rows = [None] * len(self._buckets)
 
     def __del__(self) -> None:
         if sys.is_finalizing():
@@ -656,12 +663,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for b, bucket in enumerate(self._buckets):
             dtype = layout[bucket.names[0]].dtype
             parts = [state.master[name].to(dtype) for name in bucket.names]
-            if len(parts) == 1 and parts[0].device == device and parts[0].is_contiguous():
+            if any(t.device != device for t in parts):  # CPU offload to an accelerator
+                row = _placement.cat_to(parts, device)
+            elif len(parts) == 1 and parts[0].is_contiguous():
                 # A param alone in its bucket: its shard is the row, no copy. Nothing writes
                 # the master shards before this gather completes (step() waits for it first).
                 row = parts[0]
             else:
-                row = _placement.cat_to(parts, device)
+                # Reused every step (a fresh row would fault in new pages each time); the
+                # previous step's gather from it has completed (step() waits first).
+                row = self._gather_rows[b]
+                if row is None or row.dtype != dtype or row.device != device:
+                    row = self._gather_rows[b] = torch.empty(bucket.shard_numel, dtype=dtype, device=device)
+                torch.cat(parts, out=row)
             self._gathers[b] = (comm.gather_rows(row, self._group, self._gather_how, async_op=True), row)
             self._gathers_left += 1
 
