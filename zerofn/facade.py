@@ -1081,7 +1081,9 @@ def _scaled_rows(
         torch._foreach_copy_(dst, src)
         # A 0-d tensor, not a Python float: _foreach_mul_ rounds a Python scalar to the
         # list's dtype first (1/3 in fp16 or bf16), mul_ does not; the tensor keeps them equal.
-        torch._foreach_mul_(dst, torch.tensor(scale))
+        # Its dtype is mul_'s compute dtype for a Python scalar: float32, float64 for float64.
+        factor = torch.tensor(scale, dtype=torch.promote_types(rows.dtype, torch.float32), device=rows.device)
+        torch._foreach_mul_(dst, factor)
 
 
 def _write_rows(rows: torch.Tensor, layout: ShardLayout, bucket: Bucket, params: Mapping[str, torch.Tensor]) -> None:
