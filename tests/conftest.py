@@ -15,11 +15,16 @@ from zerofn.testing import World
 
 # CI: fixed seeds and fewer examples, so a run is reproducible and fits the budget.
 settings.register_profile(
-    "ci", max_examples=25, derandomize=True, deadline=None,
+    "ci",
+    max_examples=25,
+    derandomize=True,
+    deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
 settings.register_profile(
-    "dev", max_examples=40, deadline=None,
+    "dev",
+    max_examples=40,
+    deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
 settings.load_profile("ci" if os.environ.get("CI") else os.environ.get("HYPOTHESIS_PROFILE", "dev"))

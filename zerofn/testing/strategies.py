@@ -44,7 +44,9 @@ def param_dicts(
     names = draw(
         st.lists(
             st.from_regex(r"[a-z][a-z0-9_]{0,6}(\.[a-z0-9_]{1,6}){0,2}", fullmatch=True),
-            min_size=n, max_size=n, unique=True,
+            min_size=n,
+            max_size=n,
+            unique=True,
         )
     )
     seed = draw(st.integers(min_value=0, max_value=2**31 - 1))
