@@ -63,6 +63,7 @@ __all__ = [
     "dcp_save",
     "device_mesh",
     "gather_rows",
+    "grid_groups",
     "group_rank",
     "group_size",
     "sum_across",
@@ -293,6 +294,28 @@ def gather_rows(row: torch.Tensor, group: Group, how: str, *, async_op: bool = F
         _record("broadcast", (n - 1) * s * elem)
         return Pending(handles, lambda: out)
     raise ValueError(f"unknown gather realisation {how!r}")
+
+
+def grid_groups(group: Group, rows: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """This rank's (row group, column group) of ``group``'s ranks read as a ``rows x N/rows`` grid.
+
+    Ranks in group order fill the grid row by row. Group creation is collective: every
+    rank of ``group`` creates every group, in the same order, so all must call this.
+    ``N`` must be divisible by ``rows`` (the caller checks, with its own message).
+    """
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    width = len(ranks) // rows
+    grid = [ranks[i * width : (i + 1) * width] for i in range(rows)]
+    me = dist.get_rank()
+    row_group = col_group = None
+    for members in grid:
+        g = dist.new_group(members)
+        row_group = g if me in members else row_group
+    for members in ([row[j] for row in grid] for j in range(width)):
+        g = dist.new_group(members)
+        col_group = g if me in members else col_group
+    assert row_group is not None and col_group is not None  # this rank is in `group`
+    return row_group, col_group
 
 
 def all_reduce_scalars(values: torch.Tensor, op: str, group: Group) -> torch.Tensor:

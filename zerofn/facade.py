@@ -1202,8 +1202,7 @@ def _hybrid_groups(
 
     With ``sub_dp_size = k`` the data-parallel ranks, in order, are read as a
     ``(k, N / k)`` grid: row ``i`` is a shard group, column ``j`` the replicas of shard
-    position ``j``. Group creation is collective: every rank creates every group, in the
-    same order.
+    position ``j`` (built by :func:`zerofn.comm.grid_groups`, collectively).
     """
     if not isinstance(sub_dp_size, int) or sub_dp_size < 1:
         raise ValueError(f"ZeroOptimizer: sub_dp_size must be an int >= 1, got {sub_dp_size!r}")
@@ -1211,23 +1210,10 @@ def _hybrid_groups(
         return dp_group, replicate_group
     if replicate_group is not None:
         raise ValueError("ZeroOptimizer: give sub_dp_size or replicate_group, not both")
-    ranks = dist.get_process_group_ranks(dp_group) if dp_group is not None else list(range(dist.get_world_size()))
-    if len(ranks) % sub_dp_size:
-        raise ValueError(
-            f"ZeroOptimizer: sub_dp_size={sub_dp_size} does not divide the {len(ranks)} data-parallel ranks"
-        )
-    width = len(ranks) // sub_dp_size
-    rows = [ranks[i * width : (i + 1) * width] for i in range(sub_dp_size)]
-    cols = [[row[j] for row in rows] for j in range(width)]
-    me = dist.get_rank()
-    shard = replicate = None
-    for members in rows:
-        g = dist.new_group(members)
-        shard = g if me in members else shard
-    for members in cols:
-        g = dist.new_group(members)
-        replicate = g if me in members else replicate
-    return shard, replicate
+    size = comm.group_size(dp_group)
+    if size % sub_dp_size:
+        raise ValueError(f"ZeroOptimizer: sub_dp_size={sub_dp_size} does not divide the {size} data-parallel ranks")
+    return comm.grid_groups(dp_group, sub_dp_size)
 
 
 def _resolve_params(
