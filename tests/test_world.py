@@ -143,3 +143,104 @@ def test_a_collective_that_cannot_finish_times_out_instead_of_hanging():
 def test_world_needs_at_least_one_rank():
     with pytest.raises(ValueError, match="at least one rank"):
         World(0)
+
+
+# --------------------------------------------------------------------------- backend, device, init hook
+
+
+def _placement_seen():
+    return dist.get_backend(), os.environ["LOCAL_RANK"], os.environ["MASTER_PORT"]
+
+
+def test_the_default_world_is_gloo_on_the_cpu(world):
+    assert (world.backend, world.device) == ("gloo", "cpu")
+    assert repr(world) == f"World({world.world_size}, backend='gloo', device='cpu')"
+    seen = world.run(_placement_seen)
+    assert [s[:2] for s in seen] == [("gloo", str(r)) for r in range(world.world_size)]
+    assert len({s[2] for s in seen}) == 1  # every rank names the same store, as under torchrun
+
+
+_INIT_SEEN: dict = {}
+
+
+def _init_hook(seed):
+    """Runs once per worker after the group is up: a collective, a seed, a thread count."""
+    total = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(total)
+    torch.manual_seed(seed + dist.get_rank())
+    torch.set_num_threads(2)
+    _INIT_SEEN.update(pid=os.getpid(), rank=dist.get_rank(), sum=float(total), calls=_INIT_SEEN.get("calls", 0) + 1)
+
+
+def _init_seen():
+    return dict(_INIT_SEEN), os.getpid(), torch.initial_seed(), torch.get_num_threads()
+
+
+def _raise_on_last_rank_in_init():
+    if dist.get_rank() == dist.get_world_size() - 1:
+        raise KeyError("missing setting on the last rank")
+
+
+def test_init_hook_runs_once_on_every_rank_with_the_group_up_and_again_after_a_restart():
+    import functools
+
+    n = 2
+    with World(n, init=functools.partial(_init_hook, 40)) as world:
+        first = world.run(_init_seen)
+        for rank, (seen, pid, seed, threads) in enumerate(first):
+            assert seen == {"pid": pid, "rank": rank, "sum": n * (n + 1) / 2, "calls": 1}
+            assert (seed, threads) == (40 + rank, 2)
+        world.run(_all_reduce_ones)
+        assert [r[0]["calls"] for r in world.run(_init_seen)] == [1] * n  # not once per run
+        with pytest.raises(WorldError, match=r"\(pool restarted\)") as info:
+            world.run(_die_on_last_rank)
+        assert info.value.restarted and world.restarts == 1
+        after = world.run(_init_seen)
+        assert all(seen["pid"] == pid and seen["calls"] == 1 for seen, pid, *_ in after)
+        assert {pid for _, pid, *_ in after}.isdisjoint(pid for _, pid, *_ in first)  # new workers, hook rerun
+
+
+def test_init_hook_closures_travel_by_value_and_a_failing_hook_stops_the_start():
+    seed = 1234  # captured by value: the workers cannot import this test's locals
+    with World(1, init=lambda: torch.manual_seed(seed)) as world:
+        assert world.run(torch.initial_seed) == [seed]
+    world = World(2, init=_raise_on_last_rank_in_init)
+    with pytest.raises(WorldError, match=r"1 rank\(s\) failed in the init hook \(pool closed\)") as info:
+        world.start()
+    assert info.value.restarted and list(info.value.failures) == [1]
+    failure = info.value.failures[1]
+    assert failure.type_name == "KeyError" and "missing setting on the last rank" in failure.message
+    assert "_raise_on_last_rank_in_init" in failure.traceback
+    assert world._procs == []  # closed: nothing left running
+
+
+def test_errors_in_run_say_whether_the_pool_was_restarted(multi_world):
+    with pytest.raises(WorldError) as alike:
+        multi_world.run(_raise_everywhere)
+    assert alike.value.restarted is False
+    with pytest.raises(WorldError) as alone:
+        multi_world.run(_raise_on_last_rank)
+    assert alone.value.restarted is True
+
+
+def test_bad_backend_device_and_init_are_refused_before_anything_starts(monkeypatch):
+    with pytest.raises(ValueError, match=r"backend must be one of \('gloo', 'nccl'\), got 'mpi'"):
+        World(2, backend="mpi")
+    with pytest.raises(ValueError, match=r"device must be one of \('cpu', 'cuda'\), got 'cuda:0'"):
+        World(2, device="cuda:0")
+    with pytest.raises(ValueError, match=r"backend='nccl' moves CUDA tensors only; use World\(n, backend='nccl', dev"):
+        World(2, backend="nccl")
+    with pytest.raises(TypeError, match="init must be a callable taking no arguments, got int"):
+        World(2, init=3)
+    # As on a machine without CUDA (this one, or CI), whatever this machine has.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for backend in ("gloo", "nccl"):
+        with pytest.raises(RuntimeError, match=r"CUDA is not available in this Python .*use device='cpu' with"):
+            World(1, backend=backend, device="cuda")
+    # As on a machine with one GPU: NCCL cannot put two ranks on it, gloo can.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match=r"World\(2, backend='nccl'\): NCCL needs one GPU per rank and 1 are visible"):
+        World(2, backend="nccl", device="cuda")
+    shared = World(2, backend="gloo", device="cuda")  # constructing starts nothing
+    assert (shared.backend, shared.device, shared._procs) == ("gloo", "cuda", [])

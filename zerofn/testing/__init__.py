@@ -1,8 +1,9 @@
-"""Public helpers for testing code built on zerofn: real gloo ranks and hypothesis strategies.
+"""Public helpers for testing code built on zerofn: real ranks and hypothesis strategies.
 
-``World`` keeps a pool of real ``torch.distributed`` gloo ranks alive and runs a function
-on all of them; ``strategies`` (needs ``hypothesis``) draws param dicts and world sizes
-that exercise sharding's corner cases.
+``World`` keeps a pool of real ``torch.distributed`` ranks alive (gloo on the CPU by
+default; NCCL or gloo on CUDA devices) and runs a function on all of them;
+``strategies`` (needs ``hypothesis``) draws param dicts and world sizes that exercise
+sharding's corner cases.
 """
 
 from zerofn.testing._world import RankFailure, World, WorldError

@@ -1,12 +1,21 @@
-"""``World``: a persistent pool of real gloo ranks for tests, notebooks and demos.
+"""``World``: a persistent pool of real ``torch.distributed`` ranks for tests, notebooks,
+demos and benchmarks.
 
 Starting a process and initialising a process group costs seconds; a property test runs
 hundreds of examples. ``World(n)`` starts ``n`` worker processes once, each a real
-``torch.distributed`` rank of one gloo group, and then runs any function on all of them
-as often as needed::
+``torch.distributed`` rank of one process group (gloo on the CPU by default), and then runs
+any function on all of them as often as needed::
 
     with World(3) as world:
         results = world.run(fn, arg)      # fn(arg) on ranks 0, 1, 2 -> [r0, r1, r2]
+
+    # one rank per GPU over NCCL, each worker seeded once after its group is up
+    with World(torch.cuda.device_count(), backend="nccl", device="cuda", init=seed_everything) as world:
+        ...
+
+On ``device="cuda"`` rank ``r`` makes ``cuda:(r % device_count)`` its current device
+before joining the group, so several ranks may share one GPU (through gloo: NCCL refuses
+two ranks on one device, and ``World`` says so before starting anything).
 
 Functions and results travel with cloudpickle when it is installed (so a function
 defined in a notebook or a test reaches the workers by value), else with pickle (the
@@ -23,6 +32,8 @@ Robustness, by design:
 * a worker that dies is reported as such (with its exit code) and the pool restarted;
 * a function that catches a collective's error itself (a timeout, a lost peer) hides
   from the pool that its group is broken: call ``restart()`` before the next run;
+* an ``init`` hook that raises on any rank stops the start: ``start`` (and so ``run``)
+  raises :class:`WorldError` with the hook's tracebacks and closes the pool;
 * workers leave with ``os._exit`` after flushing, which sidesteps a known abort
   ("terminate called without an active exception") in gloo's interpreter teardown
   without hiding crashes that happen while a function runs.
@@ -48,6 +59,9 @@ except ImportError:  # pragma: no cover - exercised only without the test extra
 __all__ = ["RankFailure", "World", "WorldError"]
 
 _HOST = "127.0.0.1"
+BACKENDS = ("gloo", "nccl")
+DEVICES = ("cpu", "cuda")
+_READY = b"ready"
 
 
 class RankFailure:
@@ -65,27 +79,82 @@ class RankFailure:
 
 
 class WorldError(RuntimeError):
-    """One or more ranks failed in ``World.run``; ``failures`` maps rank -> RankFailure."""
+    """One or more ranks failed in ``World.run`` (or in the ``init`` hook at start).
 
-    def __init__(self, failures: dict[int, RankFailure], note: str = "") -> None:
+    Attributes:
+      failures: rank -> :class:`RankFailure`, for the ranks that failed.
+      restarted: the pool was restarted (or, for an ``init`` failure, closed) because its
+        ranks may be out of step: whatever the functions had built in the workers is gone.
+        False when every rank failed alike and the pool kept its processes.
+    """
+
+    def __init__(self, failures: dict[int, RankFailure], note: str = "", *, restarted: bool = False) -> None:
         self.failures = failures
+        self.restarted = restarted
         parts = [f"{len(failures)} rank(s) failed{note}:"]
         for rank, f in sorted(failures.items()):
             parts.append(f"--- rank {rank}: {f.type_name}: {f.message}\n{f.traceback}")
         super().__init__("\n".join(parts))
 
 
-def _worker_main(rank: int, world_size: int, port: int, conn: Any, timeout_s: float, threads: int) -> None:
-    """Entry point of a worker process: join the group, then serve ``run`` requests."""
+def _failure_reply(exc: BaseException) -> tuple[str, tuple[BaseException | None, str, str, str]]:
+    """``("err", (exception or None, type name, message, traceback))`` for the parent."""
+    tb = traceback.format_exc()
+    try:
+        _pickler.dumps(exc)
+        carried: BaseException | None = exc
+    except Exception:
+        carried = None
+    return ("err", (carried, type(exc).__name__, str(exc), tb))
+
+
+def _worker_main(
+    rank: int,
+    world_size: int,
+    port: int,
+    conn: Any,
+    timeout_s: float,
+    threads: int,
+    backend: str,
+    device: str,
+    init_payload: bytes | None,
+) -> None:
+    """Entry point of a worker process: join the group, run ``init``, then serve ``run`` requests."""
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        # What torchrun sets too; libraries that read them (DeepSpeed, FSDP utilities)
+        # find the store every rank already uses.
+        MASTER_ADDR=_HOST,
+        MASTER_PORT=str(port),
+    )
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    options: dict[str, Any] = {}
+    if device == "cuda":
+        # Before the group exists: NCCL binds its communicator to the current device, and
+        # rank r of a World larger than the GPU count shares GPU r % count (gloo only).
+        index = rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        if backend == "nccl":
+            options["device_id"] = torch.device("cuda", index)
     store = dist.TCPStore(_HOST, port, is_master=False, timeout=timedelta(seconds=timeout_s))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
-    conn.send_bytes(b"ready")
-    while True:
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s), **options
+    )
+    started = True
+    try:
+        if init_payload is not None:
+            pickle.loads(init_payload)()
+        conn.send_bytes(_READY)
+    except BaseException as exc:  # the parent raises it from start(); nothing is served
+        started = False
+        conn.send_bytes(_pickler.dumps(_failure_reply(exc)))
+    while started:
         try:
             request = conn.recv_bytes()
         except EOFError:
@@ -96,13 +165,7 @@ def _worker_main(rank: int, world_size: int, port: int, conn: Any, timeout_s: fl
             fn, args, kwargs = pickle.loads(request)
             reply = ("ok", fn(*args, **kwargs))
         except BaseException as exc:  # report everything, KeyboardInterrupt included
-            tb = traceback.format_exc()
-            try:
-                _pickler.dumps(exc)
-                carried: BaseException | None = exc
-            except Exception:
-                carried = None
-            reply = ("err", (carried, type(exc).__name__, str(exc), tb))
+            reply = _failure_reply(exc)
         try:
             payload = _pickler.dumps(reply)
         except Exception as exc:
@@ -118,8 +181,36 @@ def _worker_main(rank: int, world_size: int, port: int, conn: Any, timeout_s: fl
         os._exit(0)
 
 
+def _check_placement(world_size: int, backend: str, device: str) -> None:
+    """Refuse a backend/device pair that cannot start here, before any process is spawned."""
+    if backend not in BACKENDS:
+        raise ValueError(f"World: backend must be one of {BACKENDS}, got {backend!r}")
+    if device not in DEVICES:
+        raise ValueError(f"World: device must be one of {DEVICES}, got {device!r}")
+    if backend == "nccl" and device != "cuda":
+        raise ValueError(
+            "World: backend='nccl' moves CUDA tensors only; use World(n, backend='nccl', device='cuda'), "
+            "or backend='gloo' for CPU tensors"
+        )
+    if device == "cpu":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            f"World(device='cuda', backend={backend!r}): CUDA is not available in this Python "
+            f"(torch {torch.__version__}, built for CUDA {torch.version.cuda}); use device='cpu' with backend='gloo'"
+        )
+    gpus = torch.cuda.device_count()
+    if backend == "nccl" and world_size > gpus:
+        raise ValueError(
+            f"World({world_size}, backend='nccl'): NCCL needs one GPU per rank and {gpus} are visible; "
+            f"use at most {gpus} ranks, or backend='gloo' with device='cuda' to let ranks share GPUs"
+        )
+
+
 class World:
-    """A pool of ``world_size`` real gloo ranks that runs functions on all of them.
+    """A pool of ``world_size`` real ranks that runs functions on all of them.
 
     Args:
       world_size: number of ranks (processes), >= 1.
@@ -127,26 +218,64 @@ class World:
         raises after this) and the start-up limit.
       threads: intra-op threads per rank (``torch.set_num_threads``); 1 keeps ranks
         from fighting over a small machine's cores.
+      backend: ``"gloo"`` (CPU tensors, and CUDA tensors through host copies) or
+        ``"nccl"`` (CUDA tensors; one GPU per rank).
+      device: ``"cpu"``, or ``"cuda"``: rank ``r`` calls
+        ``torch.cuda.set_device(r % torch.cuda.device_count())`` before joining the group.
+        NCCL needs ``"cuda"``; gloo works with either.
+      init: a callable with no arguments, run once in every worker right after its process
+        group is up and before any ``run`` (set threads, seed, install a hook, import a
+        module); again in the new workers after every restart. It travels like ``run``'s
+        functions (cloudpickle when installed), pickled here when the ``World`` is made.
+        What it returns is dropped; if it raises on any rank, ``start`` raises
+        :class:`WorldError` and the pool is closed.
+
+    Raises:
+      ValueError: ``world_size < 1``, an unknown backend or device, NCCL without
+        ``device="cuda"``, or more NCCL ranks than GPUs.
+      RuntimeError: ``device="cuda"`` where CUDA is not available.
+      TypeError: ``init`` is not callable.
 
     The pool starts lazily on the first ``run`` and is closed by ``close()`` or the
     ``with`` block. Workers see a normal default process group (``dist.get_rank()``,
-    ``dist.new_group`` ...) and ``RANK`` / ``WORLD_SIZE`` in their environment.
+    ``dist.new_group`` ...) and ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` /
+    ``MASTER_ADDR`` / ``MASTER_PORT`` in their environment, as under ``torchrun``.
     """
 
-    def __init__(self, world_size: int, *, timeout: float = 60.0, threads: int = 1) -> None:
+    def __init__(
+        self,
+        world_size: int,
+        *,
+        timeout: float = 60.0,
+        threads: int = 1,
+        backend: str = "gloo",
+        device: str = "cpu",
+        init: Callable[[], object] | None = None,
+    ) -> None:
         if world_size < 1:
             raise ValueError(f"World needs at least one rank, got world_size={world_size}")
+        _check_placement(world_size, backend, device)
+        if init is not None and not callable(init):
+            raise TypeError(f"World: init must be a callable taking no arguments, got {type(init).__name__}")
         self.world_size = world_size
         self.timeout = timeout
         self.threads = threads
+        self.backend = backend
+        self.device = device
+        self.init = init
+        self._init_payload = _pickler.dumps(init) if init is not None else None
         self._procs: list[Any] = []
         self._conns: list[Any] = []
         self._store: Any = None
         self.restarts = 0
 
+    def __repr__(self) -> str:
+        return f"World({self.world_size}, backend={self.backend!r}, device={self.device!r})"
+
     # -- lifecycle ---------------------------------------------------------------------
 
     def start(self) -> World:
+        """Spawn the workers, wait until every rank joined the group and ran ``init``."""
         if self._procs:
             return self
         import torch.distributed as dist
@@ -159,7 +288,17 @@ class World:
             parent, child = ctx.Pipe()
             proc = ctx.Process(
                 target=_worker_main,
-                args=(rank, self.world_size, self._store.port, child, self.timeout, self.threads),
+                args=(
+                    rank,
+                    self.world_size,
+                    self._store.port,
+                    child,
+                    self.timeout,
+                    self.threads,
+                    self.backend,
+                    self.device,
+                    self._init_payload,
+                ),
                 daemon=True,
                 name=f"zerofn-rank{rank}",
             )
@@ -167,21 +306,34 @@ class World:
             child.close()
             self._procs.append(proc)
             self._conns.append(parent)
+        failures: dict[int, RankFailure] = {}
         for rank, conn in enumerate(self._conns):
-            ready = self._wait_readable(rank, conn, self.timeout + 30)
+            # The init hook may itself take time (imports, a first collective): allow for it.
+            ready = self._wait_readable(rank, conn, 2 * self.timeout + 30)
+            message = b""
             try:
                 if ready:
-                    conn.recv_bytes()
+                    message = conn.recv_bytes()
             except EOFError:
                 ready = False
             if not ready:
                 code = self._procs[rank].exitcode
                 self.close()
-                why = f"exited with code {code}" if code is not None else f"did not start within {self.timeout + 30}s"
+                why = (
+                    f"exited with code {code}"
+                    if code is not None
+                    else f"did not start within {2 * self.timeout + 30:.0f}s"
+                )
                 raise RuntimeError(
-                    f"World({self.world_size}): rank {rank} {why} before joining the process group; its "
+                    f"{self!r}: rank {rank} {why} before joining the process group; its "
                     "stderr above says why (when run from a script, guard it with `if __name__ == '__main__':`)"
                 )
+            if message != _READY:
+                _, value = pickle.loads(message)
+                failures[rank] = RankFailure(rank, *value)
+        if failures:
+            self.close()
+            raise WorldError(failures, " in the init hook (pool closed)", restarted=True)
         return self
 
     def close(self) -> None:
@@ -258,10 +410,11 @@ class World:
             else:
                 failures[rank] = RankFailure(rank, *value)
         symmetric = len(failures) == self.world_size and len({f.type_name for f in failures.values()}) == 1
-        if died or (failures and not symmetric):
+        restart = died or bool(failures and not symmetric)
+        if restart:
             self.restart()  # the group may be out of step; start the next run from a clean one
         if failures and not return_exceptions:
-            raise WorldError(failures, " (pool restarted)" if died or not symmetric else "")
+            raise WorldError(failures, " (pool restarted)" if restart else "", restarted=restart)
         for rank, failure in failures.items():
             results[rank] = failure
         return results
