@@ -7,8 +7,10 @@ One command (from the repository root)::
     python -m benchmarks.run --models transformer --world-sizes 2 --systems ddp-fused zerofn-s2
     python -m benchmarks.run --profile zerofn-s2 ddp-fused --models transformer --world-sizes 2
 
-Each (model, N) pair gets one pool of N rank processes (gloo on CPU; NCCL with rank r on
-``cuda:r`` when N GPUs are present). Every selected system is built in those processes,
+Each (model, N) pair gets one :class:`zerofn.testing.World` of N rank processes (gloo on
+CPU; with ``--device cuda``, or ``auto`` when N GPUs are present, NCCL with rank r on
+``cuda:r``), every rank installing the collective byte counter (:mod:`benchmarks._count`)
+in its init hook. Every selected system is built in those processes,
 warmed up, and then the systems take turns: in each round every system runs a block of
 ``--steps`` timed steps (after ``--block-warmup`` untimed ones), starting with a different
 system each round, so load drift on the machine hits all systems alike. Peak RSS is
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime as _dt
+import functools
 import json
 import os
 import platform
@@ -38,7 +41,7 @@ if __package__ in (None, ""):  # `python benchmarks/run.py`: make `benchmarks` i
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import models, report
-from benchmarks._pool import Pool, PoolError
+from zerofn.testing import World, WorldError
 
 __all__ = ["main", "parse_args", "run"]
 
@@ -133,6 +136,54 @@ def _backend_for(n: int, device: str) -> tuple[str, str | None]:
     return "gloo", None
 
 
+def _rank_init(threads: int) -> None:
+    """Each rank's set-up, once, before any system is built: the byte counter and threads."""
+    import torch
+    import torch.distributed.distributed_c10d as c10d
+
+    from benchmarks import _count
+
+    _count.install()  # before FSDP2 or DeepSpeed bind any collective
+    # zerofn itself is already imported here (the World worker lives in the zerofn package),
+    # and a module of it may hold a collective it bound at import time (e.g. the flat
+    # all-gather it picks per torch version): point those references at the wrappers too.
+    wrapped = {}
+    for name in dir(c10d):
+        fn = getattr(c10d, name)
+        original = getattr(fn, "__benchmark_wrapped__", None)
+        if original is not None:
+            wrapped[id(original)] = fn
+    for module_name, module in list(sys.modules.items()):
+        if module is None or not (module_name == "zerofn" or module_name.startswith("zerofn.")):
+            continue
+        for attr, value in list(vars(module).items()):
+            if id(value) in wrapped:
+                setattr(module, attr, wrapped[id(value)])
+    try:
+        torch.set_num_interop_threads(threads)
+    except RuntimeError:  # already set, or inter-op work already ran in this process
+        pass
+
+
+def _world(n: int, backend: str, args: argparse.Namespace) -> World:
+    """N rank processes for one (model, N): gloo on the CPU, or NCCL with rank r on cuda:r."""
+    return World(
+        n,
+        backend=backend,
+        device="cuda" if backend == "nccl" else "cpu",
+        threads=args.threads,
+        timeout=args.timeout,
+        init=functools.partial(_rank_init, args.threads),
+    )
+
+
+def _short(exc: WorldError) -> str:
+    """One line for the report: the first failing rank's exception."""
+    failure = next(iter(exc.failures.values()))
+    first = failure.message.splitlines()[0] if failure.message else ""
+    return f"{failure.type_name}: {first}"[:300]
+
+
 def _log(msg: str) -> None:
     print(msg, flush=True)
 
@@ -201,8 +252,8 @@ def _bench_one(model: str, n: int, backend: str, args: argparse.Namespace) -> di
     }
     out = run["systems"]
     ds_note = systems.deepspeed_available()
-    with Pool(n, backend, threads=args.threads, timeout=args.timeout) as pool:
-        info = pool.call(systems.setup, cfg, args.seed, n_batches, args.kernel)[0]
+    with _world(n, backend, args) as world:
+        info = world.run(systems.setup, cfg, args.seed, n_batches, args.kernel)[0]
         run.update(psi=info["psi"], n_params=info["n_params"], device=info["device"])
         _log(f"== {model} (Ψ={info['psi']:,} in {info['n_params']} tensors), N={n}, {backend} on {info['device']}")
         built: list[str] = []
@@ -215,27 +266,27 @@ def _bench_one(model: str, n: int, backend: str, args: argparse.Namespace) -> di
                 _log(f"   {name}: skipped: {ds_note}")
                 continue
             try:
-                pool.call(systems.build, name)
+                world.run(systems.build, name)
                 built.append(name)
-            except PoolError as exc:
-                if args.strict or not exc.symmetric:
+            except WorldError as exc:
+                if args.strict or exc.restarted:  # the ranks' built systems are gone
                     raise
-                entry.update(status="failed", note=f"build failed: {exc.short()}")
-                _log(f"   {name}: build failed, skipped: {exc.short()}")
+                entry.update(status="failed", note=f"build failed: {_short(exc)}")
+                _log(f"   {name}: build failed, skipped: {_short(exc)}")
         records: dict[str, dict[str, Any]] = {
             name: {"times": [[] for _ in range(n)], "losses": [[] for _ in range(n)], "blocks": []} for name in built
         }
 
         def block(name: str, count: int, untimed: int) -> None:
             try:
-                res = pool.call(systems.run_block, name, count, untimed)
-            except PoolError as exc:
-                if args.strict or not exc.symmetric:
+                res = world.run(systems.run_block, name, count, untimed)
+            except WorldError as exc:
+                if args.strict or exc.restarted:  # the ranks' built systems are gone
                     raise
-                out[name].update(status="failed", note=f"step failed: {exc.short()}")
-                _log(f"   {name}: step failed, dropped: {exc.short()}")
+                out[name].update(status="failed", note=f"step failed: {_short(exc)}")
+                _log(f"   {name}: step failed, dropped: {_short(exc)}")
                 built.remove(name)
-                pool.call(systems.drop, name)
+                world.run(systems.drop, name)
                 return
             rec = records[name]
             for r, rr in enumerate(res):
@@ -255,13 +306,13 @@ def _bench_one(model: str, n: int, backend: str, args: argparse.Namespace) -> di
             _log(f"   round {rnd + 1}/{args.rounds} done ({time.monotonic() - t_start:.0f}s)")
         for name in list(built):
             try:
-                desc = pool.call(systems.describe, name)
-                evals = pool.call(systems.eval_loss, name)
-            except PoolError as exc:
-                if args.strict or not exc.symmetric:
+                desc = world.run(systems.describe, name)
+                evals = world.run(systems.eval_loss, name)
+            except WorldError as exc:
+                if args.strict or exc.restarted:  # the ranks' built systems are gone
                     raise
                 desc, evals = None, None
-                out[name]["note"] = f"describe failed: {exc.short()}"
+                out[name]["note"] = f"describe failed: {_short(exc)}"
             rec = records[name]
             entry = out[name]
             per_step = [max(ts) for ts in zip(*rec["times"], strict=True)]  # the slowest rank sets the pace
@@ -283,7 +334,7 @@ def _bench_one(model: str, n: int, backend: str, args: argparse.Namespace) -> di
                     python_bytes=max(rr["python_bytes"] for rr in last),
                     python_by_collective=last[0]["python_by_collective"],
                 )
-            pool.call(systems.drop, name)
+            world.run(systems.drop, name)
         run["loadavg_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     if args.memory == "isolated":
         for name in [s for s in args.systems if out[s]["status"] == "ok"]:
@@ -304,16 +355,16 @@ def _memory_one(name: str, cfg: models.ModelConfig, n: int, backend: str, args: 
     from benchmarks import systems
 
     try:
-        with Pool(n, backend, threads=args.threads, timeout=args.timeout) as pool:
-            pool.call(systems.setup, cfg, args.seed, 8, args.kernel)
-            base = pool.call(systems.memory)
-            pool.call(systems.build, name)
-            pool.call(systems.run_block, name, args.steps, args.warmup)
-            after = pool.call(systems.memory)
-    except PoolError as exc:
+        with _world(n, backend, args) as world:
+            world.run(systems.setup, cfg, args.seed, 8, args.kernel)
+            base = world.run(systems.memory)
+            world.run(systems.build, name)
+            world.run(systems.run_block, name, args.steps, args.warmup)
+            after = world.run(systems.memory)
+    except WorldError as exc:
         if args.strict:
             raise
-        return {"error": exc.short()}
+        return {"error": _short(exc)}
     out = {
         "baseline_rss": [b["VmRSS"] for b in base],
         "peak_rss": [a["VmHWM"] for a in after],
@@ -336,10 +387,10 @@ def _profile(args: argparse.Namespace, out_prefix: Path) -> list[Path]:
                 _log(note or "")
                 continue
             for name in args.profile:
-                with Pool(n, backend, threads=args.threads, timeout=args.timeout) as pool:
-                    pool.call(systems.setup, cfg, args.seed, 8, args.kernel)
-                    pool.call(systems.build, name)
-                    res = pool.call(systems.profile, name, args.profile_steps, max(args.warmup, 1))[0]
+                with _world(n, backend, args) as world:
+                    world.run(systems.setup, cfg, args.seed, 8, args.kernel)
+                    world.run(systems.build, name)
+                    res = world.run(systems.profile, name, args.profile_steps, max(args.warmup, 1))[0]
                 path = out_prefix.with_name(f"{out_prefix.name}-profile-{name}-{model}-n{n}.txt")
                 path.parent.mkdir(parents=True, exist_ok=True)
                 ms = ", ".join(f"{t * 1e3:.1f}" for t in res["times"])
@@ -358,13 +409,13 @@ def _profile(args: argparse.Namespace, out_prefix: Path) -> list[Path]:
                 _log(f"wrote {path}")
                 written.append(path)
             try:
-                with Pool(n, backend, threads=args.threads, timeout=args.timeout) as pool:
-                    pool.call(systems.setup, cfg, args.seed, 8, args.kernel)
-                    per_rank = pool.call(systems.parts, max(2 * args.profile_steps, 3))
-            except PoolError as exc:  # it reaches into zerofn's private bucket helpers
+                with _world(n, backend, args) as world:
+                    world.run(systems.setup, cfg, args.seed, 8, args.kernel)
+                    per_rank = world.run(systems.parts, max(2 * args.profile_steps, 3))
+            except WorldError as exc:  # it reaches into zerofn's private bucket helpers
                 if args.strict:
                     raise
-                _log(f"parts of the step not timed: {exc.short()}")
+                _log(f"parts of the step not timed: {_short(exc)}")
                 continue
             path = out_prefix.with_name(f"{out_prefix.name}-parts-{model}-n{n}.txt")
             rows = [
