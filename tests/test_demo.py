@@ -17,6 +17,7 @@ from conftest import get_world
 
 from zerofn import demo
 from zerofn.__main__ import build_parser, main
+from zerofn.demo import cli, config
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")
@@ -364,10 +365,10 @@ def test_every_option_matches_ddp_at_two_ranks(reports: list[dict[str, Any]], cf
         assert r["losses"] == r["ddp_losses"]
         assert "bitwise equal" in demo.format_report(r)
     else:  # the clip coefficients differ in the last bit of a double (see DemoConfig.max_norm)
-        assert r["max_rel_diff"] <= demo.TOLERANCE[cfg.precision]
+        assert r["max_rel_diff"] <= config.TOLERANCE[cfg.precision]
     assert len(r["losses"]) == cfg.steps
     # Working-dtype bytes on the wire: b = 2 for bf16/fp16.
-    elem = torch.finfo(demo.DTYPES[cfg.precision]).bits // 8
+    elem = torch.finfo(config.DTYPES[cfg.precision]).bits // 8
     assert r["theory_bytes_per_step"] == pytest.approx(22_026 * elem)
     # Each rank keeps half of the fp32 masters + AdamW state, whatever the working dtype.
     assert r["state_bytes_per_rank"] == pytest.approx(r["ddp_state_bytes"] / 2, rel=1e-3)
@@ -420,7 +421,7 @@ def test_a_drift_beyond_the_tolerance_is_reported_and_fails_the_command(
     for name in LAUNCH_VARS:
         monkeypatch.delenv(name, raising=False)
     drifted = {**reports[0], "max_abs_diff": 0.5, "max_rel_diff": 0.5, "parity_ok": False}
-    monkeypatch.setattr(demo, "run", lambda cfg: drifted)
+    monkeypatch.setattr(cli, "run", lambda cfg: drifted)
     assert main(["demo", "--precision", "bf16"]) == 1
     out, err = capsys.readouterr()
     assert "max rel diff 0.5: NOT within the bf16 tolerance (max rel diff <= 0.05)" in out

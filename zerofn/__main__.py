@@ -16,6 +16,7 @@ __all__ = ["build_parser", "main"]
 def build_parser() -> argparse.ArgumentParser:
     """The ``zerofn`` argument parser with its ``demo`` subcommand."""
     from zerofn import demo
+    from zerofn.demo import cli
 
     parser = argparse.ArgumentParser(
         prog="zerofn",
@@ -27,15 +28,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="train a small model with zerofn next to DDP and report parity, bytes and time",
         description=(demo.__doc__ or "").split("\n\n")[0],
     )
-    demo.add_arguments(demo_parser)
+    cli.add_arguments(demo_parser)
     # The subparser reports option errors itself, so its usage line is the one shown.
-    demo_parser.set_defaults(handler=demo.main, subparser=demo_parser)
+    demo_parser.set_defaults(handler=cli.main, subparser=demo_parser)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``), run the command, return the exit code."""
-    from zerofn import demo
+    from zerofn.demo import cli
 
     args = build_parser().parse_args(argv)
     try:
@@ -43,7 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C: the ranks are gone, a traceback tells nothing
         print("zerofn: interrupted", file=sys.stderr)
         code = 130
-    if demo.launched_by_torchrun():
+    if cli.launched_by_torchrun():
         # This process held a gloo group: leave without interpreter teardown, where gloo
         # now and then aborts ("terminate called without an active exception").
         sys.stdout.flush()
