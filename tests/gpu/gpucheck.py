@@ -285,11 +285,15 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
 
 
 def _pinned_requests() -> int:
-    """Pinned host blocks handed out so far by torch's caching host allocator (0 without CUDA)."""
+    """Pinned host blocks handed out so far by torch's caching host allocator (0 without CUDA).
+
+    Requests, not blocks created: a request served from the allocator's cache counts too.
+    The counter's name depends on the torch version.
+    """
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return 0
     stats = torch.cuda.host_memory_stats()
-    for key in ("active_requests.allocated", "allocations.allocated", "num_host_alloc"):
+    for key in ("active_requests.allocated", "allocation.allocated"):
         if key in stats:
             return int(stats[key])
     raise AssertionError(f"torch.cuda.host_memory_stats() has none of the known counters: {sorted(stats)}")
