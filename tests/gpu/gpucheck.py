@@ -40,9 +40,13 @@ import zerofn as zf
 from zerofn.testing import World
 
 __all__ = [
+    "ADAMW",
+    "BUCKET",
     "DEVICE",
+    "MAX_NORM",
     "SKIP_REASON",
     "STEPS",
+    "base_model",
     "device_here",
     "get_world",
     "needs_cuda",
