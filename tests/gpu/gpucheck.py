@@ -204,7 +204,7 @@ def train_facade(
     bf16 through the facade's ``forced_dtype`` (it casts the fp32 model and keeps fp32
     masters). Returns the params (working dtype, on the device), the full fp32 masters
     (from ``state_dict()``, CPU), where the state lives and the pinned host memory the
-    steps handed out (CUDA only, else 0).
+    steps handed out (CUDA only, else 0; None where torch does not count them).
     """
     dev = device_here(device)
     model = copy.deepcopy(base_model()).to(dev)
@@ -226,7 +226,8 @@ def train_facade(
         opt.zero_grad()
         assert not opt.last_step_info.skipped, f"step {step} skipped"
     opt.wait_params()  # overlap_allgather: the last gather lands before the params are read
-    pinned = _pinned_requests() - pinned_before
+    pinned_after = _pinned_requests()
+    pinned = None if pinned_before is None or pinned_after is None else pinned_after - pinned_before
     state = opt.state
     full = opt.state_dict()
     names = full["zerofn"]["names"]
@@ -288,16 +289,17 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
-def _pinned_requests() -> int:
-    """Pinned host blocks handed out so far by torch's caching host allocator (0 without CUDA).
+def _pinned_requests() -> int | None:
+    """Pinned host blocks handed out so far by torch's caching host allocator.
 
     Requests, not blocks created: a request served from the allocator's cache counts too.
-    The counter's name depends on the torch version.
+    0 on a process without CUDA; None where this torch does not expose the counter (its
+    name depends on the version), so that only the test that needs it fails, saying so.
     """
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return 0
-    stats = torch.cuda.host_memory_stats()
+    stats = getattr(torch.cuda, "host_memory_stats", lambda: {})()
     for key in ("active_requests.allocated", "allocation.allocated"):
         if key in stats:
             return int(stats[key])
-    raise AssertionError(f"torch.cuda.host_memory_stats() has none of the known counters: {sorted(stats)}")
+    return None
