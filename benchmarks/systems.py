@@ -616,11 +616,10 @@ def parts(reps: int, bucket_numel: int = 2**20) -> list[tuple[str, float, float]
     every thread of the rank, gloo's communication threads and the kernel's copies for
     the loopback sockets included). The minimum is the figure least disturbed by other
     load on the machine. Collective parts start after a barrier, so they time the
-    collective, not the wait for the slowest rank. Uses zerofn's private bucket helpers
-    (``stages._rows_from_full``, ``stages._full_from_rows``, the facade's staging
-    helpers); this is a profiling aid that may need updating when they change.
+    collective, not the wait for the slowest rank. The bucket parts are the pieces of
+    :mod:`zerofn.buckets` that every path (functional and facade) runs.
     """
-    from zerofn import checks, facade, stages
+    from zerofn import checks, stages
 
     ctx = _ctx()
     n, device = ctx.world, ctx.device
@@ -664,21 +663,16 @@ def parts(reps: int, bucket_numel: int = 2**20) -> list[tuple[str, float, float]
     )
 
     def flatten() -> list[torch.Tensor]:
-        rows = [stages._rows_from_full(grads, layout, b, dtype, device) for b in buckets]
-        for r in rows:
-            r.mul_(1.0 / n)
-        return rows
+        return [zf.buckets.pack_grads(grads, layout, b) for b in buckets]
 
-    timed("zerofn reduce: flatten grads into rank-major buckets + x1/N", flatten)
-    staging = facade._Staging(keep=1, min_numel=bucket_numel)
+    timed("zerofn reduce: pack grads into rank-major buckets, x1/N fused (fresh rows)", flatten)
+    staging = torch.empty(max(n * b.shard_numel for b in buckets), dtype=dtype, device=device)
 
     def flatten_reused() -> None:
         for b in buckets:
-            buf = staging.take(n * b.shard_numel, dtype, device)
-            facade._scaled_rows(grads, layout, b, 1.0 / n, buf[: n * b.shard_numel].view(n, b.shard_numel))
-            staging.give(buf)
+            zf.buckets.pack_grads(grads, layout, b, out=staging[: n * b.shard_numel].view(n, b.shard_numel))
 
-    timed("zerofn reduce: the facade's flatten (reused buffer, copy and x1/N fused)", flatten_reused)
+    timed("zerofn reduce: the same into one reused buffer (the facade's staging)", flatten_reused)
     rows = flatten()
     timed("zerofn reduce: all_reduce of the buckets (gloo default)", lambda: [dist.all_reduce(r) for r in rows], True)
 
@@ -689,7 +683,10 @@ def parts(reps: int, bucket_numel: int = 2**20) -> list[tuple[str, float, float]
     timed("zerofn reduce: the same, all launched async, then waited", all_reduce_async, True)
     timed(
         "zerofn reduce: reduce_scatter of the buckets (byte-optimal)",
-        lambda: [zf.comm.sum_rows(r, None, "reduce_scatter").wait() for r in rows],
+        lambda: [
+            zf.buckets.launch_reduce(r, layout, b, None, "reduce_scatter").wait()
+            for b, r in zip(buckets, rows, strict=True)
+        ],
         True,
     )
     present = set(layout.names)
@@ -697,7 +694,7 @@ def parts(reps: int, bucket_numel: int = 2**20) -> list[tuple[str, float, float]
 
     def split() -> None:
         for b, r in zip(buckets, rows, strict=True):
-            shards.update(stages.split_bucket_row(r[ctx.rank], layout, b, present))
+            shards.update(zf.buckets.split_row(r[ctx.rank], layout, b, present))
 
     timed("zerofn reduce: cut own row into shards (clone)", split)
     timed("zerofn reduce: reduce_grads() whole (check + all above)", lambda: zf.reduce_grads(grads, layout), True)
@@ -724,34 +721,33 @@ def parts(reps: int, bucket_numel: int = 2**20) -> list[tuple[str, float, float]
         True,
     )
     s = st["s"]
-    cat_rows = [torch.cat([s.master[name] for name in b.names]) for b in buckets]
+    cat_rows = [zf.buckets.pack_shards(s.master, layout, b, dtype=dtype) for b in buckets]
     timed(
-        "zerofn gather: cat master shards into bucket rows",
-        lambda: [torch.cat([s.master[name] for name in b.names]) for b in buckets],
+        "zerofn gather: pack master shards into bucket rows",
+        lambda: [zf.buckets.pack_shards(s.master, layout, b, dtype=dtype) for b in buckets],
     )
     timed(
         "zerofn gather: one broadcast per rank per bucket (gloo default)",
-        lambda: [zf.comm.gather_rows(r, None, "broadcast").wait() for r in cat_rows],
+        lambda: [zf.buckets.launch_gather(r, None, "broadcast").wait() for r in cat_rows],
         True,
     )
 
     def broadcast_async() -> None:
-        for p in [zf.comm.gather_rows(r, None, "broadcast", async_op=True) for r in cat_rows]:
+        for p in [zf.buckets.launch_gather(r, None, "broadcast", async_op=True) for r in cat_rows]:
             p.wait()
 
     timed("zerofn gather: the same, all launched async (overlap_allgather), then waited", broadcast_async, True)
     timed(
         "zerofn gather: all_gather per bucket (byte-optimal)",
-        lambda: [zf.comm.gather_rows(r, None, "all_gather").wait() for r in cat_rows],
+        lambda: [zf.buckets.launch_gather(r, None, "all_gather").wait() for r in cat_rows],
         True,
     )
-    gathered = [zf.comm.gather_rows(r, None, "broadcast").wait() for r in cat_rows]
+    gathered = [zf.buckets.launch_gather(r, None, "broadcast").wait() for r in cat_rows]
 
     def unflatten() -> None:
         with torch.no_grad():
             for b, g in zip(buckets, gathered, strict=True):
-                for name, col in zip(b.names, b.offsets, strict=True):
-                    stages._full_from_rows(g, layout[name], col, params[name])
+                zf.buckets.unpack_rows(g, layout, b, params)
 
     timed("zerofn gather: copy gathered rows into the params", unflatten)
     timed("zerofn gather: gather_params(out=params) whole", lambda: zf.gather_params(s, out=params), True)

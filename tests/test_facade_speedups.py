@@ -537,33 +537,3 @@ def test_exiting_with_gathers_pending_is_clean(tmp_path, end):
     # The one known teardown abort of gloo (see DESIGN.md) is not this test's business.
     known = "terminate called without an active exception" in proc.stderr
     assert proc.returncode == 0 or known, proc.stderr[-2000:]
-
-
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("n", [1, 2, 3, 4, 7])
-def test_staging_copies_equal_the_stage_helpers_in_every_dtype(dtype, n):
-    """The facade's batched bucket copies against stages._rows_from_full + mul_ and _full_from_rows.
-
-    Pure (no ranks): small members (batched), members above the one-pass threshold, padded
-    and unpadded ones, a member smaller than N, an absent gradient.
-    """
-    from zerofn import facade, stages
-    from zerofn.layout import make_layout
-
-    gen = torch.Generator().manual_seed(n)
-    shapes = {"a": (5, 3), "b": (2,), "big": (257, 256), "c": (4, 4), "bigpad": (65537,), "gone": (6,)}
-    full = {k: torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype) for k, shape in shapes.items()}
-    grads = {k: v for k, v in full.items() if k != "gone"}
-    layout = make_layout(full, n)
-    for bucket in layout.buckets(2**20):
-        want = stages._rows_from_full(grads, layout, bucket, dtype, torch.device("cpu"))
-        want.mul_(1.0 / n)
-        got = torch.full((n, bucket.shard_numel), float("nan"), dtype=dtype)
-        facade._scaled_rows(grads, layout, bucket, 1.0 / n, got)
-        assert torch.equal(got, want), bucket.names
-        mine = {k: torch.full_like(v, float("nan")) for k, v in full.items()}
-        theirs = {k: torch.full_like(v, float("nan")) for k, v in full.items()}
-        facade._write_rows(want, layout, bucket, mine)
-        for name, col in zip(bucket.names, bucket.offsets, strict=True):
-            stages._full_from_rows(want, layout[name], col, theirs[name])
-            assert torch.equal(mine[name], theirs[name]), name

@@ -5,7 +5,7 @@ The four stage functions (``shard_params``, ``reduce_grads``, ``step_shards``,
 state; ``zerofn.optim`` holds the functional optimizers they apply.
 """
 
-from zerofn import checkpoint, checks, comm, optim, precision, torch_optim
+from zerofn import buckets, checkpoint, checks, comm, optim, precision, torch_optim
 from zerofn._tree import FrozenDict
 from zerofn.checks import RankMismatchError
 from zerofn.comm import CommPolicy, count_bytes
@@ -43,6 +43,7 @@ __all__ = [
     "StepInfo",
     "ZeroOptimizer",
     "ZeroState",
+    "buckets",
     "checkpoint",
     "checks",
     "comm",

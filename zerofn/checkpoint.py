@@ -42,10 +42,11 @@ import torch
 
 from zerofn import comm, optim, torch_optim
 from zerofn._tree import FrozenDict
+from zerofn.buckets import cut_shard, launch_gather, pack_shards, unpack_rows
 from zerofn.comm import Group
 from zerofn.layout import ParamSpec, ShardLayout, make_layout
 from zerofn.precision import PrecisionPolicy
-from zerofn.stages import DEFAULT_BUCKET_NUMEL, _full_from_rows
+from zerofn.stages import DEFAULT_BUCKET_NUMEL
 from zerofn.state import DEFAULT_POLICY, ZeroState
 
 __all__ = ["CheckpointError", "full_state_dict", "load", "save", "shard_state_dict"]
@@ -109,14 +110,6 @@ def _from_per_param(optimizer: optim.Optimizer, master: Mapping[str, torch.Tenso
     return torch_optim.TorchOptimState(FrozenDict(per))
 
 
-def _cut_shard(full: torch.Tensor, spec: ParamSpec, rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Rank ``rank``'s zero-padded ``(shard_numel,)`` chunk of a full tensor, dtype kept exactly."""
-    start, stop = spec.owned_range(rank)
-    shard = torch.zeros(spec.shard_numel, dtype=full.dtype, device=device)
-    shard[: stop - start].copy_(full.detach().reshape(-1)[start:stop])
-    return shard
-
-
 # Per-param scalars in torch optimizers' state (everything else is per element).
 _SCALAR_KEYS = frozenset({"step", "eta", "mu", "mu_product"})
 
@@ -150,14 +143,13 @@ def _gather_full(
     how = comm.CommPolicy().resolve(group)[1]
     out: dict[str, torch.Tensor] = {}
     for bucket in layout.buckets(bucket_numel, shards):
-        # torch.cat promotes mixed dtypes (e.g. bf16 + fp32) exactly; each part is cast back.
-        row = torch.cat([shards[n] for n in bucket.names])
-        rows = comm.gather_rows(row, group, how).wait()
-        for name, col in zip(bucket.names, bucket.offsets, strict=True):
-            spec = layout[name]
-            full = torch.empty(spec.shape, dtype=shards[name].dtype, device=row.device)
-            _full_from_rows(rows, spec, col, full)
-            out[name] = full.cpu()
+        # Shards of mixed dtypes (e.g. bf16 + fp32) are promoted exactly in the row; each
+        # full tensor gets its shard's dtype back.
+        row = pack_shards(shards, layout, bucket)
+        rows = launch_gather(row, group, how).wait()
+        fulls = {n: torch.empty(layout[n].shape, dtype=shards[n].dtype, device=row.device) for n in bucket.names}
+        unpack_rows(rows, layout, bucket, fulls)
+        out.update({n: t.cpu() for n, t in fulls.items()})
     for name, shard in shards.items():
         if name not in out:  # empty params
             out[name] = torch.empty(layout[name].shape, dtype=shard.dtype)
@@ -299,9 +291,7 @@ def _layout_and_masters(
         return like, None
     layout = make_layout(like, n)
     rank = comm.group_rank(group)
-    return layout, {
-        s.name: _cut_shard(like[s.name].to(master_dtype), s, rank, like[s.name].device) for s in layout.params
-    }
+    return layout, {s.name: cut_shard(like[s.name].to(master_dtype), s, rank) for s in layout.params}
 
 
 def shard_state_dict(
@@ -348,7 +338,7 @@ def shard_state_dict(
     fopt = _optimizer_for(saved_groups, lambda idx: [name_of[i] for i in idx], zmeta, optimizer)
     rank = comm.group_rank(group)
     if zmeta is not None and "master" in zmeta:
-        master = {s.name: _cut_shard(zmeta["master"][s.name], s, rank) for s in layout.params}
+        master = {s.name: cut_shard(zmeta["master"][s.name], s, rank, device="cpu") for s in layout.params}
     elif masters_from_params is not None:
         master = masters_from_params
     else:
@@ -359,7 +349,7 @@ def shard_state_dict(
         name = name_of[int(idx)]
         spec = layout[name]
         entries[name] = {
-            k: _cut_shard(v, spec, rank, device)
+            k: cut_shard(v, spec, rank, device=device)
             if _is_per_element(k, v, spec)
             else (v.clone() if isinstance(v, torch.Tensor) else v)
             for k, v in per.items()

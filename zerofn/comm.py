@@ -211,7 +211,7 @@ class Pending:
         return self._result
 
 
-def sum_rows(rows: torch.Tensor, group: Group, how: str, *, async_op: bool = False) -> Pending:
+def sum_rows(rows: torch.Tensor, group: Group, how: str, *, async_op: bool = False, whole: bool = False) -> Pending:
     """Sum a rank-major ``(N, S)`` buffer over the group and keep this rank's row.
 
     Args:
@@ -220,18 +220,21 @@ def sum_rows(rows: torch.Tensor, group: Group, how: str, *, async_op: bool = Fal
       group: the process group, ``None`` for the default.
       how: ``"reduce_scatter"`` or ``"all_reduce"`` (see :class:`CommPolicy`).
       async_op: launch and return at once; ``wait()`` on the result.
+      whole: keep every row of the sum (the all-reduce realisation only).
 
     Returns:
       A :class:`Pending` whose ``wait()`` gives the ``(S,)`` sum of row ``rank`` over all
-      ranks, in ``rows.dtype``.
+      ranks, in ``rows.dtype`` (with ``whole``: the ``(N, S)`` sum, ``rows`` itself).
 
     Collectives: one ``reduce_scatter`` or one ``all_reduce`` of ``N*S`` elements.
     """
     n, s = rows.shape
     rank = group_rank(group)
     elem = rows.element_size()
+    if whole and how != "all_reduce":
+        raise ValueError(f"sum_rows: whole=True keeps every row of an all-reduce; {how!r} leaves one row per rank")
     if n == 1:
-        return Pending([], lambda: rows[0])
+        return Pending([], (lambda: rows) if whole else (lambda: rows[0]))
     if how == "reduce_scatter":
         out = torch.empty(s, dtype=rows.dtype, device=rows.device)
         handle = _reduce_scatter_flat(out, rows.view(-1), group=group, async_op=async_op)
@@ -240,7 +243,7 @@ def sum_rows(rows: torch.Tensor, group: Group, how: str, *, async_op: bool = Fal
     if how == "all_reduce":
         handle = dist.all_reduce(rows, group=group, async_op=async_op)
         _record("all_reduce", 2 * _ring_share(n, n * s, elem))
-        return Pending([handle], lambda: rows[rank])
+        return Pending([handle], (lambda: rows) if whole else (lambda: rows[rank]))
     raise ValueError(f"unknown reduce realisation {how!r}")
 
 

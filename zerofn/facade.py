@@ -43,8 +43,6 @@ Between ``backward`` and ``step`` a rank holds only its shards of the reduced gr
 from __future__ import annotations
 
 import contextlib
-import functools
-import itertools
 import logging
 import math
 import sys
@@ -56,9 +54,10 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from zerofn import _placement, checks, comm, optim, torch_optim
+from zerofn import checks, comm, optim, torch_optim
+from zerofn.buckets import launch_gather, launch_reduce, pack_grads, pack_shards, split_row, unpack_rows, wire_dtype
 from zerofn.comm import CommPolicy
-from zerofn.layout import Bucket, ShardLayout
+from zerofn.layout import Bucket
 from zerofn.precision import (
     DynamicLossScaler,
     GradAccumDtype,
@@ -73,7 +72,6 @@ from zerofn.stages import (
     reduce_grads,
     reduce_realisation,
     shard_params,
-    split_bucket_row,
     step_shards,
     sum_over_replicas,
 )
@@ -86,11 +84,6 @@ log = logging.getLogger("zerofn")
 # Buckets whose reduction may be in flight at once when overlapping: enough to keep the
 # network busy while backward computes, few enough to bound the buffers held.
 _MAX_INFLIGHT = 2
-
-# Members of at least this many elements are copied and scaled into a staging buffer in
-# one pass; smaller ones in a batched _foreach_copy_ + _foreach_mul_ (per-call overhead
-# dominates for them).
-_FUSED_MIN_NUMEL = 2**16
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -281,8 +274,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             device=next(iter(self._params.values())).device,
         )
         self._how = reduce_realisation(self._stage, self._group, self._policy)
-        self._buckets: tuple[Bucket, ...] = layout.buckets(self._bucket_numel)
-        self._bucket_of = {name: i for i, b in enumerate(self._buckets) for name in b.names}
+        self.buckets: tuple[Bucket, ...] = layout.buckets(self._bucket_numel)
+        self._bucket_of = {name: i for i, b in enumerate(self.buckets) for name in b.names}
         self._position = {name: i for i, name in enumerate(layout.names)}  # layout order, for sorting
         self._hp_cache: tuple[Any, ...] | None = None
 
@@ -290,7 +283,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._require_sync = True
         self._last_info: StepInfo | None = None
         # Hook-path bookkeeping for the backward pass in progress.
-        self._ready: list[set[str]] = [set() for _ in self._buckets]
+        self._ready: list[set[str]] = [set() for _ in self.buckets]
         self._launched: set[int] = set()
         # (bucket, pending reduction, names present, gradient dtype, staging buffer it uses)
         self._inflight: list[tuple[Bucket, comm.Pending, set[str], torch.dtype, torch.Tensor]] = []
@@ -313,10 +306,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # written into the params (its Pending and the row it sends), or None.
         self._overlap_gather = overlap_allgather
         self._gather_how = self._policy.resolve(self._group)[1]
-        self._gathers: list[tuple[comm.Pending, torch.Tensor] | None] = [None] * len(self._buckets)
+        self._gathers: list[tuple[comm.Pending, torch.Tensor] | None] = [None] * len(self.buckets)
         self._gathers_left = 0
         # overlap_allgather: per bucket of several params, the row it sends, reused every step.
-        self._gather_rows: list[torch.Tensor | None] = [None] * len(self._buckets)
+        self._gather_rows: list[torch.Tensor | None] = [None] * len(self.buckets)
         if overlap_allgather:
             assert module is not None  # _check_gather_module
             self._attach_gather_hooks(module)
@@ -455,10 +448,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         shard = self._grad_shards.get(name)
         if shard is None:
             return None
-        spec = self._state.layout[name]
-        how = self._policy.resolve(self._group)[1]
-        rows = comm.gather_rows(shard.contiguous(), self._group, how).wait()
-        return rows.reshape(-1)[: spec.numel].view(spec.shape).clone()
+        layout = self._state.layout
+        alone = Bucket((name,), (0,), layout[name].shard_numel)  # this param's shard is the row
+        rows = launch_gather(shard.contiguous(), self._group, self._gather_how).wait()
+        return unpack_rows(rows, layout, alone)[name]
 
     def _merge(self, shards: Mapping[str, torch.Tensor]) -> None:
         for name, shard in shards.items():
@@ -534,7 +527,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 h.remove()
             self._hooks = []
             self._staging.clear()
-            self._gather_rows = [None] * len(self._buckets)
+            self._gather_rows = [None] * len(self.buckets)
 
     def __del__(self) -> None:
         if sys.is_finalizing():
@@ -572,7 +565,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         def finish(*args: Any) -> None:
             opt = me()
             if opt is not None and opt._gathers_left:
-                opt._complete_gathers(range(len(opt._buckets)))
+                opt._complete_gathers(range(len(opt.buckets)))
 
         def after_forward(mod: torch.nn.Module, args: Any, output: Any) -> None:
             opt = me()
@@ -617,9 +610,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             id(self._params[name]): name
             for b, entry in enumerate(self._gathers)
             if entry is not None
-            for name in self._buckets[b].names
+            for name in self.buckets[b].names
         }
-        self._complete_gathers(range(len(self._buckets)))
+        self._complete_gathers(range(len(self.buckets)))
         stack = [t.grad_fn for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
         seen: set[Any] = set()
         stale: list[str] = []
@@ -654,29 +647,25 @@ class ZeroOptimizer(torch.optim.Optimizer):
         own ``step``.
         """
         if self._gathers_left:
-            self._complete_gathers(range(len(self._buckets)))
+            self._complete_gathers(range(len(self.buckets)))
 
     def _launch_gathers(self, state: ZeroState) -> None:
         """``gather_params(state, out=params)``'s collectives, launched without waiting."""
         layout = state.layout
         device = state.work_device
-        for b, bucket in enumerate(self._buckets):
+        for b, bucket in enumerate(self.buckets):
             dtype = layout[bucket.names[0]].dtype
-            parts = [state.master[name].to(dtype) for name in bucket.names]
-            if any(t.device != device for t in parts):  # CPU offload to an accelerator
-                row = _placement.cat_to(parts, device)
-            elif len(parts) == 1 and parts[0].is_contiguous():
-                # A param alone in its bucket: its shard is the row, no copy. Nothing writes
-                # the master shards before this gather completes (step() waits for it first).
-                row = parts[0]
-            else:
+            out = None
+            if len(bucket.names) > 1 and state.state_device == device:
                 # Reused every step (a fresh row would fault in new pages each time); the
-                # previous step's gather from it has completed (step() waits first).
-                row = self._gather_rows[b]
-                if row is None or row.dtype != dtype or row.device != device:
-                    row = self._gather_rows[b] = torch.empty(bucket.shard_numel, dtype=dtype, device=device)
-                torch.cat(parts, out=row)
-            self._gathers[b] = (comm.gather_rows(row, self._group, self._gather_how, async_op=True), row)
+                # previous step's gather from it has completed (step() waits first). A lone
+                # param's shard is its own row (no copy): nothing writes the master shards
+                # before this gather completes (step() waits for it first).
+                out = self._gather_rows[b]
+                if out is None or out.dtype != dtype or out.device != device:
+                    out = self._gather_rows[b] = torch.empty(bucket.shard_numel, dtype=dtype, device=device)
+            row = pack_shards(state.master, layout, bucket, dtype=dtype, device=device, out=out)
+            self._gathers[b] = (launch_gather(row, self._group, self._gather_how, async_op=True), row)
             self._gathers_left += 1
 
     def _complete_gathers(self, buckets: Iterable[int]) -> None:
@@ -689,7 +678,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     continue
                 self._gathers[b] = None
                 self._gathers_left -= 1
-                _write_rows(entry[0].wait(), layout, self._buckets[b], self._params)
+                unpack_rows(entry[0].wait(), layout, self.buckets[b], self._params)
 
     # ------------------------------------------------------------------ hook path (gradients)
 
@@ -707,11 +696,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if b is None:  # an empty param: nothing to send
             return
         self._ready[b].add(name)
-        if len(self._ready[b]) == len(self._buckets[b].names):
+        if len(self._ready[b]) == len(self.buckets[b].names):
             self._launch(b)
 
     def _launch(self, b: int) -> None:
-        bucket = self._buckets[b]
+        bucket = self.buckets[b]
         present = set(self._ready[b])
         # Taken (and freed here): the bucket buffer holds a copy of the full gradients.
         grads = {n: self._take_grad(n) for n in bucket.names if n in present}
@@ -734,16 +723,23 @@ class ZeroOptimizer(torch.optim.Optimizer):
         layout = self._state.layout
         n, s = layout.world_size, bucket.shard_numel
         buf = self._staging.take(n * s, dtype, device)
-        rows = buf[: n * s].view(n, s)
-        _scaled_rows(grads, layout, bucket, 1.0 / (layout.world_size * self._replicas), rows)
-        wire = self._comm_dtype if self._comm_dtype is not None else layout[bucket.names[0]].dtype
-        if wire != dtype:
-            wire_buf = self._staging.take(n * s, wire, device)
-            wire_rows = wire_buf[: n * s].view(n, s)
-            wire_rows.copy_(rows)  # what rows.to(wire) computes
+        rows = pack_grads(grads, layout, bucket, replicas=self._replicas, out=buf[: n * s].view(n, s))
+        wire = wire_dtype(layout, bucket, self._comm_dtype)
+        wire_buf = self._staging.take(n * s, wire, device) if wire != dtype else None
+        pending = launch_reduce(
+            rows,
+            layout,
+            bucket,
+            self._group,
+            self._how,
+            comm_dtype=self._comm_dtype,
+            wire_out=wire_buf[: n * s].view(n, s) if wire_buf is not None else None,
+            async_op=self._overlap,
+        )
+        if wire_buf is not None:
             self._staging.give(buf)  # stream-ordered before any later writer on this device
-            buf, rows = wire_buf, wire_rows
-        return comm.sum_rows(rows, self._group, self._how, async_op=self._overlap), buf
+            buf = wire_buf
+        return pending, buf
 
     def _harvest(self, keep: int) -> None:
         """Turn finished buckets into shards, oldest first, leaving at most ``keep`` in flight.
@@ -763,7 +759,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 self._replica_rows.append((bucket, kept, present, dtype))
                 self._staging.give_unless_aliased(buf, [kept])
                 continue
-            shards = split_bucket_row(row, self._state.layout, bucket, present, dtype=dtype)
+            shards = split_row(row, self._state.layout, bucket, present, dtype=dtype)
             self._merge(shards)
             self._staging.give_unless_aliased(buf, shards.values())
 
@@ -771,7 +767,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Hybrid only: add the replicas' rows, in bucket launch order (the same on every rank)."""
         for bucket, row, present, dtype in self._replica_rows:
             row = sum_over_replicas(row, self._replicate)
-            self._merge(split_bucket_row(row, self._state.layout, bucket, present, dtype=dtype))
+            self._merge(split_row(row, self._state.layout, bucket, present, dtype=dtype))
         self._replica_rows = []
 
     def _finish_backward(self) -> None:
@@ -787,7 +783,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             present=ready,
             device=next(iter(self._params.values())).device,
         )
-        for b in range(len(self._buckets)):
+        for b in range(len(self.buckets)):
             if b not in self._launched and self._ready[b]:
                 self._launch(b)
         self._harvest(0)
@@ -795,7 +791,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         empty = [n for n in ready if n not in self._bucket_of]
         self._merge({n: g.new_empty(0) for n in empty if (g := self._take_grad(n)) is not None})
         self._accumulating = bool(self._accum)  # leftovers (no gradient in this backward) go in step()
-        self._ready = [set() for _ in self._buckets]
+        self._ready = [set() for _ in self.buckets]
         self._launched = set()
         self._inflight = []
 
@@ -1019,93 +1015,6 @@ class _Staging:
 
     def clear(self) -> None:
         self._free = {}
-
-
-@functools.lru_cache(maxsize=1024)
-def _bucket_plan(layout: ShardLayout, bucket: Bucket) -> tuple[tuple[int, ...], tuple[tuple[str, int, int, int], ...]]:
-    """A bucket's static copy plan: its members' widths (``shard_numel``), for one
-    ``torch.split`` of the ``(N, S)`` rows into column blocks, and per member ``(name,
-    shard_numel, whole rows, numel in the partial row)``."""
-    widths = tuple(layout[name].shard_numel for name in bucket.names)
-    starts = (0, *itertools.accumulate(widths))
-    if starts[:-1] != bucket.offsets or starts[-1] != bucket.shard_numel:  # split needs them side by side
-        raise AssertionError(f"zerofn: bucket members are not packed side by side: {bucket}")
-    members = []
-    for name, s in zip(bucket.names, widths, strict=True):
-        numel = layout[name].numel
-        members.append((name, s, numel // s, numel - (numel // s) * s))
-    return widths, tuple(members)
-
-
-def _scaled_rows(
-    grads: Mapping[str, torch.Tensor | None], layout: ShardLayout, bucket: Bucket, scale: float, rows: torch.Tensor
-) -> None:
-    """``stages._rows_from_full`` then ``rows.mul_(scale)``, into the given ``(N, S)`` rows.
-
-    Bitwise the same: each element is ``grad * scale`` rounded once in the rows' dtype
-    (the gradients' dtype); padding and absent members are zeros. Large members are
-    copied and scaled in one pass (``torch.mul(..., out=)``); small ones in one
-    ``_foreach_copy_`` and one ``_foreach_mul_`` per bucket, so a bucket of hundreds of
-    small params costs a few calls, not hundreds.
-    """
-    n = layout.world_size
-    widths, members = _bucket_plan(layout, bucket)
-    dst: list[torch.Tensor] = []
-    src: list[torch.Tensor] = []
-    for (name, s, whole, rest), block in zip(members, rows.split(widths, dim=1), strict=True):
-        t = grads.get(name)
-        if t is None:
-            block.zero_()
-            continue
-        large = s * n >= _FUSED_MIN_NUMEL
-        if whole == n:  # no padding: the gradient is the block
-            part = t.detach().reshape(n, s)
-            if large:
-                torch.mul(part, scale, out=block)
-            else:
-                dst.append(block)
-                src.append(part)
-            continue
-        flat = t.detach().reshape(-1)
-        block[whole:].zero_()  # padding: the partial row's tail and any empty rows
-        parts = [(block[:whole], flat[: whole * s].view(whole, s))] if whole else []
-        if rest:
-            parts.append((block[whole, :rest], flat[whole * s :]))
-        for out, part in parts:
-            if large:
-                torch.mul(part, scale, out=out)
-            else:
-                dst.append(out)
-                src.append(part)
-    if dst:
-        torch._foreach_copy_(dst, src)
-        # A 0-d tensor, not a Python float: _foreach_mul_ rounds a Python scalar to the
-        # list's dtype first (1/3 in fp16 or bf16), mul_ does not; the tensor keeps them equal.
-        # Its dtype is mul_'s compute dtype for a Python scalar: float32, float64 for float64.
-        factor = torch.tensor(scale, dtype=torch.promote_types(rows.dtype, torch.float32), device=rows.device)
-        torch._foreach_mul_(dst, factor)
-
-
-def _write_rows(rows: torch.Tensor, layout: ShardLayout, bucket: Bucket, params: Mapping[str, torch.Tensor]) -> None:
-    """``stages._full_from_rows`` for every member of a gathered bucket, in one ``_foreach_copy_``."""
-    n = layout.world_size
-    widths, members = _bucket_plan(layout, bucket)
-    dst: list[torch.Tensor] = []
-    src: list[torch.Tensor] = []
-    for (name, s, whole, rest), block in zip(members, rows.split(widths, dim=1), strict=True):
-        if whole == n:
-            dst.append(params[name].view(n, s))
-            src.append(block)
-            continue
-        flat = params[name].view(-1)
-        if whole:
-            dst.append(flat[: whole * s].view(whole, s))
-            src.append(block[:whole])
-        if rest:
-            dst.append(flat[whole * s :])
-            src.append(block[whole, :rest])
-    if dst:
-        torch._foreach_copy_(dst, src)
 
 
 def _check_gather_module(named: Mapping[str, torch.Tensor], module: torch.nn.Module | None) -> None:

@@ -26,14 +26,15 @@ and clips; ``gather_params`` casts the master shards to the working dtype.
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 
 import torch
 
 from zerofn import _placement, checks, comm
 from zerofn._tree import FrozenDict
+from zerofn.buckets import cut_shard, launch_gather, launch_reduce, pack_grads, pack_shards, split_row, unpack_rows
 from zerofn.comm import CommPolicy, Group
-from zerofn.layout import Bucket, ParamSpec, ShardLayout, make_layout
+from zerofn.layout import ShardLayout, make_layout
 from zerofn.optim import Optimizer
 from zerofn.precision import (
     NonFiniteGradError,
@@ -47,28 +48,14 @@ from zerofn.state import DEFAULT_POLICY, StepInfo, ZeroState
 
 __all__ = [
     "gather_params",
-    "launch_bucket_reduce",
     "reduce_grads",
     "reduce_realisation",
     "shard_params",
-    "split_bucket_row",
     "step_shards",
     "sum_over_replicas",
 ]
 
 DEFAULT_BUCKET_NUMEL = 2**20
-
-
-def _shard_of(full: torch.Tensor, spec: ParamSpec, rank: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Rank ``rank``'s ``(shard_numel,)`` chunk of ``full``, zero padded, as a new tensor.
-
-    The chunk is first rounded to the working dtype ``spec.dtype`` (a forced dtype rounds
-    the params as the model will see them), then stored in ``dtype`` on ``device``.
-    """
-    start, stop = spec.owned_range(rank)
-    shard = torch.zeros(spec.shard_numel, dtype=dtype, device=device)
-    shard[: stop - start].copy_(full.detach().reshape(-1)[start:stop].to(spec.dtype))
-    return shard
 
 
 def _policy_for(policy: PrecisionPolicy | None, master_dtype: torch.dtype) -> PrecisionPolicy:
@@ -131,7 +118,9 @@ def shard_params(
     layout = make_layout(working, comm.group_size(group))
     master = FrozenDict(
         {
-            s.name: _shard_of(params[s.name], s, rank, policy.master_dtype_for(s.dtype), state_device)
+            s.name: cut_shard(
+                params[s.name], s, rank, dtype=policy.master_dtype_for(s.dtype), device=state_device, round_to=s.dtype
+            )
             for s in layout.params
         }
     )
@@ -148,92 +137,6 @@ def shard_params(
     )
 
 
-def _rows_from_full(
-    full: Mapping[str, torch.Tensor | None],
-    layout: ShardLayout,
-    bucket: Bucket,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> torch.Tensor:
-    """Flatten ``full[bucket.names]`` into a new ``(N, bucket.shard_numel)`` rank-major buffer.
-
-    Row ``r`` holds chunk ``r`` of every member's padded flat tensor, members side by side
-    in bucket order. A member that is absent or ``None`` gets a zero block: the buffer's
-    shape, and the position of every element in it, depend only on the layout, so the
-    result for one param never depends on which others were present.
-    """
-    n = layout.world_size
-    rows = torch.empty(n, bucket.shard_numel, dtype=dtype, device=device)
-    for name, col in zip(bucket.names, bucket.offsets, strict=True):
-        spec = layout[name]
-        block = rows[:, col : col + spec.shard_numel]
-        t = full.get(name)
-        if t is None:
-            block.zero_()
-            continue
-        flat = t.detach().reshape(-1)
-        if spec.padding == 0:
-            block.copy_(flat.view(n, spec.shard_numel))
-        else:
-            # Whole rows first, then the one partial row and the zero padding after it.
-            whole = spec.numel // spec.shard_numel
-            block[:whole].copy_(flat[: whole * spec.shard_numel].view(whole, spec.shard_numel))
-            block[whole:].zero_()
-            rest = spec.numel - whole * spec.shard_numel
-            if rest:
-                block[whole, :rest].copy_(flat[whole * spec.shard_numel :])
-    return rows
-
-
-def _full_from_rows(rows: torch.Tensor, spec: ParamSpec, col: int, out: torch.Tensor) -> None:
-    """Write param ``spec``'s columns of a gathered ``(N, S)`` buffer into ``out`` (full shape)."""
-    s = spec.shard_numel
-    flat = out.view(-1)
-    whole = spec.numel // s
-    flat[: whole * s].view(whole, s).copy_(rows[:whole, col : col + s])
-    rest = spec.numel - whole * s
-    if rest:
-        flat[whole * s :].copy_(rows[whole, col : col + rest])
-
-
-def launch_bucket_reduce(
-    grads: Mapping[str, torch.Tensor | None],
-    layout: ShardLayout,
-    bucket: Bucket,
-    group: Group,
-    how: str,
-    *,
-    comm_dtype: torch.dtype | None = None,
-    async_op: bool = False,
-    replicas: int = 1,
-) -> comm.Pending:
-    """Start averaging one bucket of full gradients over the group (a building block).
-
-    :func:`reduce_grads` runs this for every bucket; the facade runs it from gradient
-    hooks as buckets fill, so both paths send identical buffers and get identical bits.
-    The rows are built in the gradients' dtype (the params' working dtype, or an
-    accumulation dtype such as float32; all present members must share it), multiplied by
-    ``1/N`` in that dtype *before* the sum, as DDP does, so low-precision sums do not
-    overflow, and then cast to the wire dtype (the seed's order). Absent members
-    contribute zeros. With ``replicas > 1`` (a hybrid layout) the factor is
-    ``1/(N * replicas)`` and :func:`sum_over_replicas` completes the mean.
-
-    Returns:
-      A :class:`~zerofn.comm.Pending` whose ``wait()`` is this rank's ``(bucket.shard_numel,)``
-      row of the mean, in the wire dtype: ``comm_dtype``, default the params' working dtype.
-
-    Collectives: one ``reduce_scatter`` or ``all_reduce`` (``how``) of ``N * S`` elements.
-    """
-    present = [g for g in (grads.get(n) for n in bucket.names) if g is not None]
-    dtype, device = present[0].dtype, present[0].device
-    rows = _rows_from_full(grads, layout, bucket, dtype, device)
-    rows.mul_(1.0 / (layout.world_size * replicas))
-    wire = comm_dtype if comm_dtype is not None else layout[bucket.names[0]].dtype
-    if wire != dtype:
-        rows = rows.to(wire)
-    return comm.sum_rows(rows, group, how, async_op=async_op)
-
-
 def sum_over_replicas(row: torch.Tensor, replicate_group: Group) -> torch.Tensor:
     """Finish a hybrid reduction: add the replicas' copies of this rank's reduced row.
 
@@ -246,32 +149,6 @@ def sum_over_replicas(row: torch.Tensor, replicate_group: Group) -> torch.Tensor
     if replicate_group is None:
         return row
     return comm.sum_across(row.contiguous(), replicate_group)
-
-
-def split_bucket_row(
-    row: torch.Tensor,
-    layout: ShardLayout,
-    bucket: Bucket,
-    present: Collection[str],
-    *,
-    dtype: torch.dtype | None = None,
-) -> dict[str, torch.Tensor]:
-    """Cut a reduced bucket row into per-param shards, for the ``present`` names only.
-
-    The row is cast back from the wire to ``dtype``, the dtype the gradients came in
-    (default: the params' working dtype); a row that is a view of a bigger buffer (the
-    all-reduce realisation) is copied out so the ``(N, S)`` buffer can be freed.
-    """
-    dtype = dtype if dtype is not None else layout[bucket.names[0]].dtype
-    if row.dtype != dtype:
-        row = row.to(dtype)
-    elif row._base is not None:
-        row = row.clone()
-    return {
-        name: row[col : col + layout[name].shard_numel]
-        for name, col in zip(bucket.names, bucket.offsets, strict=True)
-        if name in present
-    }
 
 
 def reduce_grads(
@@ -378,9 +255,10 @@ def reduce_grads(
         members = [n for n in bucket.names if n in present_set]
         if not members:
             continue
-        row = launch_bucket_reduce(grads, layout, bucket, group, how, comm_dtype=comm_dtype, replicas=replicas).wait()
+        rows = pack_grads(grads, layout, bucket, replicas=replicas)
+        row = launch_reduce(rows, layout, bucket, group, how, comm_dtype=comm_dtype).wait()
         row = sum_over_replicas(row, replicate_group)
-        out.update(split_bucket_row(row, layout, bucket, present_set, dtype=grad_dtypes[members[0]]))
+        out.update(split_row(row, layout, bucket, present_set, dtype=grad_dtypes[members[0]]))
     for name in present:
         if name not in out:  # empty params travel in no bucket
             out[name] = torch.empty(0, dtype=grad_dtypes[name], device=device)
@@ -648,10 +526,8 @@ def gather_params(
         for s in layout.params
     }
     for bucket in layout.buckets(bucket_numel):
-        dtype = layout[bucket.names[0]].dtype
-        row = _placement.cat_to([state.master[name].to(dtype) for name in bucket.names], device)
-        gathered = comm.gather_rows(row, group, how).wait()
+        row = pack_shards(state.master, layout, bucket, dtype=layout[bucket.names[0]].dtype, device=device)
+        gathered = launch_gather(row, group, how).wait()
         with torch.no_grad():  # `out` may be leaf params that require grad
-            for name, col in zip(bucket.names, bucket.offsets, strict=True):
-                _full_from_rows(gathered, layout[name], col, result[name])
+            unpack_rows(gathered, layout, bucket, result)
     return result

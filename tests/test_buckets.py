@@ -1,0 +1,183 @@
+"""The bucket engine (``zerofn.buckets``): the pieces every path moves buckets through.
+
+* pure pieces against plain-Python references of their semantics (the padded flat tensor
+  viewed as ``(N, width)`` blocks side by side, scaled by ``rows.mul_(1/(N*R))``), bitwise,
+  in every floating dtype and at world sizes 1-4 and 7: small members (batched copies),
+  members above the one-pass threshold, padded and unpadded ones, a member smaller than N,
+  an absent gradient, an empty param;
+* ``out=`` buffers are written and returned; a lone contiguous shard is its own row;
+* the communicating pieces on real gloo ranks: a whole reduced bucket unpacked into full
+  mean gradients (what DDP leaves in ``p.grad``) equals, on every rank's slice, the shard
+  ``reduce_grads`` returns, bitwise, and the mean of all ranks' gradients.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import assert_bitwise_equal, assert_trees_close
+
+import zerofn as zf
+from zerofn import buckets
+from zerofn.layout import Bucket, make_layout
+
+SHAPES = {
+    "a": (5, 3),
+    "b": (2,),
+    "big": (257, 256),
+    "empty": (0, 3),
+    "c": (4, 4),
+    "bigpad": (65537,),
+    "gone": (6,),
+}
+
+
+def _full(n: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(n)
+    return {k: torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype) for k, shape in SHAPES.items()}
+
+
+def _reference_rows(grads: dict[str, Any], layout: Any, bucket: Bucket, dtype: torch.dtype) -> torch.Tensor:
+    """Plain semantics: each member's flat tensor, zero padded, viewed as (N, width), side by side."""
+    n = layout.world_size
+    blocks = []
+    for name in bucket.names:
+        spec = layout[name]
+        flat = torch.zeros(n * spec.shard_numel, dtype=dtype)
+        if grads.get(name) is not None:
+            flat[: spec.numel] = grads[name].reshape(-1)
+        blocks.append(flat.view(n, spec.shard_numel))
+    return torch.cat(blocks, dim=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 7])
+@pytest.mark.parametrize("replicas", [1, 3])
+def test_pack_grads_is_the_padded_rows_times_the_mean_factor(dtype, n, replicas):
+    full = _full(n, dtype)
+    grads = {k: v for k, v in full.items() if k != "gone"}
+    layout = make_layout(full, n)
+    for bucket in layout.buckets(2**20):
+        want = _reference_rows(grads, layout, bucket, dtype)
+        want.mul_(1.0 / (n * replicas))  # the functional path's rounding: one mul_ by a Python float
+        got = buckets.pack_grads(grads, layout, bucket, replicas=replicas)
+        assert_bitwise_equal(got, want, str(bucket.names))
+        buf = torch.full((n, bucket.shard_numel), float("nan"), dtype=dtype)
+        assert buckets.pack_grads(grads, layout, bucket, replicas=replicas, out=buf) is buf
+        assert_bitwise_equal(buf, want, str(bucket.names))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 7])
+def test_unpack_rows_writes_full_tensors_and_split_row_cuts_shards(dtype, n):
+    full = _full(n, dtype)
+    layout = make_layout(full, n)
+    for bucket in layout.buckets(2**20):
+        rows = _reference_rows(full, layout, bucket, dtype)
+        mine = {k: torch.full_like(v, float("nan")) for k, v in full.items()}
+        written = buckets.unpack_rows(rows, layout, bucket, mine)
+        assert list(written) == list(bucket.names)
+        for name in bucket.names:
+            assert written[name] is mine[name]
+            assert_bitwise_equal(mine[name], full[name], name)
+        # New tensors in another dtype (a wire row cast back), for some members only.
+        some = bucket.names[::2]
+        fresh = buckets.unpack_rows(rows, layout, bucket, names=some, dtype=torch.float64)
+        assert list(fresh) == list(some)
+        for name in some:
+            assert_bitwise_equal(fresh[name], full[name].double(), name)
+        for r in range(n):
+            shards = buckets.split_row(rows[r], layout, bucket, set(bucket.names), dtype=torch.float64)
+            for name in bucket.names:
+                want = buckets.cut_shard(full[name], layout[name], r, dtype=torch.float64)
+                assert_bitwise_equal(shards[name], want, f"{name} rank {r}")
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_cut_shard_is_the_owned_range_zero_padded(n):
+    full = _full(n, torch.float32)
+    layout = make_layout(full, n)
+    for spec in layout.params:
+        flat = torch.zeros(n * spec.shard_numel)
+        flat[: spec.numel] = full[spec.name].reshape(-1)
+        for r in range(n):
+            want = flat[r * spec.shard_numel : (r + 1) * spec.shard_numel]
+            assert_bitwise_equal(buckets.cut_shard(full[spec.name], spec, r), want, spec.name)
+            # Rounded to bf16 first, stored in float32 (shard_params' masters of a forced dtype).
+            got = buckets.cut_shard(full[spec.name], spec, r, dtype=torch.float32, round_to=torch.bfloat16)
+            assert_bitwise_equal(got, want.to(torch.bfloat16).float(), spec.name)
+
+
+def test_pack_shards_casts_reuses_out_and_sends_a_lone_shard_itself():
+    full = _full(3, torch.float32)
+    layout = make_layout(full, 3)
+    shards = {s.name: buckets.cut_shard(full[s.name], s, 1) for s in layout.params}
+    for bucket in layout.buckets(2**20):
+        want = torch.cat([shards[n].to(torch.bfloat16) for n in bucket.names])
+        got = buckets.pack_shards(shards, layout, bucket, dtype=torch.bfloat16)
+        assert_bitwise_equal(got, want, str(bucket.names))
+        if len(bucket.names) > 1:
+            out = torch.empty(bucket.shard_numel, dtype=torch.bfloat16)
+            assert buckets.pack_shards(shards, layout, bucket, dtype=torch.bfloat16, out=out) is out
+            assert_bitwise_equal(out, want)
+        else:
+            assert buckets.pack_shards(shards, layout, bucket) is shards[bucket.names[0]]
+    # Mixed dtypes without a target dtype: promoted exactly, cast back by unpack_rows.
+    bucket = layout.buckets(2**20)[0]
+    mixed = {**shards, bucket.names[0]: shards[bucket.names[0]].to(torch.bfloat16)}
+    row = buckets.pack_shards(mixed, layout, bucket)
+    assert row.dtype == torch.float32
+    assert_bitwise_equal(row[: layout[bucket.names[0]].shard_numel].to(torch.bfloat16), mixed[bucket.names[0]])
+
+
+# --------------------------------------------------------------------------- on ranks
+
+
+def _full_mean_grads(dtype_name: str, comm_dtype_name: str | None) -> dict[str, Any]:
+    dtype = getattr(torch, dtype_name)
+    comm_dtype = getattr(torch, comm_dtype_name) if comm_dtype_name else None
+    n, rank = dist.get_world_size(), dist.get_rank()
+    shapes = {k: v for k, v in SHAPES.items() if k not in ("big", "bigpad")}
+    every = []
+    for r in range(n):
+        gen = torch.Generator().manual_seed(100 + r)
+        every.append({k: torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for k, s in shapes.items()})
+    grads: dict[str, torch.Tensor | None] = {**every[rank], "gone": None}
+    layout = make_layout(every[rank], n)
+    present = [k for k, g in grads.items() if g is not None]
+    full: dict[str, torch.Tensor] = {}
+    for bucket in layout.buckets(40):
+        if not set(bucket.names) & set(present):
+            continue  # nothing to send (reduce_grads skips it too)
+        rows = buckets.pack_grads(grads, layout, bucket)
+        summed = buckets.launch_reduce(rows, layout, bucket, None, "all_reduce", comm_dtype=comm_dtype, whole=True)
+        full.update(buckets.unpack_rows(summed.wait(), layout, bucket, names=present, dtype=dtype))
+    shards = zf.reduce_grads(grads, layout, stage=1, bucket_numel=40, comm_dtype=comm_dtype)
+    mine = {k: buckets.cut_shard(full[k], layout[k], rank) for k in shards if layout[k].numel}
+    mean = {k: sum(e[k].double() for e in every) / n for k in full}
+    try:
+        buckets.launch_reduce(rows, layout, bucket, None, "reduce_scatter", whole=True)
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    return {
+        "full": {k: full[k] for k in sorted(full)},
+        "mean": {k: mean[k].to(dtype) for k in sorted(full)},
+        "mine": mine,
+        "shards": {k: shards[k] for k in mine},
+        "refused": refused,
+    }
+
+
+@pytest.mark.parametrize(("dtype", "wire"), [("float32", None), ("bfloat16", None), ("float32", "bfloat16")])
+def test_a_whole_reduced_bucket_unpacks_into_the_full_mean_gradients(world, dtype, wire):
+    for res in world.run(_full_mean_grads, dtype, wire):
+        assert "gone" not in res["full"] and "empty" not in res["full"]  # empty params travel in no bucket
+        for name, shard in res["shards"].items():  # each rank's slice is reduce_grads' shard
+            assert_bitwise_equal(res["mine"][name], shard, name)
+        rel = {"float32": 1e-6, "bfloat16": 2e-2}[wire or dtype]
+        assert_trees_close(res["full"], res["mean"], rel=rel)
+        assert "whole=True" in res["refused"]

@@ -1,0 +1,423 @@
+"""The bucket engine: every path that moves a bucket (functional stages, the facade's hooks
+and prefetch, checkpoints, ``get_param_grad``) goes through these pieces, once.
+
+Vocabulary (see :mod:`zerofn.layout`): a bucket's *rows* are a rank-major ``(N, S)``
+buffer, ``N`` the world size and ``S = bucket.shard_numel``; row ``r`` holds what rank
+``r`` owns of every member, members side by side at their ``bucket.offsets``. For a split
+param (today's only placement) that is chunk ``r`` of the padded flat tensor, so a member
+of ``numel`` elements and width ``s`` fills ``whole = numel // s`` rows, then ``rest``
+elements of the next row, then zero padding. The static description of this per
+(layout, bucket) is a :class:`BucketPlan` (cached): pieces read member widths and
+positions from it, never from an "every param is split evenly" rule of their own.
+
+Pure pieces (no communication)::
+
+    pack_grads      full grads -> (N, S) rows, times 1/(N*R)      (the one mean factor)
+    split_row       this rank's reduced (S,) row -> per-param shards
+    unpack_rows     (N, S) rows -> full tensors (gathered params, or full reduced grads)
+    pack_shards     per-param shards -> this rank's (S,) row (cast, offload aware)
+    cut_shard       a full tensor -> rank r's (shard_numel,) shard
+
+Communicating pieces (through :mod:`zerofn.comm`, which owns every collective)::
+
+    launch_reduce   (N, S) rows -> Pending (S,) row of the sum  (or the whole (N, S))
+    launch_gather   (S,) row -> Pending (N, S) rows of every rank
+
+Where a piece can write into a caller's buffer it takes ``out=``, so the facade's reused
+staging buffers go through the same code as the functional path's fresh ones, and both
+give the same bits.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Collection, Iterable, Mapping
+from typing import NamedTuple
+
+import torch
+
+from zerofn import _placement, comm
+from zerofn.comm import Group
+from zerofn.layout import Bucket, ParamSpec, ShardLayout
+
+__all__ = [
+    "BucketPlan",
+    "MemberPlan",
+    "bucket_plan",
+    "cut_shard",
+    "launch_gather",
+    "launch_reduce",
+    "pack_grads",
+    "pack_shards",
+    "split_row",
+    "unpack_rows",
+]
+
+# Members of at least this many elements (N * width) are copied and scaled in one pass
+# (``torch.mul(..., out=)``); smaller ones in one batched ``_foreach_copy_`` +
+# ``_foreach_mul_`` per bucket (per-call overhead dominates for them).
+FUSED_MIN_NUMEL = 2**16
+
+
+class MemberPlan(NamedTuple):
+    """Where one member of a bucket sits in the ``(N, S)`` rows.
+
+    Attributes:
+      name: the param's name.
+      width: columns it takes in every row (its ``shard_numel``).
+      whole: rows its flat tensor fills completely (``numel // width``; 0 for an empty param).
+      rest: elements of its flat tensor in row ``whole`` (the rest of that row is padding).
+    """
+
+    name: str
+    width: int
+    whole: int
+    rest: int
+
+
+class BucketPlan(NamedTuple):
+    """A bucket's static copy plan: member widths (one ``torch.split`` of the rows into
+    column blocks) and where each member's elements sit."""
+
+    widths: tuple[int, ...]
+    members: tuple[MemberPlan, ...]
+
+
+@functools.lru_cache(maxsize=1024)
+def bucket_plan(layout: ShardLayout, bucket: Bucket) -> BucketPlan:
+    """The :class:`BucketPlan` of ``bucket`` in ``layout`` (cached per pair; pure)."""
+    widths = tuple(layout[name].shard_numel for name in bucket.names)
+    starts = (0, *itertools.accumulate(widths))
+    if starts[:-1] != bucket.offsets or starts[-1] != bucket.shard_numel:  # split needs them side by side
+        raise AssertionError(f"zerofn: bucket members are not packed side by side: {bucket}")
+    members = []
+    for name, s in zip(bucket.names, widths, strict=True):
+        numel = layout[name].numel
+        whole = numel // s if s else 0
+        members.append(MemberPlan(name, s, whole, numel - whole * s))
+    return BucketPlan(widths, tuple(members))
+
+
+# --------------------------------------------------------------------------- reduce side
+
+
+def pack_grads(
+    grads: Mapping[str, torch.Tensor | None],
+    layout: ShardLayout,
+    bucket: Bucket,
+    *,
+    replicas: int = 1,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A bucket's full local gradients as rank-major rows, times the mean factor ``1/(N*R)``.
+
+    Each element is ``grad * (1 / (N * replicas))`` rounded once in the rows' dtype (the
+    gradients' dtype), as DDP scales before the sum so low-precision sums do not
+    overflow; absent or ``None`` members and padding are zeros, so the rows' shape and
+    every element's position depend only on the layout. Large members are copied and
+    scaled in one pass (``torch.mul(..., out=)``); small ones in one ``_foreach_copy_``
+    and one ``_foreach_mul_`` per bucket, so a bucket of hundreds of small params costs a
+    few calls, not hundreds. Both round exactly as ``rows.mul_(factor)`` with a Python
+    float would.
+
+    Args:
+      grads: name -> full gradient (param shape); members of one bucket share a dtype
+        and device. At least one member of ``bucket`` must be present.
+      layout: the shard layout.
+      bucket: one bucket of ``layout``.
+      replicas: ``R``, replica groups of a hybrid layout (1: none).
+      out: an ``(N, S)`` buffer of the gradients' dtype to write into (the facade's reused
+        staging buffer); default a new one.
+
+    Returns:
+      The ``(N, bucket.shard_numel)`` rows in the gradients' dtype (``out`` itself if given).
+
+    Collectives: none.
+    """
+    n = layout.world_size
+    scale = 1.0 / (n * replicas)
+    if out is None:
+        first = next(g for g in (grads.get(name) for name in bucket.names) if g is not None)
+        out = torch.empty(n, bucket.shard_numel, dtype=first.dtype, device=first.device)
+    plan = bucket_plan(layout, bucket)
+    dst: list[torch.Tensor] = []
+    src: list[torch.Tensor] = []
+    for (name, s, whole, rest), block in zip(plan.members, out.split(plan.widths, dim=1), strict=True):
+        t = grads.get(name)
+        if t is None:
+            block.zero_()
+            continue
+        large = s * n >= FUSED_MIN_NUMEL
+        if whole == n:  # no padding: the gradient is the block
+            part = t.detach().reshape(n, s)
+            if large:
+                torch.mul(part, scale, out=block)
+            else:
+                dst.append(block)
+                src.append(part)
+            continue
+        flat = t.detach().reshape(-1)
+        block[whole:].zero_()  # padding: the partial row's tail and any empty rows
+        parts = [(block[:whole], flat[: whole * s].view(whole, s))] if whole else []
+        if rest:
+            parts.append((block[whole, :rest], flat[whole * s :]))
+        for dst_part, part in parts:
+            if large:
+                torch.mul(part, scale, out=dst_part)
+            else:
+                dst.append(dst_part)
+                src.append(part)
+    if dst:
+        torch._foreach_copy_(dst, src)
+        # A 0-d tensor, not a Python float: _foreach_mul_ rounds a Python scalar to the
+        # list's dtype first (1/3 in fp16 or bf16), mul_ does not; the tensor keeps them equal.
+        # Its dtype is mul_'s compute dtype for a Python scalar: float32, float64 for float64.
+        factor = torch.tensor(scale, dtype=torch.promote_types(out.dtype, torch.float32), device=out.device)
+        torch._foreach_mul_(dst, factor)
+    return out
+
+
+def wire_dtype(layout: ShardLayout, bucket: Bucket, comm_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype a bucket's gradients travel in: ``comm_dtype``, default the params' working dtype."""
+    return comm_dtype if comm_dtype is not None else layout[bucket.names[0]].dtype
+
+
+def launch_reduce(
+    rows: torch.Tensor,
+    layout: ShardLayout,
+    bucket: Bucket,
+    group: Group,
+    how: str,
+    *,
+    comm_dtype: torch.dtype | None = None,
+    wire_out: torch.Tensor | None = None,
+    async_op: bool = False,
+    whole: bool = False,
+) -> comm.Pending:
+    """Start summing one bucket's packed rows (from :func:`pack_grads`) over the group.
+
+    The rows are cast to the wire dtype first (:func:`wire_dtype`: ``comm_dtype``, default
+    the params' working dtype; the seed's order: scale in the gradients' dtype, then cast).
+
+    Args:
+      rows: ``(N, S)`` rows from :func:`pack_grads`; consumed (the all-reduce sums into them
+        when no cast is needed).
+      layout, bucket: what the rows hold.
+      group: the sharding process group.
+      how: ``"reduce_scatter"`` or ``"all_reduce"`` (:func:`zerofn.stages.reduce_realisation`).
+      comm_dtype: dtype on the wire; ``None``: the params' working dtype.
+      wire_out: an ``(N, S)`` buffer of the wire dtype to cast into (reused by the facade);
+        default a new one. Unused when no cast is needed.
+      async_op: launch and return at once.
+      whole: keep every row of the sum, not just this rank's (needs ``how="all_reduce"``):
+        the full mean gradients, for :func:`unpack_rows`.
+
+    Returns:
+      A :class:`~zerofn.comm.Pending` whose ``wait()`` is this rank's ``(S,)`` row of the
+      sum (with ``whole``, the ``(N, S)`` sum), in the wire dtype.
+
+    Collectives: one ``reduce_scatter`` or ``all_reduce`` (``how``) of ``N * S`` elements.
+    """
+    wire = wire_dtype(layout, bucket, comm_dtype)
+    if wire != rows.dtype:
+        if wire_out is not None:
+            rows = wire_out.copy_(rows)  # what rows.to(wire) computes
+        else:
+            rows = rows.to(wire)
+    return comm.sum_rows(rows, group, how, async_op=async_op, whole=whole)
+
+
+def split_row(
+    row: torch.Tensor,
+    layout: ShardLayout,
+    bucket: Bucket,
+    present: Collection[str],
+    *,
+    dtype: torch.dtype | None = None,
+) -> dict[str, torch.Tensor]:
+    """Cut this rank's reduced ``(S,)`` bucket row into per-param shards, ``present`` names only.
+
+    The row is cast back from the wire to ``dtype``, the dtype the gradients came in
+    (default: the params' working dtype); a row that is a view of a bigger buffer (the
+    all-reduce realisation) is copied out so the ``(N, S)`` buffer can be freed. The
+    shards are views of that one row.
+
+    Returns:
+      name -> ``(width,)`` shard (``shard_numel`` for a split param), in bucket order.
+
+    Collectives: none.
+    """
+    dtype = dtype if dtype is not None else layout[bucket.names[0]].dtype
+    if row.dtype != dtype:
+        row = row.to(dtype)
+    elif row._base is not None:
+        row = row.clone()
+    return {
+        name: row[col : col + layout[name].shard_numel]
+        for name, col in zip(bucket.names, bucket.offsets, strict=True)
+        if name in present
+    }
+
+
+def unpack_rows(
+    rows: torch.Tensor,
+    layout: ShardLayout,
+    bucket: Bucket,
+    out: Mapping[str, torch.Tensor] | None = None,
+    *,
+    names: Iterable[str] | None = None,
+    dtype: torch.dtype | None = None,
+) -> dict[str, torch.Tensor]:
+    """Write an ``(N, S)`` bucket buffer into full tensors, padding dropped.
+
+    The buffer is either the gathered master rows (params) or a whole reduced bucket
+    (:func:`launch_reduce` with ``whole=True``: the full mean gradients, as DDP leaves
+    them in ``p.grad``). All members are written with one ``_foreach_copy_`` (which
+    casts when the buffer's dtype differs from a destination's).
+
+    Args:
+      rows: ``(N, S)`` buffer, any dtype.
+      layout, bucket: what the rows hold.
+      out: name -> destination of the param's shape (contiguous), written in place
+        (e.g. the model's params; call under ``torch.no_grad()`` for leaves that require
+        grad). Default: new tensors on ``rows.device``.
+      names: members to write (default: every member of the bucket), e.g. only the
+        params that had gradients.
+      dtype: dtype of new tensors (default ``rows.dtype``); ignored with ``out``.
+
+    Returns:
+      name -> full tensor (``out``'s where given), in bucket order.
+
+    Collectives: none.
+    """
+    n = layout.world_size
+    wanted = None if names is None else set(names)
+    plan = bucket_plan(layout, bucket)
+    result: dict[str, torch.Tensor] = {}
+    dst: list[torch.Tensor] = []
+    src: list[torch.Tensor] = []
+    for (name, s, whole, rest), block in zip(plan.members, rows.split(plan.widths, dim=1), strict=True):
+        if wanted is not None and name not in wanted:
+            continue
+        if out is not None:
+            full = out[name]
+        else:
+            spec = layout[name]
+            full = torch.empty(spec.shape, dtype=dtype or rows.dtype, device=rows.device)
+        result[name] = full
+        if s == 0:
+            continue
+        if whole == n:
+            dst.append(full.view(n, s))
+            src.append(block)
+            continue
+        flat = full.view(-1)
+        if whole:
+            dst.append(flat[: whole * s].view(whole, s))
+            src.append(block[:whole])
+        if rest:
+            dst.append(flat[whole * s :])
+            src.append(block[whole, :rest])
+    if dst:
+        torch._foreach_copy_(dst, src)
+    return result
+
+
+# --------------------------------------------------------------------------- gather side
+
+
+def pack_shards(
+    shards: Mapping[str, torch.Tensor],
+    layout: ShardLayout,
+    bucket: Bucket,
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """This rank's ``(S,)`` row of a bucket: its members' shards side by side.
+
+    Each shard is cast to ``dtype`` (the working dtype for a gather of master shards;
+    float32 masters are rounded to nearest) and the row is placed on ``device`` (CPU
+    offload: the shards live on the CPU and the row goes to the params' device, from a
+    pinned buffer, see :func:`zerofn._placement.cat_to`). Without a ``dtype``, shards of
+    mixed dtypes are promoted by ``torch.cat`` (exactly; :func:`unpack_rows` casts back).
+
+    A bucket of one contiguous shard already on ``device`` (and in ``dtype``) is its own
+    row: no copy; the caller must not change that shard until the gather reading it has
+    completed.
+
+    Args:
+      shards: name -> ``(shard_numel,)`` shard, for every member of ``bucket``.
+      layout, bucket: which shards, in which order.
+      dtype: dtype of the row; default: the shards' own (promoted).
+      device: where the row goes; default the shards' device.
+      out: an ``(S,)`` buffer to write into (reused between steps by the facade); used
+        when a copy is needed on one device.
+
+    Returns:
+      The ``(S,)`` row: ``out``, the lone shard itself, or a new tensor.
+
+    Collectives: none.
+    """
+    del layout  # the member order is the bucket's; a later placement reads its plan here
+    parts = [shards[name] if dtype is None else shards[name].to(dtype) for name in bucket.names]
+    device = torch.device(device) if device is not None else parts[0].device
+    if any(t.device != device for t in parts):  # CPU offload to an accelerator
+        return _placement.cat_to(parts, device)
+    if len(parts) == 1 and parts[0].is_contiguous():
+        return parts[0]
+    if out is not None:
+        return torch.cat(parts, out=out)
+    return torch.cat(parts)
+
+
+def launch_gather(row: torch.Tensor, group: Group, how: str, *, async_op: bool = False) -> comm.Pending:
+    """Start gathering every rank's ``(S,)`` row of one bucket (from :func:`pack_shards`).
+
+    Args:
+      row: this rank's contiguous ``(S,)`` row; read, never written.
+      group: the sharding process group.
+      how: ``"all_gather"`` or ``"broadcast"`` (the gather realisation of a
+        :class:`~zerofn.comm.CommPolicy`).
+      async_op: launch and return at once.
+
+    Returns:
+      A :class:`~zerofn.comm.Pending` whose ``wait()`` is the new ``(N, S)`` buffer (row
+      ``r`` from rank ``r``), for :func:`unpack_rows`.
+
+    Collectives: one ``all_gather`` of ``N * S`` elements, or ``N`` broadcasts of ``S``.
+    """
+    return comm.gather_rows(row, group, how, async_op=async_op)
+
+
+def cut_shard(
+    full: torch.Tensor,
+    spec: ParamSpec,
+    rank: int,
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+    round_to: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Rank ``rank``'s zero-padded ``(shard_numel,)`` shard of a full tensor, as a new tensor.
+
+    Args:
+      full: the param-shaped tensor (any device); not changed.
+      spec: the param's :class:`~zerofn.layout.ParamSpec`.
+      rank: whose shard.
+      dtype: dtype of the shard; default ``full``'s (kept exactly).
+      device: where the shard lives; default ``full``'s device.
+      round_to: round the values to this dtype first (``shard_params`` rounds to the
+        working dtype, so forced dtypes give the values the model will see).
+
+    Collectives: none.
+    """
+    start, stop = spec.owned_range(rank)
+    shard = torch.zeros(
+        spec.shard_numel, dtype=dtype or full.dtype, device=device if device is not None else full.device
+    )
+    part = full.detach().reshape(-1)[start:stop]
+    shard[: stop - start].copy_(part.to(round_to) if round_to is not None else part)
+    return shard
