@@ -161,3 +161,20 @@ def test_report_targets_read_ratios_from_runs() -> None:
     assert got["stage-2 facade <= 0.75x DDP foreach"]["met"] is True
     assert got["stage-2 facade <= 0.75x DDP foreach"]["detail"] == "zerofn-s2"
     assert got["pure functional <= 1.10x donated"]["value"] == pytest.approx(1.1)
+
+
+def test_device_cuda_picks_nccl_on_a_world_with_device_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    # As on a one-GPU machine, whatever this one has: nothing is started here.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    args = bench.parse_args(["--device", "cuda", "--world-sizes", "1", "2", "--threads", "2", "--timeout", "45"])
+    assert bench._backend_for(1, "cuda") == ("nccl", None)
+    assert bench._backend_for(2, "cuda") == ("", "N=2 needs 2 GPUs, found 1; skipped")
+    assert bench._backend_for(2, "auto") == ("gloo", None) and bench._backend_for(1, "cpu") == ("gloo", None)
+    world = bench._world(1, "nccl", args)
+    assert (world.world_size, world.backend, world.device, world.threads, world.timeout) == (1, "nccl", "cuda", 2, 45.0)
+    assert world.init is not None  # every rank installs the byte counter before any system is built
+    cpu = bench._world(2, "gloo", args)
+    assert (cpu.backend, cpu.device) == ("gloo", "cpu")
