@@ -47,11 +47,13 @@ __all__ = [
     "SKIP_REASON",
     "STEPS",
     "base_model",
+    "cached_run",
     "device_here",
     "get_world",
     "needs_cuda",
     "on_cpu",
     "requires_device",
+    "result",
     "run_trainers",
     "train_facade",
     "train_functional",
@@ -276,11 +278,49 @@ def on_cpu(tree: Any) -> Any:
     return pytree.tree_map(lambda t: t.detach().cpu() if isinstance(t, torch.Tensor) else t, tree)
 
 
-def run_trainers(device: str, jobs: dict[str, tuple[str, tuple, dict]]) -> dict[str, Any]:
+def run_trainers(device: str, jobs: dict[Any, tuple[str, tuple, dict]]) -> dict[Any, Any]:
     """On every rank: ``{key: trainer(device, *args, **kwargs)}`` for ``jobs`` = ``{key:
-    (trainer name, args, kwargs)}``, the results on the CPU. One ``World.run`` for many runs."""
+    (trainer name, args, kwargs)}``, the results on the CPU. One ``World.run`` for many runs.
+
+    A job that raises becomes ``{"error": its traceback}`` and the next job runs, so one
+    broken configuration fails its own test only (see :func:`result`) instead of every
+    test of the module re-running the lot. The jobs run the same code on every rank, so a
+    job fails on all ranks alike and the group stays in step.
+    """
+    import traceback
+
     trainers = {"torch": train_torch, "facade": train_facade, "functional": train_functional}
-    return {key: on_cpu(trainers[name](device, *args, **kwargs)) for key, (name, args, kwargs) in jobs.items()}
+    out: dict[Any, Any] = {}
+    for key, (name, args, kwargs) in jobs.items():
+        try:
+            out[key] = on_cpu(trainers[name](device, *args, **kwargs))
+        except Exception:
+            out[key] = {"error": f"rank {dist.get_rank()}, job {key!r}:\n{traceback.format_exc()}"}
+    return out
+
+
+def result(results: dict[Any, Any], key: Any) -> dict[str, Any]:
+    """``results[key]``, or a test failure with the rank's traceback if that job raised."""
+    got = results[key]
+    if "error" in got:
+        pytest.fail(got["error"], pytrace=False)
+    return got
+
+
+def cached_run(cache: dict[str, Any], world_name: str, jobs: dict[Any, tuple[str, tuple, dict]]) -> list[dict]:
+    """Per-rank ``run_trainers`` results of ``jobs`` on pool ``world_name``, computed once:
+    a failure of the run itself (a worker died, a timeout) is kept and raised again, not
+    retried by every test that asks."""
+    if "error" in cache:
+        raise cache["error"]
+    if "results" not in cache:
+        world = get_world(world_name)
+        try:
+            cache["results"] = world.run(run_trainers, world.device, jobs)
+        except Exception as exc:
+            cache["error"] = exc
+            raise
+    return cache["results"]
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gpucheck import DEVICE, get_world, needs_cuda, requires_device, run_trainers
+from gpucheck import DEVICE, cached_run, needs_cuda, requires_device, result
 from helpers import assert_trees_close
 
 pytestmark = requires_device
@@ -34,26 +34,24 @@ CONFIGS = [
     (torch.bfloat16, 2, True, False),
 ]
 
-_cache: dict[str, dict] = {}
+_cache: dict[str, object] = {}
 
 
 def _results() -> dict:
-    if not _cache:
-        jobs = {}
-        for cfg in CONFIGS:
-            dtype, stage, overlap, ag = cfg
-            for offload in (False, True):
-                kwargs = dict(stage=stage, overlap=overlap, overlap_allgather=ag, cpu_offload=offload)
-                jobs[(cfg, offload)] = ("facade", (dtype, False), kwargs)
-        world = get_world("nccl1")
-        (_cache["results"],) = world.run(run_trainers, world.device, jobs)
-    return _cache["results"]
+    """Every configuration with and without offload, trained once on the one-rank NCCL pool."""
+    jobs = {}
+    for cfg in CONFIGS:
+        dtype, stage, overlap, ag = cfg
+        for offload in (False, True):
+            kwargs = dict(stage=stage, overlap=overlap, overlap_allgather=ag, cpu_offload=offload)
+            jobs[(cfg, offload)] = ("facade", (dtype, False), kwargs)
+    return cached_run(_cache, "nccl1", jobs)[0]
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{str(c[0])[6:]}-stage{c[1]}-overlap{c[2]}-ag{c[3]}")
 def test_offloaded_training_keeps_the_state_on_the_cpu_and_matches_the_gpu_state(cfg):
     results = _results()
-    on, off = results[(cfg, True)], results[(cfg, False)]
+    on, off = result(results, (cfg, True)), result(results, (cfg, False))
     device = "cuda:0" if DEVICE == "cuda" else "cpu"
     assert on["param_devices"] == [device] and off["param_devices"] == [device]
     assert on["state_devices"] == ["cpu"] and off["state_devices"] == [device]
@@ -67,7 +65,7 @@ def test_offloaded_training_keeps_the_state_on_the_cpu_and_matches_the_gpu_state
 def test_offload_copies_go_through_pinned_host_memory():
     results = _results()
     for cfg in CONFIGS:
-        on, off = results[(cfg, True)], results[(cfg, False)]
+        on, off = result(results, (cfg, True)), result(results, (cfg, False))
         assert on["pinned_requests"] is not None, (
             f"torch {torch.__version__} exposes no pinned-request counter in torch.cuda.host_memory_stats()"
         )

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gpucheck import DEVICE, get_world, requires_device, run_trainers
+from gpucheck import DEVICE, cached_run, requires_device, result
 from helpers import assert_trees_close, assert_trees_equal
 
 pytestmark = requires_device
@@ -77,19 +77,16 @@ def _jobs() -> dict[str, tuple[str, tuple, dict]]:
     return jobs
 
 
-_cache: dict[str, dict] = {}
+_cache: dict[str, object] = {}
 
 
 def _results() -> dict:
     """Every configuration and reference, trained once per session on the one-rank NCCL pool."""
-    if not _cache:
-        world = get_world("nccl1")
-        (_cache["results"],) = world.run(run_trainers, world.device, _jobs())
-    return _cache["results"]
+    return cached_run(_cache, "nccl1", _jobs())[0]
 
 
 def _assert_matches_torch(got: dict, dtype: str, clip: bool, what: str) -> None:
-    ref = _results()[f"torch {dtype}" + (" clip" if clip else "")]
+    ref = result(_results(), f"torch {dtype}" + (" clip" if clip else ""))
     for part in ("params", "master"):
         if not clip:
             assert_trees_equal(got[part], ref[part])
@@ -112,7 +109,7 @@ def test_the_reference_trains_every_used_param_on_the_device():
 
     results = _results()
     for name, dtype in DTYPES.items():
-        ref, clipped = results[f"torch {name}"], results[f"torch {name} clip"]
+        ref, clipped = result(results, f"torch {name}"), result(results, f"torch {name} clip")
         start = {n: p.detach().to(dtype) for n, p in base_model().named_parameters()}
         assert list(ref["params"]) == list(start)
         for n, p in ref["params"].items():
@@ -128,7 +125,7 @@ FUNCTIONAL_CASES = [(cfg, False) for cfg in FUNCTIONAL] + [(cfg, True) for cfg i
 @pytest.mark.parametrize(("cfg", "clip"), FACADE_CASES, ids=[_facade_key(*c).replace(" ", "-") for c in FACADE_CASES])
 def test_facade_matches_single_gpu_torch_optim(cfg, clip):
     key = _facade_key(cfg, clip)
-    got = _results()[key]
+    got = result(_results(), key)
     _assert_matches_torch(got, cfg[0], clip, key)
     expected_device = "cuda:0" if DEVICE == "cuda" else "cpu"
     assert got["param_devices"] == [expected_device] and got["state_devices"] == [expected_device], key
@@ -139,4 +136,4 @@ def test_facade_matches_single_gpu_torch_optim(cfg, clip):
 )
 def test_functional_loop_matches_single_gpu_torch_optim(cfg, clip):
     key = _functional_key(cfg, clip)
-    _assert_matches_torch(_results()[key], cfg[0], clip, key)
+    _assert_matches_torch(result(_results(), key), cfg[0], clip, key)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gpucheck import DEVICE, get_world, requires_device, run_trainers
+from gpucheck import DEVICE, cached_run, requires_device, result
 from helpers import assert_trees_close, assert_trees_equal
 
 pytestmark = requires_device
@@ -28,36 +28,34 @@ FACADE_CLIPPED = [(2, True, False)]
 FUNCTIONAL = [1, 2]
 FUNCTIONAL_CLIPPED = [2]
 
-_cache: dict[str, list] = {}
+_cache: dict[str, object] = {}
 
 
 def _results() -> list[dict]:
     """Per-rank results of every configuration and of DDP, trained once on the shared pool."""
-    if not _cache:
-        f32 = torch.float32
-        jobs = {("ddp", clip): ("torch", (f32, clip), dict(ddp=True)) for clip in (False, True)}
-        for clip, configs in ((False, FACADE), (True, FACADE_CLIPPED)):
-            for stage, overlap, ag in configs:
-                kwargs = dict(stage=stage, overlap=overlap, overlap_allgather=ag)
-                jobs[("facade", stage, overlap, ag, clip)] = ("facade", (f32, clip), kwargs)
-        for clip, stages in ((False, FUNCTIONAL), (True, FUNCTIONAL_CLIPPED)):
-            for stage in stages:
-                jobs[("functional", stage, clip)] = ("functional", (f32, clip), dict(stage=stage))
-        world = get_world("shared2")
-        _cache["results"] = world.run(run_trainers, world.device, jobs)
-    return _cache["results"]
+    f32 = torch.float32
+    jobs = {("ddp", clip): ("torch", (f32, clip), dict(ddp=True)) for clip in (False, True)}
+    for clip, configs in ((False, FACADE), (True, FACADE_CLIPPED)):
+        for stage, overlap, ag in configs:
+            kwargs = dict(stage=stage, overlap=overlap, overlap_allgather=ag)
+            jobs[("facade", stage, overlap, ag, clip)] = ("facade", (f32, clip), kwargs)
+    for clip, stages in ((False, FUNCTIONAL), (True, FUNCTIONAL_CLIPPED)):
+        for stage in stages:
+            jobs[("functional", stage, clip)] = ("functional", (f32, clip), dict(stage=stage))
+    return cached_run(_cache, "shared2", jobs)
 
 
 def _assert_matches_ddp(key: tuple, clip: bool) -> None:
     per_rank = _results()
     for results in per_rank:
-        got, ref = results[key], results[("ddp", clip)]
-        assert_trees_equal(got["params"], per_rank[0][key]["params"])  # the same on every rank
+        got, ref = result(results, key), result(results, ("ddp", clip))
+        first = result(per_rank[0], key)
+        assert_trees_equal(got["params"], first["params"])  # the same on every rank
         if clip:
             assert_trees_close(got["params"], ref["params"], rel=1e-6)
         else:
             assert_trees_equal(got["params"], ref["params"])
-        assert_trees_equal(got["master"], per_rank[0][key]["master"])
+        assert_trees_equal(got["master"], first["master"])
 
 
 CASES = [(cfg, False) for cfg in FACADE] + [(cfg, True) for cfg in FACADE_CLIPPED]
@@ -68,7 +66,7 @@ def test_facade_on_two_ranks_sharing_the_gpu_matches_ddp(cfg, clip):
     _assert_matches_ddp(("facade", *cfg, clip), clip)
     device = "cuda:0" if DEVICE == "cuda" else "cpu"
     for results in _results():
-        got = results[("facade", *cfg, clip)]
+        got = result(results, ("facade", *cfg, clip))
         assert got["param_devices"] == [device] and got["state_devices"] == [device]
 
 
@@ -86,7 +84,8 @@ def test_ddp_reference_trained_and_ranks_saw_different_data():
 
     results = _results()[0]
     start = {n: p.detach() for n, p in base_model().named_parameters()}
-    for n, p in results[("ddp", False)]["params"].items():
+    clipped = result(results, ("ddp", True))
+    for n, p in result(results, ("ddp", False))["params"].items():
         unused = n.startswith("unused.")
         assert torch.equal(p, start[n]) == unused, n
-        assert torch.equal(results[("ddp", True)]["params"][n], p) == unused, n
+        assert torch.equal(clipped["params"][n], p) == unused, n
