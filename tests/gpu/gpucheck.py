@@ -100,7 +100,8 @@ def get_world(name: str) -> World:
         n, backend, device = POOLS[name]
         if DEVICE == "cpu":
             backend, device = "gloo", "cpu"
-        _worlds[name] = World(n, backend=backend, device=device, timeout=120.0).start()
+        # 60 s: a stuck collective fails within the GPU check's time limit instead of using it up.
+        _worlds[name] = World(n, backend=backend, device=device, timeout=60.0).start()
     return _worlds[name]
 
 

@@ -69,9 +69,15 @@ def sanitizer_enabled() -> bool:
 
 
 def _trainers_then_report(device: str, jobs: dict) -> bool:
-    run_trainers(device, jobs)
+    """Run every job (``gpucheck.run_trainers``); raise if any job raised (a sanitizer
+    report included: ``run_trainers`` keeps going and records it), else whether the
+    sanitizer was on."""
+    results = run_trainers(device, jobs)
     if device == "cuda":
         torch.cuda.synchronize()
+    errors = [r["error"] for r in results.values() if "error" in r]
+    if errors:
+        raise RuntimeError(f"{len(errors)} of {len(jobs)} jobs raised:\n" + "\n".join(errors))
     return sanitizer_enabled()
 
 
@@ -149,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         n, backend, body = CASES[name]
         if args.device == "cpu":
             backend = "gloo"
-        with World(n, backend=backend, device=args.device, timeout=120.0) as world:
+        with World(n, backend=backend, device=args.device, timeout=60.0) as world:
             try:
                 enabled = body(world)
                 line = f"clean (sanitizer enabled on ranks {enabled})"

@@ -33,7 +33,7 @@ def _sanitized(*cases: str) -> tuple[dict[str, str], str]:
         capture_output=True,
         text=True,
         env=env,
-        timeout=420,
+        timeout=180,
     )
     assert proc.returncode == 0, f"sanitized_run.py failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr[-6000:]}"
     outcomes = {}
