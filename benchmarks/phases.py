@@ -115,7 +115,7 @@ def _block(name: str, steps: int) -> list[list[tuple[float, float]]]:
 
 def main(argv: list[str] | None = None) -> None:
     from benchmarks import phases  # by module name: the pool pickles functions by reference
-    from benchmarks._pool import Pool
+    from zerofn.testing import World
 
     p = argparse.ArgumentParser(prog="python -m benchmarks.phases", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="transformer", choices=("transformer", "mlp-small", "mlp-large"))
@@ -138,13 +138,13 @@ def main(argv: list[str] | None = None) -> None:
     with open("/proc/loadavg") as f:
         load0 = f.read().split()[:3]
     steps: dict[str, list[list[list[tuple[float, float]]]]] = {n: [] for n in names}
-    with Pool(args.world_size, "gloo", threads=1, timeout=120.0) as pool:
-        pool.call(phases._setup, args.model, names, args.baseline)
+    with World(args.world_size, threads=1, timeout=120.0) as pool:
+        pool.run(phases._setup, args.model, names, args.baseline)
         for name in names:
-            pool.call(phases._block, name, 1)
+            pool.run(phases._block, name, 1)
         for r in range(args.rounds):
             for name in names[r % len(names) :] + names[: r % len(names)]:
-                per_rank = pool.call(phases._block, name, args.steps)
+                per_rank = pool.run(phases._block, name, args.steps)
                 steps[name].extend(list(zip(*per_rank, strict=True)))
     with open("/proc/loadavg") as f:
         load1 = f.read().split()[:3]
