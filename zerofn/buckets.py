@@ -3,12 +3,14 @@ and prefetch, checkpoints, ``get_param_grad``) goes through these pieces, once.
 
 Vocabulary (see :mod:`zerofn.layout`): a bucket's *rows* are a rank-major ``(N, S)``
 buffer, ``N`` the world size and ``S = bucket.shard_numel``; row ``r`` holds what rank
-``r`` owns of every member, members side by side at their ``bucket.offsets``. For a split
-param (today's only placement) that is chunk ``r`` of the padded flat tensor, so a member
+``r`` owns of every member, members at their ``bucket.offsets``. For a split param that
+is chunk ``r`` of the padded flat tensor, the same column block in every row, so a member
 of ``numel`` elements and width ``s`` fills ``whole = numel // s`` rows, then ``rest``
-elements of the next row, then zero padding. The static description of this per
-(layout, bucket) is a :class:`BucketPlan` (cached): pieces read member widths and
-positions from it, never from an "every param is split evenly" rule of their own.
+elements of the next row, then zero padding. A whole param (placement ``"whole"``) sits
+in its owner's row only, its ``numel`` flat elements from its column; the same columns of
+the other rows hold those ranks' own whole params, or zero padding. The static
+description of this per (layout, bucket) is a :class:`BucketPlan` (cached): pieces read
+member widths and positions from it, never from a placement rule of their own.
 
 Pure pieces (no communication)::
 
@@ -65,38 +67,81 @@ class MemberPlan(NamedTuple):
 
     Attributes:
       name: the param's name.
-      width: columns it takes in every row (its ``shard_numel``).
-      whole: rows its flat tensor fills completely (``numel // width``; 0 for an empty param).
-      rest: elements of its flat tensor in row ``whole`` (the rest of that row is padding).
+      width: split: columns it takes in every row (its ``shard_numel``); whole: its
+        ``numel``, the columns it takes in its owner's row.
+      whole: split: rows its flat tensor fills completely (``numel // width``; 0 for an
+        empty param); 0 for a whole param.
+      rest: split: elements of its flat tensor in row ``whole`` (the rest of that row is
+        padding); 0 for a whole param.
+      col: its first column (``bucket.offsets``).
+      owner: the row that holds a whole param; -1 for a split one (every row).
     """
 
     name: str
     width: int
     whole: int
     rest: int
+    col: int = 0
+    owner: int = -1
 
 
 class BucketPlan(NamedTuple):
-    """A bucket's static copy plan: member widths (one ``torch.split`` of the rows into
-    column blocks) and where each member's elements sit."""
+    """A bucket's static copy plan.
+
+    Attributes:
+      widths: the split members' widths, side by side from column 0 (one ``torch.split``
+        of the rows' first ``split_width`` columns into column blocks).
+      members: every member's :class:`MemberPlan`, in bucket order.
+      split_width: columns the split members take; the whole members' region follows.
+    """
 
     widths: tuple[int, ...]
     members: tuple[MemberPlan, ...]
+    split_width: int = 0
+
+    @property
+    def split_members(self) -> tuple[MemberPlan, ...]:
+        return tuple(m for m in self.members if m.owner < 0)
+
+    @property
+    def whole_members(self) -> tuple[MemberPlan, ...]:
+        return tuple(m for m in self.members if m.owner >= 0)
 
 
 @functools.lru_cache(maxsize=1024)
 def bucket_plan(layout: ShardLayout, bucket: Bucket) -> BucketPlan:
-    """The :class:`BucketPlan` of ``bucket`` in ``layout`` (cached per pair; pure)."""
-    widths = tuple(layout[name].shard_numel for name in bucket.names)
+    """The :class:`BucketPlan` of ``bucket`` in ``layout`` (cached per pair; pure).
+
+    Raises ``AssertionError`` if the bucket's offsets do not describe such rows: split
+    members side by side from column 0 in bucket order, whole members after them, no two
+    members of one row overlapping, everything within ``bucket.shard_numel``.
+    """
+    split = [(n, o) for n, o in zip(bucket.names, bucket.offsets, strict=True) if not layout[n].is_whole]
+    widths = tuple(layout[n].shard_numel for n, _ in split)
     starts = (0, *itertools.accumulate(widths))
-    if starts[:-1] != bucket.offsets or starts[-1] != bucket.shard_numel:  # split needs them side by side
+    if tuple(o for _, o in split) != starts[:-1]:  # split members side by side
         raise AssertionError(f"zerofn: bucket members are not packed side by side: {bucket}")
+    split_width = starts[-1]
+    used: dict[int, list[tuple[int, int]]] = {}
     members = []
-    for name, s in zip(bucket.names, widths, strict=True):
-        numel = layout[name].numel
-        whole = numel // s if s else 0
-        members.append(MemberPlan(name, s, whole, numel - whole * s))
-    return BucketPlan(widths, tuple(members))
+    for name, col in zip(bucket.names, bucket.offsets, strict=True):
+        spec = layout[name]
+        if spec.is_whole:
+            members.append(MemberPlan(name, spec.numel, 0, 0, col, spec.owner))
+            used.setdefault(spec.owner, []).append((col, col + spec.numel))
+        else:
+            s = spec.shard_numel
+            whole = spec.numel // s if s else 0
+            members.append(MemberPlan(name, s, whole, spec.numel - whole * s, col))
+    ends = [split_width]
+    for spans in used.values():
+        spans.sort()
+        if spans[0][0] < split_width or any(a[1] > b[0] for a, b in itertools.pairwise(spans)):
+            raise AssertionError(f"zerofn: whole members of a bucket overlap: {bucket}")
+        ends.append(spans[-1][1])
+    if max(ends) != bucket.shard_numel:
+        raise AssertionError(f"zerofn: bucket members do not fill a row of {bucket.shard_numel}: {bucket}")
+    return BucketPlan(widths, tuple(members), split_width)
 
 
 # --------------------------------------------------------------------------- reduce side
@@ -143,7 +188,8 @@ def pack_grads(
     plan = bucket_plan(layout, bucket)
     dst: list[torch.Tensor] = []
     src: list[torch.Tensor] = []
-    for (name, s, whole, rest), block in zip(plan.members, out.split(plan.widths, dim=1), strict=True):
+    blocks = out[:, : plan.split_width].split(plan.widths, dim=1) if plan.widths else ()
+    for (name, s, whole, rest, _, _), block in zip(plan.split_members, blocks, strict=True):
         t = grads.get(name)
         if t is None:
             block.zero_()
@@ -164,6 +210,20 @@ def pack_grads(
             parts.append((block[whole, :rest], flat[whole * s :]))
         for dst_part, part in parts:
             if large:
+                torch.mul(part, scale, out=dst_part)
+            else:
+                dst.append(dst_part)
+                src.append(part)
+    if plan.split_width < bucket.shard_numel:
+        # Whole members: zero the region (other rows' padding, absent members), then
+        # write each present member into its owner's row.
+        out[:, plan.split_width :].zero_()
+        for name, s, _, _, col, owner in plan.whole_members:
+            t = grads.get(name)
+            if t is None:
+                continue
+            dst_part, part = out[owner, col : col + s], t.detach().reshape(-1)
+            if s >= FUSED_MIN_NUMEL:
                 torch.mul(part, scale, out=dst_part)
             else:
                 dst.append(dst_part)
@@ -235,6 +295,7 @@ def split_row(
     present: Collection[str],
     *,
     dtype: torch.dtype | None = None,
+    rank: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Cut this rank's reduced ``(S,)`` bucket row into per-param shards, ``present`` names only.
 
@@ -243,21 +304,31 @@ def split_row(
     all-reduce realisation) is copied out so the ``(N, S)`` buffer can be freed. The
     shards are views of that one row.
 
+    Args:
+      rank: this rank (whose row ``row`` is); needed when the bucket holds whole params,
+        of which only the ones ``rank`` owns are in the row.
+
     Returns:
-      name -> ``(width,)`` shard (``shard_numel`` for a split param), in bucket order.
+      name -> ``(shard_numel,)`` shard for a split param, the full-shape gradient (a view
+      of the row) for a whole param this rank owns; whole params of other ranks are left
+      out. In bucket order.
 
     Collectives: none.
     """
+    plan = bucket_plan(layout, bucket)
+    if rank is None and plan.split_width < bucket.shard_numel:
+        raise ValueError("split_row: this bucket holds whole params; pass rank= (whose row this is)")
     dtype = dtype if dtype is not None else layout[bucket.names[0]].dtype
     if row.dtype != dtype:
         row = row.to(dtype)
     elif row._base is not None:
         row = row.clone()
-    return {
-        name: row[col : col + layout[name].shard_numel]
-        for name, col in zip(bucket.names, bucket.offsets, strict=True)
-        if name in present
-    }
+    out: dict[str, torch.Tensor] = {}
+    for name, s, _, _, col, owner in plan.members:
+        if name not in present or (owner >= 0 and owner != rank):
+            continue
+        out[name] = row[col : col + s] if owner < 0 else row[col : col + s].view(layout[name].shape)
+    return out
 
 
 def unpack_rows(
@@ -297,7 +368,9 @@ def unpack_rows(
     result: dict[str, torch.Tensor] = {}
     dst: list[torch.Tensor] = []
     src: list[torch.Tensor] = []
-    for (name, s, whole, rest), block in zip(plan.members, rows.split(plan.widths, dim=1), strict=True):
+    split_blocks = rows[:, : plan.split_width].split(plan.widths, dim=1)
+    blocks = dict(zip((m.name for m in plan.split_members), split_blocks, strict=True))
+    for name, s, whole, rest, col, owner in plan.members:
         if wanted is not None and name not in wanted:
             continue
         if out is not None:
@@ -308,6 +381,11 @@ def unpack_rows(
         result[name] = full
         if s == 0:
             continue
+        if owner >= 0:  # a whole param: its owner's row
+            dst.append(full.view(-1))
+            src.append(rows[owner, col : col + s])
+            continue
+        block = blocks[name]
         if whole == n:
             dst.append(full.view(n, s))
             src.append(block)
@@ -335,6 +413,7 @@ def pack_shards(
     dtype: torch.dtype | None = None,
     device: torch.device | None = None,
     out: torch.Tensor | None = None,
+    rank: int | None = None,
 ) -> torch.Tensor:
     """This rank's ``(S,)`` row of a bucket: its members' shards side by side.
 
@@ -348,20 +427,28 @@ def pack_shards(
     row: no copy; the caller must not change that shard until the gather reading it has
     completed.
 
+    A bucket with whole params (placement ``"whole"``) needs ``rank``: the row then holds
+    the split shards, the whole params ``rank`` owns flattened at their columns, and zeros
+    in the columns of the other ranks' whole params.
+
     Args:
-      shards: name -> ``(shard_numel,)`` shard, for every member of ``bucket``.
+      shards: name -> ``(shard_numel,)`` shard, for every split member of ``bucket``, and
+        name -> full-shape tensor for every whole member ``rank`` owns.
       layout, bucket: which shards, in which order.
       dtype: dtype of the row; default: the shards' own (promoted).
       device: where the row goes; default the shards' device.
       out: an ``(S,)`` buffer to write into (reused between steps by the facade); used
         when a copy is needed on one device.
+      rank: whose row this is; needed when the bucket holds whole params.
 
     Returns:
       The ``(S,)`` row: ``out``, the lone shard itself, or a new tensor.
 
     Collectives: none.
     """
-    del layout  # the member order is the bucket's; a later placement reads its plan here
+    plan = bucket_plan(layout, bucket)
+    if plan.split_width < bucket.shard_numel:
+        return _pack_whole_row(shards, plan, bucket, dtype=dtype, device=device, out=out, rank=rank)
     parts = [shards[name] if dtype is None else shards[name].to(dtype) for name in bucket.names]
     device = torch.device(device) if device is not None else parts[0].device
     if any(t.device != device for t in parts):  # CPU offload to an accelerator
@@ -371,6 +458,35 @@ def pack_shards(
     if out is not None:
         return torch.cat(parts, out=out)
     return torch.cat(parts)
+
+
+def _pack_whole_row(
+    shards: Mapping[str, torch.Tensor],
+    plan: BucketPlan,
+    bucket: Bucket,
+    *,
+    dtype: torch.dtype | None,
+    device: torch.device | None,
+    out: torch.Tensor | None,
+    rank: int | None,
+) -> torch.Tensor:
+    """:func:`pack_shards` for a bucket with whole members: zeros, then this rank's members."""
+    if rank is None:
+        raise ValueError("pack_shards: this bucket holds whole params; pass rank= (whose row to pack)")
+    mine = [m for m in plan.members if m.owner < 0 or m.owner == rank]
+    parts = [shards[m.name] if dtype is None else shards[m.name].to(dtype) for m in mine]
+    src_device = parts[0].device if parts else torch.device(device or "cpu")
+    row_dtype = dtype or (functools.reduce(torch.promote_types, (t.dtype for t in parts)) if parts else None)
+    if row_dtype is None:  # this rank holds none of the bucket: its row is padding
+        row_dtype = next(iter(shards.values())).dtype if shards else torch.float32
+    device = torch.device(device) if device is not None else src_device
+    if out is not None and out.device == src_device:
+        row = out.zero_()
+    else:
+        row = torch.zeros(bucket.shard_numel, dtype=row_dtype, device=src_device)
+    if parts:
+        torch._foreach_copy_([row[m.col : m.col + m.width] for m in mine], [t.reshape(-1) for t in parts])
+    return row if row.device == device else row.to(device)
 
 
 def launch_gather(row: torch.Tensor, group: Group, how: str, *, async_op: bool = False) -> comm.Pending:
@@ -403,6 +519,9 @@ def cut_shard(
 ) -> torch.Tensor:
     """Rank ``rank``'s zero-padded ``(shard_numel,)`` shard of a full tensor, as a new tensor.
 
+    For a whole param (placement ``"whole"``) the owner's "shard" is a full-shape copy;
+    other ranks hold nothing of it and get a ``ValueError`` (check ``spec.holds(rank)``).
+
     Args:
       full: the param-shaped tensor (any device); not changed.
       spec: the param's :class:`~zerofn.layout.ParamSpec`.
@@ -414,6 +533,12 @@ def cut_shard(
 
     Collectives: none.
     """
+    if spec.is_whole:
+        if rank != spec.owner:
+            raise ValueError(f"cut_shard: rank {rank} holds nothing of whole param {spec.name!r} (owner {spec.owner})")
+        src = full.detach().to(round_to) if round_to is not None else full.detach()
+        copy = torch.empty(spec.shape, dtype=dtype or full.dtype, device=device if device is not None else full.device)
+        return copy.copy_(src)
     start, stop = spec.owned_range(rank)
     shard = torch.zeros(
         spec.shard_numel, dtype=dtype or full.dtype, device=device if device is not None else full.device

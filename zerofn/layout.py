@@ -22,6 +22,20 @@ bucket
 gathered
     The ``(world_size, bucket.shard_numel)`` buffer after an all-gather, from which the
     full parameters are cut out again (padding dropped).
+placement
+    How a parameter is cut. ``"split"`` (the default, everything above): one equal chunk
+    per rank. ``"whole"``: the parameter lives entirely on one *owner* rank, in its full
+    shape (for optimizers whose update reads whole tensors: Muon orthogonalises each
+    matrix, Adafactor reads row, column and tensor statistics); other ranks hold nothing
+    of it. In a bucket, a whole parameter fills ``numel`` columns of its owner's row only;
+    the other rows carry their own ranks' whole parameters in those columns, or padding.
+
+Owner plan: whole parameters are taken largest first (ties in layout order) and each goes
+to the rank that stores the fewest elements so far (ties to the lowest rank); split
+shards weigh the same on every rank, so they do not change the choice. This is Graham's
+longest-processing-time rule; its bound, checked by the tests: no rank stores more than
+``padded_numel / world_size + largest whole numel`` elements, where ``padded_numel`` is
+Ψ plus the split parameters' padding.
 
 Everything here is a pure function of (names, shapes, dtypes, world size): no tensors, no
 communication. Two ranks with equal layouts have equal ``fingerprint`` strings.
@@ -37,7 +51,7 @@ from types import MappingProxyType
 
 import torch
 
-__all__ = ["Bucket", "ParamSpec", "ShardLayout", "make_layout"]
+__all__ = ["PLACEMENTS", "Bucket", "ParamSpec", "ShardLayout", "make_layout", "plan_owners"]
 
 
 @dataclass(frozen=True)
@@ -49,9 +63,12 @@ class ParamSpec:
       shape: the full shape.
       dtype: the full parameter's (working) dtype.
       numel: elements of the full tensor.
-      shard_numel: elements of every rank's shard, ``ceil(numel / world_size)``.
-      padding: zero elements appended to the flat tensor,
-        ``world_size * shard_numel - numel`` (between 0 and ``world_size - 1``).
+      shard_numel: split: elements of every rank's shard, ``ceil(numel / world_size)``;
+        whole: ``numel``, what the owner stores (the other ranks store nothing).
+      padding: split: zero elements appended to the flat tensor,
+        ``world_size * shard_numel - numel`` (between 0 and ``world_size - 1``); whole: 0.
+      placement: ``"split"`` or ``"whole"`` (see the module note).
+      owner: the rank that stores a whole param; -1 for a split one.
     """
 
     name: str
@@ -60,13 +77,39 @@ class ParamSpec:
     numel: int
     shard_numel: int
     padding: int
+    placement: str = "split"
+    owner: int = -1
 
     @property
     def padded_numel(self) -> int:
         return self.numel + self.padding
 
+    @property
+    def is_whole(self) -> bool:
+        """True for a ``"whole"`` param (all of it on rank ``owner``)."""
+        return self.placement == "whole"
+
+    def holds(self, rank: int) -> bool:
+        """Whether rank ``rank`` stores anything of this param (split: every rank; whole: the owner)."""
+        return not self.is_whole or rank == self.owner
+
+    def local_shape(self, rank: int) -> tuple[int, ...] | None:
+        """The shape of what rank ``rank`` stores: ``(shard_numel,)`` for a split param, the
+        full ``shape`` on a whole param's owner, ``None`` on the other ranks."""
+        if not self.is_whole:
+            return (self.shard_numel,)
+        return self.shape if rank == self.owner else None
+
+    def stored_numel(self, rank: int) -> int:
+        """Elements rank ``rank`` stores for this param, padding included."""
+        if not self.is_whole:
+            return self.shard_numel
+        return self.numel if rank == self.owner else 0
+
     def owned_range(self, rank: int) -> tuple[int, int]:
         """The ``[start, stop)`` range of *real* (unpadded) flat elements rank ``rank`` owns."""
+        if self.is_whole:
+            return (0, self.numel) if rank == self.owner else (self.numel, self.numel)
         start = min(rank * self.shard_numel, self.numel)
         stop = min((rank + 1) * self.shard_numel, self.numel)
         return start, stop
@@ -131,8 +174,23 @@ class ShardLayout:
 
     @property
     def shard_numel(self) -> int:
-        """Elements of one rank's shards over all parameters, padding included."""
-        return sum(p.shard_numel for p in self.params)
+        """Elements of one rank's shards over all split parameters, padding included."""
+        return sum(p.shard_numel for p in self.params if not p.is_whole)
+
+    def stored_numel(self, rank: int) -> int:
+        """Elements rank ``rank`` stores over all parameters (split shards with their
+        padding, plus the whole params it owns): its share of master and optimizer state."""
+        return sum(p.stored_numel(rank) for p in self.params)
+
+    @property
+    def owners(self) -> Mapping[str, int]:
+        """name -> owner rank, for the whole params (layout order)."""
+        return MappingProxyType({p.name: p.owner for p in self.params if p.is_whole})
+
+    @property
+    def has_whole(self) -> bool:
+        """True if some param is placed whole."""
+        return any(p.is_whole for p in self.params)
 
     @property
     def fingerprint_int(self) -> int:
@@ -142,11 +200,19 @@ class ShardLayout:
     def buckets(self, bucket_numel: int, names: Iterable[str] | None = None) -> tuple[Bucket, ...]:
         """The rank-major bucket plan for ``names`` (default: all params), in layout order.
 
-        Parameters join a bucket in layout order until the next one would take the
+        Split parameters join a bucket in layout order until the next one would take the
         bucket's padded size (``world_size * shard_numel``) past ``bucket_numel`` or has
         another dtype (a bucket is one flat buffer); a parameter larger than
         ``bucket_numel`` travels alone. Empty parameters
         (``numel == 0``) have nothing to send and are left out of every bucket.
+
+        Whole parameters travel in buckets of their own, after the split ones, one dtype
+        per bucket. A bucket takes, for every rank, that rank's next whole params in
+        owner-plan order (largest first) while its row stays within the bucket's width:
+        ``max(bucket_numel // world_size, the largest next param of any rank)``. So every
+        row starts with a param of about the same size and the rows are filled to about the
+        same length; the padding (the rows' unused tails) is bounded by one param per row
+        and measured on the benchmark transformer in the tests.
         Cached per (layout, names, bucket_numel).
         """
         if bucket_numel <= 0:
@@ -161,6 +227,42 @@ class ShardLayout:
 
 @functools.lru_cache(maxsize=256)
 def _plan_buckets(layout: ShardLayout, names: tuple[str, ...], bucket_numel: int) -> tuple[Bucket, ...]:
+    split = tuple(n for n in names if not layout[n].is_whole)
+    whole = tuple(n for n in names if layout[n].is_whole)
+    return _plan_split_buckets(layout, split, bucket_numel) + _plan_whole_buckets(layout, whole, bucket_numel)
+
+
+def _plan_whole_buckets(layout: ShardLayout, names: tuple[str, ...], bucket_numel: int) -> tuple[Bucket, ...]:
+    """Buckets of whole params: per dtype, rounds over every rank's queue (owner-plan order)."""
+    n = layout.world_size
+    rank_of = {name: i for i, name in enumerate(_owner_order(layout.params))}
+    by_dtype: dict[torch.dtype, list[list[str]]] = {}
+    for name in sorted((m for m in names if layout[m].numel), key=rank_of.__getitem__):
+        queues = by_dtype.setdefault(layout[name].dtype, [[] for _ in range(n)])
+        queues[layout[name].owner].append(name)
+    cap = max(1, bucket_numel // n)
+    index = layout._index
+    buckets: list[Bucket] = []
+    for queues in by_dtype.values():
+        heads = [0] * n
+        while any(heads[r] < len(queues[r]) for r in range(n)):
+            width = max([cap] + [layout[queues[r][heads[r]]].numel for r in range(n) if heads[r] < len(queues[r])])
+            cols: dict[str, int] = {}
+            row_len = 0
+            for r in range(n):
+                used = 0
+                while heads[r] < len(queues[r]) and used + layout[queues[r][heads[r]]].numel <= width:
+                    name = queues[r][heads[r]]
+                    cols[name] = used
+                    used += layout[name].numel
+                    heads[r] += 1
+                row_len = max(row_len, used)
+            members = sorted(cols, key=index.__getitem__)
+            buckets.append(Bucket(tuple(members), tuple(cols[m] for m in members), row_len))
+    return tuple(buckets)
+
+
+def _plan_split_buckets(layout: ShardLayout, names: tuple[str, ...], bucket_numel: int) -> tuple[Bucket, ...]:
     buckets: list[Bucket] = []
     members: list[str] = []
     offsets: list[int] = []
@@ -181,26 +283,90 @@ def _plan_buckets(layout: ShardLayout, names: tuple[str, ...], bucket_numel: int
     return tuple(buckets)
 
 
-def make_layout(params: Mapping[str, torch.Tensor | ParamSpec], world_size: int) -> ShardLayout:
+PLACEMENTS = ("split", "whole")
+
+
+def _owner_order(specs: Iterable[ParamSpec]) -> list[str]:
+    """Whole params in owner-plan order: largest first, ties in layout order."""
+    whole = [(i, p) for i, p in enumerate(specs) if p.is_whole]
+    return [p.name for _, p in sorted(whole, key=lambda ip: (-ip[1].numel, ip[0]))]
+
+
+def plan_owners(sizes: Mapping[str, int], world_size: int) -> dict[str, int]:
+    """The owner of each whole param: largest first to the rank storing the fewest elements.
+
+    Args:
+      sizes: name -> numel of the whole params, in layout order (ties keep this order).
+      world_size: number of ranks.
+
+    Returns:
+      name -> owner rank in ``range(world_size)``, in ``sizes``' order. Deterministic: a
+      pure function of the sizes, their order and the world size, so every rank computes
+      the same plan without communicating. No rank ends with more than
+      ``sum(sizes) / world_size + max(sizes)`` elements (Graham's bound).
+
+    Examples:
+      >>> plan_owners({"a": 6, "b": 4, "c": 3, "d": 3}, 2)
+      {'a': 0, 'b': 1, 'c': 1, 'd': 0}
+    """
+    names = list(sizes)
+    order = sorted(range(len(names)), key=lambda i: (-sizes[names[i]], i))
+    load = [0] * world_size
+    owner: dict[str, int] = {}
+    for i in order:
+        r = min(range(world_size), key=lambda k: (load[k], k))
+        owner[names[i]] = r
+        load[r] += sizes[names[i]]
+    return {n: owner[n] for n in names}
+
+
+def make_layout(
+    params: Mapping[str, torch.Tensor | ParamSpec],
+    world_size: int,
+    *,
+    placement: Mapping[str, str] | None = None,
+) -> ShardLayout:
     """The shard layout of ``params`` over ``world_size`` ranks.
 
     Args:
       params: name -> tensor (only shape and dtype are read; any device, even ``meta``).
       world_size: number of ranks that share the shards, >= 1.
+      placement: name -> ``"split"`` or ``"whole"``; names not listed are split. Whole
+        params get owners from :func:`plan_owners`.
 
     Returns:
-      A ``ShardLayout``; a pure function of names, shapes, dtypes and ``world_size``.
+      A ``ShardLayout``; a pure function of names, shapes, dtypes, placements and
+      ``world_size``. The fingerprint covers the placements and owners.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    placement = dict(placement or {})
+    unknown = [n for n in placement if n not in params]
+    if unknown:
+        raise KeyError(f"make_layout: placement names params that are not there: {unknown}")
+    bad = {n: p for n, p in placement.items() if p not in PLACEMENTS}
+    if bad:
+        raise ValueError(f"make_layout: placement must be 'split' or 'whole', got {bad}")
+    sizes: dict[str, int] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, t in params.items():
+        shapes[name] = tuple(int(d) for d in t.shape)
+        numel = 1
+        for d in shapes[name]:
+            numel *= d
+        sizes[name] = numel
+    owners = plan_owners({n: sizes[n] for n in params if placement.get(n) == "whole"}, world_size)
     specs = []
     for name, t in params.items():
-        shape = tuple(int(d) for d in t.shape)
-        numel = 1
-        for d in shape:
-            numel *= d
-        shard = -(-numel // world_size)
-        specs.append(ParamSpec(name, shape, t.dtype, numel, shard, shard * world_size - numel))
-    digest = hashlib.sha256(repr((world_size, [(s.name, s.shape, str(s.dtype)) for s in specs])).encode()).hexdigest()
+        numel = sizes[name]
+        if name in owners:
+            specs.append(ParamSpec(name, shapes[name], t.dtype, numel, numel, 0, "whole", owners[name]))
+        else:
+            shard = -(-numel // world_size)
+            specs.append(ParamSpec(name, shapes[name], t.dtype, numel, shard, shard * world_size - numel))
+    key: tuple = (world_size, [(s.name, s.shape, str(s.dtype)) for s in specs])
+    if owners:  # an all-split layout keeps the fingerprint it always had
+        key = (*key, [(s.name, s.placement, s.owner) for s in specs if s.is_whole])
+    digest = hashlib.sha256(repr(key).encode()).hexdigest()
     index = MappingProxyType({s.name: i for i, s in enumerate(specs)})
     return ShardLayout(world_size, tuple(specs), digest[:32], index)

@@ -37,9 +37,11 @@ from zerofn._tree import FrozenDict
 __all__ = [
     "AdamState",
     "Optimizer",
+    "PartitionState",
     "SGDState",
     "adam",
     "adamw",
+    "partition",
     "sgd",
 ]
 
@@ -106,6 +108,24 @@ class Optimizer:
     _init: Callable[[Optimizer, Params], Any] = dataclasses.field(repr=False)
     _update: Callable[..., tuple[dict[str, torch.Tensor], Any]] = dataclasses.field(repr=False)
     torch_class: type[torch.optim.Optimizer] = dataclasses.field(repr=False, default=torch.optim.SGD)
+    _place: Callable[[str, tuple[int, ...]], str] | None = dataclasses.field(repr=False, default=None)
+    parts: tuple[tuple[NameSelector, Optimizer], ...] = dataclasses.field(repr=False, default=())
+
+    def placement(self, name: str, shape: tuple[int, ...]) -> str:
+        """The placement this optimizer needs for param ``name`` of ``shape``.
+
+        ``"split"`` when the update of every element reads only that element's gradient
+        and state (so zerofn may run it on a 1/N shard), ``"whole"`` when it reads the
+        whole tensor (Muon, Adafactor: the param then lives on one owner rank). The
+        element-wise optimizers of this module say ``"split"``.
+
+        Raises:
+          ValueError: the optimizer cannot update a param of this shape (Muon: not 2-D).
+          KeyError: a :func:`partition` selects no optimizer for ``name``.
+        """
+        if self.parts:
+            return self.parts[self.part_index(name)][1].placement(name, shape)
+        return self._place(name, tuple(shape)) if self._place is not None else "split"
 
     def init(self, params: Params) -> Any:
         """Fresh optimizer state for ``params`` (name -> tensor); reads only shapes/dtypes/devices."""
@@ -149,6 +169,11 @@ class Optimizer:
 
     def with_hyperparams(self, group: int | None = None, **changes: Any) -> Optimizer:
         """A copy with ``changes`` applied to group ``group`` (``None``: the defaults)."""
+        if self.parts:
+            raise TypeError(
+                "with_hyperparams on a zerofn.optim.partition: change one part instead, "
+                "opt.with_part(i, opt.parts[i][1].with_hyperparams(...))"
+            )
         _check_hyperparams(self.name, changes)
         if group is None:
             return dataclasses.replace(self, defaults=FrozenDict({**self.defaults, **changes}))
@@ -156,6 +181,27 @@ class Optimizer:
         g = groups[group]
         groups[group] = ParamGroup(g.select, FrozenDict({**g.hyperparams, **changes}))
         return dataclasses.replace(self, groups=tuple(groups))
+
+    def with_part(self, index: int, optimizer: Optimizer) -> Optimizer:
+        """A :func:`partition` with part ``index``'s optimizer replaced (e.g. new hyperparameters).
+
+        The state continues: each part's state holds no hyperparameters.
+        """
+        if not self.parts:
+            raise TypeError(f"with_part: zerofn.optim.{self.name} is not a partition")
+        parts = list(self.parts)
+        parts[index] = (parts[index][0], optimizer)
+        return dataclasses.replace(self, parts=tuple(parts))
+
+    def part_index(self, name: str) -> int:
+        """Which part of a :func:`partition` updates ``name`` (the first that selects it)."""
+        for i, (select, _) in enumerate(self.parts):
+            if select(name) if callable(select) else name in select:
+                return i
+        raise KeyError(
+            f"zerofn.optim.partition: no part selects param {name!r}; every param needs an optimizer "
+            "(add a last part with a predicate such as lambda name: True)"
+        )
 
 
 # --------------------------------------------------------------------------- helpers
@@ -459,4 +505,84 @@ def adamw(
     """
     return _adam_factory(
         "adamw", torch.optim.AdamW, lr, betas, eps, weight_decay, amsgrad, maximize, foreach, fused, param_groups
+    )
+
+
+# --------------------------------------------------------------------------- partition
+
+
+class PartitionState(NamedTuple):
+    """State of :func:`partition`.
+
+    Attributes:
+      states: one state per part, in part order, each over the names that part updates.
+    """
+
+    states: tuple[Any, ...]
+
+
+def _split_names(opt: Optimizer, tree: Params) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = [{} for _ in opt.parts]
+    for name, value in tree.items():
+        out[opt.part_index(name)][name] = value
+    return out
+
+
+def _partition_init(opt: Optimizer, params: Params) -> PartitionState:
+    return PartitionState(
+        tuple(part.init(sub) for (_, part), sub in zip(opt.parts, _split_names(opt, params), strict=True))
+    )
+
+
+def _partition_update(
+    opt: Optimizer, grads: Params, state: PartitionState, params: Params, donate: bool
+) -> tuple[dict[str, torch.Tensor], PartitionState]:
+    new_params = dict(params)
+    new_states = []
+    sub_grads = _split_names(opt, grads)
+    for (_, part), g, p, s in zip(opt.parts, sub_grads, _split_names(opt, params), state.states, strict=True):
+        if g:
+            p_new, s = part.update(g, s, p, donate=donate)
+            new_params.update(p_new)
+        new_states.append(s)
+    return new_params, PartitionState(tuple(new_states))
+
+
+def partition(parts: Sequence[tuple[NameSelector, Optimizer]]) -> Optimizer:
+    """Several optimizers over one set of params, each updating the names it selects.
+
+    The usual Muon recipe, Muon for the hidden weight matrices and AdamW for embeddings,
+    head and 1-D params, is ``partition([(is_hidden_matrix, muon), (lambda n: True, adamw)])``.
+    Each param belongs to the first part whose selector (a collection of names or a
+    predicate ``name -> bool``) picks it; a param no part picks is an error. Each part's
+    placement applies to its params (Muon's whole, AdamW's split), so one layout, one
+    gradient reduction and one global norm serve all parts.
+
+    Args:
+      parts: ``(selector, optimizer)`` pairs, first match wins.
+
+    Returns:
+      An :class:`Optimizer` with state :class:`PartitionState`; ``opt.parts`` lists the
+      pairs and :meth:`Optimizer.with_part` replaces one (an LR schedule per part).
+
+    Examples:
+      >>> import torch, zerofn as zf
+      >>> opt = zf.optim.partition([(["w"], zf.optim.sgd(lr=0.5)), (lambda n: True, zf.optim.adamw())])
+      >>> params = {"w": torch.ones(2), "b": torch.ones(2)}
+      >>> new, _ = opt.update({"w": torch.ones(2)}, opt.init(params), params)
+      >>> new["w"]
+      tensor([0.5000, 0.5000])
+    """
+    checked = []
+    for i, pair in enumerate(parts):
+        select, part = pair
+        if isinstance(select, str):
+            raise TypeError(f"zerofn.optim.partition: parts[{i}]'s selector must be names or a predicate, not a str")
+        if not isinstance(part, Optimizer):
+            raise TypeError(f"zerofn.optim.partition: parts[{i}] needs a zerofn optimizer, got {type(part).__name__}")
+        checked.append((select if callable(select) else frozenset(select), part))
+    if not checked:
+        raise ValueError("zerofn.optim.partition: give at least one (selector, optimizer) pair")
+    return Optimizer(
+        "partition", FrozenDict(), (), _partition_init, _partition_update, torch.optim.Optimizer, None, tuple(checked)
     )

@@ -26,7 +26,7 @@ and clips; ``gather_params`` casts the master shards to the working dtype.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -50,6 +50,7 @@ __all__ = [
     "gather_params",
     "reduce_grads",
     "reduce_realisation",
+    "resolve_placement",
     "shard_params",
     "step_shards",
     "sum_over_replicas",
@@ -78,6 +79,7 @@ def shard_params(
     *,
     master_dtype: torch.dtype = torch.float32,
     policy: PrecisionPolicy | None = None,
+    placement: Mapping[str, str] | Callable[[str, torch.Tensor], str] | None = None,
 ) -> ZeroState:
     """The first ZeroState: this rank's master shards of ``params`` and fresh optimizer state.
 
@@ -100,10 +102,17 @@ def shard_params(
         them directly); they and the optimizer state live on ``state_device`` (CPU
         offload) or else on the params' device. The loss scale starts at
         ``policy.loss_scaler.init()``.
+      placement: an override of the optimizer's placements (:func:`resolve_placement`):
+        name -> ``"split"`` / ``"whole"`` (names not listed keep the optimizer's choice),
+        or a function ``(name, param) -> "split" | "whole"``. It may place whole what the
+        optimizer would split, never the reverse (a whole-tensor update never runs on
+        shards).
 
     Returns:
-      A :class:`ZeroState` whose ``master[name]`` is chunk ``rank`` of the padded flat
-      param, shape ``(ceil(numel / N),)``, and whose ``policy`` is the policy used.
+      A :class:`ZeroState` whose ``master[name]`` is, for a split param, chunk ``rank`` of
+      the padded flat param, shape ``(ceil(numel / N),)``; for a whole param the full
+      param (its shape) on its owner rank, absent on the others. ``policy`` is the policy
+      used.
 
     Collectives: none. Ranks' layouts are compared by the first ``reduce_grads`` /
     ``gather_params`` (or call :func:`zerofn.checks.check_ranks_agree` yourself).
@@ -115,13 +124,14 @@ def shard_params(
     param_device = next(iter(params.values())).device
     state_device = torch.device(policy.state_device) if policy.state_device is not None else param_device
     working = {n: torch.empty(p.shape, dtype=dtypes[n], device="meta") for n, p in params.items()}
-    layout = make_layout(working, comm.group_size(group))
+    layout = make_layout(working, comm.group_size(group), placement=resolve_placement(params, optimizer, placement))
     master = FrozenDict(
         {
             s.name: cut_shard(
                 params[s.name], s, rank, dtype=policy.master_dtype_for(s.dtype), device=state_device, round_to=s.dtype
             )
             for s in layout.params
+            if s.holds(rank)
         }
     )
     return ZeroState(
@@ -135,6 +145,57 @@ def shard_params(
         policy=policy,
         param_device=str(param_device),
     )
+
+
+def resolve_placement(
+    params: Mapping[str, torch.Tensor],
+    optimizer: Optimizer,
+    override: Mapping[str, str] | Callable[[str, torch.Tensor], str] | None = None,
+) -> dict[str, str]:
+    """Each param's placement: what ``optimizer`` needs (:meth:`Optimizer.placement`), then ``override``.
+
+    Args:
+      params: name -> param (shape read).
+      optimizer: its ``placement(name, shape)`` says ``"split"`` or ``"whole"`` per param.
+      override: name -> placement (names not listed keep the optimizer's) or a function
+        ``(name, param) -> placement``. ``"whole"`` may replace ``"split"`` (an element-wise
+        update gives the same result on a whole tensor); ``"split"`` may not replace
+        ``"whole"``.
+
+    Returns:
+      name -> ``"split"`` / ``"whole"`` for every param, in ``params``' order.
+
+    Raises:
+      ValueError: the override splits a param the optimizer needs whole, names an unknown
+        param or an unknown placement, or the optimizer cannot update a param's shape
+        (Muon and a 1-D param).
+      KeyError: a :func:`zerofn.optim.partition` selects no optimizer for a param.
+
+    Collectives: none (a pure function of names, shapes and the optimizer: every rank
+    computes the same placements).
+    """
+    if isinstance(override, Mapping):
+        unknown = [n for n in override if n not in params]
+        if unknown:
+            raise ValueError(f"shard_params: placement names params that are not there: {unknown}")
+    out: dict[str, str] = {}
+    for name, p in params.items():
+        needed = optimizer.placement(name, tuple(p.shape))
+        if override is None:
+            chosen = needed
+        elif callable(override):
+            chosen = override(name, p)
+        else:
+            chosen = override.get(name, needed)
+        if chosen not in ("split", "whole"):
+            raise ValueError(f"shard_params: placement of {name!r} must be 'split' or 'whole', got {chosen!r}")
+        if needed == "whole" and chosen == "split":
+            raise ValueError(
+                f"shard_params: param {name!r} (shape {tuple(p.shape)}) cannot be split: {optimizer.name} "
+                "reads whole tensors, so it lives whole on one owner rank; drop it from the placement override"
+            )
+        out[name] = chosen
+    return out
 
 
 def sum_over_replicas(row: torch.Tensor, replicate_group: Group) -> torch.Tensor:
@@ -197,8 +258,9 @@ def reduce_grads(
 
     Returns:
       name -> ``(shard_numel,)`` mean-gradient shard in the dtype the gradient came in
-      (cast back from the wire), for the names that had gradients (in layout order).
-      Padding elements are zero.
+      (cast back from the wire), for the split params that had gradients (in layout
+      order); padding elements are zero. For a whole param (placement ``"whole"``): the
+      full-shape mean gradient on its owner rank, nothing on the others.
 
     Collectives: one tiny ``all_gather`` (rank agreement and input verdict, see
     ``check_ranks_agree``), then per bucket one ``reduce_scatter`` (stage 2, NCCL) or one
@@ -248,6 +310,7 @@ def reduce_grads(
         failure=failure,
     )
     how = reduce_realisation(stage, group, policy)
+    rank = comm.group_rank(group)
     replicas = comm.group_size(replicate_group) if replicate_group is not None else 1
     present_set = set(present)
     out: dict[str, torch.Tensor] = {}
@@ -258,11 +321,12 @@ def reduce_grads(
         rows = pack_grads(grads, layout, bucket, replicas=replicas)
         row = launch_reduce(rows, layout, bucket, group, how, comm_dtype=comm_dtype).wait()
         row = sum_over_replicas(row, replicate_group)
-        out.update(split_row(row, layout, bucket, present_set, dtype=grad_dtypes[members[0]]))
+        out.update(split_row(row, layout, bucket, present_set, dtype=grad_dtypes[members[0]], rank=rank))
     for name in present:
-        if name not in out:  # empty params travel in no bucket
-            out[name] = torch.empty(0, dtype=grad_dtypes[name], device=device)
-    return FrozenDict({name: out[name] for name in present})
+        spec = layout[name]
+        if name not in out and spec.numel == 0 and spec.holds(rank):  # empty params travel in no bucket
+            out[name] = torch.empty(spec.local_shape(rank), dtype=grad_dtypes[name], device=device)  # type: ignore[arg-type]
+    return FrozenDict({name: out[name] for name in present if name in out})
 
 
 def reduce_realisation(stage: int, group: Group, policy: CommPolicy | None) -> str:
@@ -392,10 +456,17 @@ def step_shards(
             if name not in state.layout:
                 raise KeyError(f"step_shards on rank {state.rank}: gradient shard for unknown param {name!r}")
             spec = state.layout[name]
-            if tuple(g.shape) != (spec.shard_numel,):
+            expected = spec.local_shape(state.rank)
+            if expected is None:
+                raise ValueError(
+                    f"step_shards on rank {state.rank}: got a gradient for whole param {name!r} (shape {spec.shape}), "
+                    f"which rank {spec.owner} owns; pass the output of reduce_grads on this rank"
+                )
+            if tuple(g.shape) != expected:
+                what = "the full shape of a whole param this rank owns" if spec.is_whole else "a split param"
                 raise ValueError(
                     f"step_shards on rank {state.rank}: shard of {name!r} has shape {tuple(g.shape)}, expected "
-                    f"({spec.shard_numel},) for a param of shape {spec.shape} over {state.layout.world_size} ranks; "
+                    f"{expected} ({what}) for a param of shape {spec.shape} over {state.layout.world_size} ranks; "
                     "pass the output of reduce_grads, not full gradients"
                 )
             if not g.is_floating_point():
@@ -526,7 +597,9 @@ def gather_params(
         for s in layout.params
     }
     for bucket in layout.buckets(bucket_numel):
-        row = pack_shards(state.master, layout, bucket, dtype=layout[bucket.names[0]].dtype, device=device)
+        row = pack_shards(
+            state.master, layout, bucket, dtype=layout[bucket.names[0]].dtype, device=device, rank=state.rank
+        )
         gathered = launch_gather(row, group, how).wait()
         with torch.no_grad():  # `out` may be leaf params that require grad
             unpack_rows(gathered, layout, bucket, result)

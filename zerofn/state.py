@@ -34,7 +34,9 @@ class ZeroState:
       layout: the :class:`~zerofn.layout.ShardLayout` every rank agrees on.
       optimizer: the functional optimizer that ``step_shards`` applies.
       rank: this rank's index in the sharding group; ``master`` holds chunk ``rank``.
-      master: name -> ``(shard_numel,)`` master shard, padding zero: in
+      master: name -> ``(shard_numel,)`` master shard, padding zero, for a split param;
+        the full-shape master of a whole param this rank owns (absent if another rank
+        owns it). In
         ``policy.master_dtype`` (float32 by default), or in the param's working dtype
         when ``policy.master_weights`` is False; on ``policy.state_device`` (the CPU for
         CPU offload) or else on the params' device.
@@ -69,8 +71,16 @@ class ZeroState:
 
     @property
     def state_device(self) -> torch.device:
-        """Where the master shards and the optimizer state live."""
-        return next(iter(self.master.values())).device
+        """Where the master shards and the optimizer state live.
+
+        A rank that holds no master tensor (every param whole and owned elsewhere) reports
+        ``policy.state_device``, else the params' device.
+        """
+        if self.master:
+            return next(iter(self.master.values())).device
+        if self.policy.state_device is not None:
+            return torch.device(self.policy.state_device)
+        return torch.device(self.param_device or "cpu")
 
     @property
     def work_device(self) -> torch.device:

@@ -11,9 +11,18 @@ Two paths:
   their state, stepped, and its state read back. Element-wise updates give the same bits
   on a shard as on the whole tensor.
 
-Optimizers that need whole tensors (LBFGS's closure and line search over the full
-parameter vector, factored second moments as in Adafactor, orthogonalising matrix
-updates) cannot run on shards and are refused with an explanation.
+Optimizers that need whole tensors are run on whole tensors, never on shards:
+``torch.optim.Muon`` (it orthogonalises each 2-D matrix) and ``torch.optim.Adafactor``
+(factored row/column second moments, and a step size scaled by the RMS of the param and
+of the update, for 1-D params too) declare placement ``"whole"`` for every param they
+update, so each such param lives on one owner rank in its full shape and the torch class
+runs there unchanged (see :mod:`zerofn.layout`). Any other class must declare itself:
+``from_torch(cls, placement="split")`` (element-wise) or ``"whole"``; an undeclared class
+is refused with that advice. LBFGS (a closure and a line search over the full parameter
+vector) and SparseAdam (sparse gradients) are refused.
+
+``torch.optim.Adafactor`` came with torch 2.5 and ``torch.optim.Muon`` with torch 2.9;
+:func:`torch_class` names the version when the installed torch lacks one.
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ import torch
 from zerofn import optim
 from zerofn._tree import FrozenDict
 
-__all__ = ["ELEMENTWISE", "TorchOptimState", "from_torch", "from_torch_optimizer"]
+__all__ = ["ELEMENTWISE", "WHOLE_TENSOR", "TorchOptimState", "from_torch", "from_torch_optimizer", "torch_class"]
 
 # Classes whose update of each element depends only on that element's grad and state.
 ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
@@ -46,9 +55,86 @@ ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
 _REFUSED_WHY = {
     "LBFGS": "it needs a closure and a line search over the whole parameter vector",
     "SparseAdam": "it needs sparse gradients of whole tensors",
-    "Adafactor": "its factored second moment reads whole rows and columns of each tensor",
-    "Muon": "it orthogonalises whole weight matrices",
 }
+
+# The torch version that brought each whole-tensor class (the error where it is missing).
+_SINCE = {"Muon": "2.9", "Adafactor": "2.5"}
+
+
+def torch_class(name: str) -> type[torch.optim.Optimizer]:
+    """``torch.optim.<name>``, or an ``AttributeError`` saying which torch version brings it.
+
+    Examples:
+      >>> torch_class("Adafactor").__name__
+      'Adafactor'
+    """
+    cls = getattr(torch.optim, name, None)
+    if cls is None:
+        since = f"; it comes with torch {_SINCE[name]}" if name in _SINCE else ""
+        raise AttributeError(f"torch {torch.__version__} has no torch.optim.{name}{since}")
+    return cls
+
+
+def _muon_placement(name: str, shape: tuple[int, ...]) -> str:
+    if len(shape) != 2:
+        raise ValueError(
+            f"torch.optim.Muon updates 2-D weight matrices only; param {name!r} has shape {shape}. "
+            "Give it to another optimizer: zf.optim.partition([(is_matrix, muon), (lambda n: True, adamw)]), "
+            "or ZeroOptimizer([muon, adamw], ...)"
+        )
+    return "whole"
+
+
+def _adafactor_placement(name: str, shape: tuple[int, ...]) -> str:
+    # Whole also for 1-D params: the step is scaled by the RMS of the whole param and
+    # clipped by the RMS of the whole update, so a shard would get a different step.
+    del name, shape
+    return "whole"
+
+
+# Classes (by name: older torch lacks them) whose update reads whole tensors, with the
+# placement rule for their params.
+WHOLE_TENSOR: dict[str, Callable[[str, tuple[int, ...]], str]] = {
+    "Muon": _muon_placement,
+    "Adafactor": _adafactor_placement,
+}
+
+_DECLARE = (
+    "Declare how it updates: from_torch({cls}, placement='split', ...) if the update of every element "
+    "reads only that element's gradient and state (it then runs on 1/N shards of each param), or "
+    "placement='whole' if it reads whole tensors (each param then lives, whole, on one owner rank); "
+    "placement may also be a function (name, shape) -> 'split' | 'whole'."
+)
+
+
+def _placement_rule(
+    cls: type[torch.optim.Optimizer], placement: str | Callable[[str, tuple[int, ...]], str] | None
+) -> Callable[[str, tuple[int, ...]], str] | None:
+    """The placement rule of ``cls`` (``None``: split everywhere), or ``TypeError``."""
+    if cls.__name__ in _REFUSED_WHY:
+        raise TypeError(f"zerofn cannot shard {cls.__name__}: {_REFUSED_WHY[cls.__name__]}.")
+    known = WHOLE_TENSOR.get(cls.__name__) if cls.__module__.startswith("torch.optim") else None
+    if placement is None:
+        if cls in ELEMENTWISE:
+            return None
+        if known is not None:
+            return known
+        raise TypeError(
+            f"zerofn cannot tell whether {cls.__name__} updates each element independently. "
+            + _DECLARE.format(cls=cls.__name__)
+        )
+    if callable(placement):
+        return placement
+    if placement not in ("split", "whole"):
+        raise ValueError(f"from_torch: placement must be 'split', 'whole' or a function, got {placement!r}")
+    if placement == "split" and known is not None:
+        raise ValueError(
+            f"from_torch: {cls.__name__} reads whole tensors and cannot run on shards; leave placement unset"
+        )
+    if placement == "split":
+        return None
+    return lambda name, shape: "whole"
+
 
 _FAST_KEYS = {
     "sgd": ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize", "foreach", "fused"),
@@ -57,10 +143,19 @@ _FAST_KEYS = {
 
 
 def check_shardable(cls: type[torch.optim.Optimizer]) -> None:
-    """Raise ``TypeError`` unless ``cls`` updates every element independently."""
+    """Raise ``TypeError`` unless ``cls`` updates every element independently (the facade's rule).
+
+    The facade wraps element-wise classes; the whole-tensor classes (``WHOLE_TENSOR``) run
+    through the functional API (:func:`from_torch`) until the facade places them too.
+    """
     if cls in ELEMENTWISE:
         return
     why = _REFUSED_WHY.get(cls.__name__, "zerofn only knows how to shard element-wise optimizers")
+    if cls.__name__ in WHOLE_TENSOR:
+        why = (
+            "it reads whole tensors; ZeroOptimizer does not place whole params yet, the functional API does: "
+            f"zf.torch_optim.from_torch(torch.optim.{cls.__name__}, ...) with zf.shard_params"
+        )
     names = ", ".join(c.__name__ for c in ELEMENTWISE)
     raise TypeError(
         f"zerofn cannot shard {cls.__name__}: {why}. Each rank only holds a 1/N slice of every "
@@ -123,14 +218,22 @@ def _generic_update(
 def from_torch(
     optimizer_class: type[torch.optim.Optimizer],
     *,
+    placement: str | Callable[[str, tuple[int, ...]], str] | None = None,
     param_groups: Sequence[Mapping[str, Any]] | None = None,
     **defaults: Any,
 ) -> optim.Optimizer:
-    """A functional optimizer that drives any element-wise ``torch.optim`` class on shards.
+    """A functional optimizer that drives a ``torch.optim`` class on what each rank holds.
+
+    Element-wise classes (``ELEMENTWISE``) run on 1-D shards; whole-tensor classes
+    (``WHOLE_TENSOR``: Muon, Adafactor) declare placement ``"whole"``, so
+    :func:`zerofn.shard_params` gives each of their params to one owner rank in its full
+    shape and the class runs there, unchanged: its update is torch's own, bit for bit.
 
     Args:
-      optimizer_class: e.g. ``torch.optim.Adagrad``; must be element-wise (see
-        ``ELEMENTWISE``), others raise ``TypeError``.
+      optimizer_class: e.g. ``torch.optim.Adagrad`` or ``torch.optim.Muon``.
+      placement: for a class zerofn does not know: ``"split"`` (element-wise), ``"whole"``,
+        or a function ``(name, shape) -> "split" | "whole"``. ``None``: the known rule;
+        an unknown class without it raises ``TypeError`` saying how to declare it.
       param_groups: per-name overrides as in :mod:`zerofn.optim`.
       **defaults: the class's hyperparameters (``lr=...``); the class's own defaults
         fill the rest and its own validation applies.
@@ -143,8 +246,8 @@ def from_torch(
       >>> new["w"]
       tensor([0.9000, 0.9000])
     """
-    check_shardable(optimizer_class)
-    optimizer_class([torch.zeros(1, requires_grad=True)], **defaults)  # torch's own validation
+    rule = _placement_rule(optimizer_class, placement)
+    optimizer_class([torch.zeros(1, 1, requires_grad=True)], **defaults)  # torch's own validation
     groups = optim._make_groups(optimizer_class.__name__, param_groups)
     return optim.Optimizer(
         optimizer_class.__name__.lower(),
@@ -153,6 +256,7 @@ def from_torch(
         _generic_init,
         _generic_update,
         optimizer_class,
+        rule,
     )
 
 
@@ -203,3 +307,22 @@ def group_hyperparams(opt: optim.Optimizer, torch_group: Mapping[str, Any]) -> d
     else:
         keys = [k for k in torch_group if k not in ("params", "initial_lr")]
     return {k: torch_group[k] for k in keys if k in torch_group}
+
+
+def with_live_hyperparams(
+    opt: optim.Optimizer, torch_groups: Sequence[Mapping[str, Any]], known: tuple[Any, ...] | None = None
+) -> tuple[optim.Optimizer, tuple[Any, ...]]:
+    """``opt`` with the hyperparameters now in ``torch_groups`` (an LR scheduler may have changed them).
+
+    Group ``i`` of ``torch_groups`` updates ``opt``'s group ``i`` (a trailing group without
+    its own entry in ``opt.groups`` updates the defaults). Returns the optimizer and a
+    key of the hyperparameters read; when it equals ``known`` (the key of the last call),
+    ``opt`` itself is returned unchanged, so an unchanged schedule costs no rebuild.
+    """
+    per_group = [group_hyperparams(opt, g) for g in torch_groups]
+    key = tuple(tuple(sorted(hp.items(), key=lambda kv: kv[0])) for hp in per_group)
+    if key == known:
+        return opt, key
+    for i, hp in enumerate(per_group):
+        opt = opt.with_hyperparams(i if i < len(opt.groups) else None, **hp)
+    return opt, key
