@@ -230,3 +230,65 @@ def test_whole_buckets_of_the_benchmark_transformer_pad_under_ten_percent_of_psi
     assert (sum(n * b.shard_numel for b in layout.buckets(2**20)) - psi) / psi < 5e-5
     largest = max(s.numel for s in layout.params if s.is_whole)
     assert max(_loads(layout)) <= psi / n + largest
+
+
+# --------------------------------------------------------------------------- placement from the optimizer
+
+
+class _Unknown(torch.optim.SGD):
+    """A torch optimizer zerofn has never heard of (a subclass is not SGD)."""
+
+
+def test_optimizers_say_where_their_params_live():
+    muon = zf.torch_optim.from_torch(torch.optim.Muon, lr=0.02)
+    adafactor = zf.torch_optim.from_torch(torch.optim.Adafactor)
+    assert muon.placement("w", (3, 4)) == "whole"
+    # Adafactor's step reads the RMS of the whole param and update, 1-D params included.
+    assert adafactor.placement("b", (4,)) == "whole"
+    assert adafactor.placement("w", (3, 4)) == "whole"
+    assert zf.optim.adamw().placement("w", (3, 4)) == "split"
+    assert zf.torch_optim.from_torch(torch.optim.Adagrad).placement("w", (3, 4)) == "split"
+    both = zf.optim.partition([(["w"], muon), (lambda n: True, zf.optim.adamw())])
+    assert both.placement("w", (3, 4)) == "whole" and both.placement("b", (4,)) == "split"
+
+
+def test_an_unclassifiable_optimizer_is_refused_with_how_to_declare_it():
+    with pytest.raises(TypeError, match=r"cannot tell whether _Unknown.*placement='split'.*placement='whole'"):
+        zf.torch_optim.from_torch(_Unknown, lr=0.1)
+    declared = zf.torch_optim.from_torch(_Unknown, placement="whole", lr=0.1)
+    assert declared.placement("w", (2, 2)) == "whole"
+    assert zf.torch_optim.from_torch(_Unknown, placement="split", lr=0.1).placement("w", (2, 2)) == "split"
+    with pytest.raises(TypeError, match="cannot shard LBFGS"):
+        zf.torch_optim.from_torch(torch.optim.LBFGS)
+
+
+def test_a_whole_tensor_optimizer_is_never_run_on_shards():
+    with pytest.raises(ValueError, match="Muon reads whole tensors and cannot run on shards"):
+        zf.torch_optim.from_torch(torch.optim.Muon, placement="split")
+    params = {"w": torch.zeros(3, 4), "b": torch.zeros(4)}
+    muon = zf.torch_optim.from_torch(torch.optim.Muon)
+    with pytest.raises(ValueError, match=r"Muon updates 2-D weight matrices only; param 'b' has shape \(4,\)"):
+        zf.stages.resolve_placement(params, muon)
+    both = zf.optim.partition([(["w"], muon), (["b"], zf.optim.sgd(lr=0.1))])
+    with pytest.raises(ValueError, match=r"param 'w' \(shape \(3, 4\)\) cannot be split"):
+        zf.stages.resolve_placement(params, both, {"w": "split"})
+    with pytest.raises(KeyError, match="no part selects param 'b'"):
+        zf.stages.resolve_placement(params, zf.optim.partition([(["w"], muon)]))
+
+
+def test_the_override_may_place_whole_what_the_optimizer_would_split():
+    params = {"w": torch.zeros(3, 4), "b": torch.zeros(4)}
+    sgd = zf.optim.sgd(lr=0.1)
+    assert zf.stages.resolve_placement(params, sgd) == {"w": "split", "b": "split"}
+    assert zf.stages.resolve_placement(params, sgd, {"w": "whole"}) == {"w": "whole", "b": "split"}
+    by_rule = zf.stages.resolve_placement(params, sgd, lambda name, p: "whole" if p.ndim == 2 else "split")
+    assert by_rule == {"w": "whole", "b": "split"}
+    with pytest.raises(ValueError, match="not there"):
+        zf.stages.resolve_placement(params, sgd, {"x": "whole"})
+
+
+def test_a_missing_torch_class_names_the_version_that_brings_it(monkeypatch):
+    assert zf.torch_optim.torch_class("Muon") is torch.optim.Muon
+    monkeypatch.delattr(torch.optim, "Muon")
+    with pytest.raises(AttributeError, match=r"no torch\.optim\.Muon; it comes with torch 2\.9"):
+        zf.torch_optim.torch_class("Muon")
