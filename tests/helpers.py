@@ -20,6 +20,7 @@ __all__ = [
     "OUT_FEATURES",
     "Net",
     "Snapshot",
+    "Wide",
     "assert_bitwise_equal",
     "assert_trees_close",
     "assert_trees_equal",
@@ -171,3 +172,25 @@ def batches(rank: int, steps: int, batch: int = 8) -> Iterator[tuple[torch.Tenso
             torch.randn(batch, IN_FEATURES, generator=gen),
             torch.randn(batch, OUT_FEATURES, generator=gen),
         )
+
+
+class Wide(nn.Module):
+    """Net's interface with two members above the one-pass copy threshold (2**16 elements).
+
+    ``mid.weight`` has 257 * 256 = 65792 elements: no padding at N = 1, 2, 4, one padding
+    element at N = 3; ``top.weight`` 65537 * 1 pads at every N > 1.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(7, 256)
+        self.mid = nn.Linear(256, 257)
+        self.top = nn.Linear(257, 1, bias=False)
+        self.extra = nn.Parameter(torch.randn(65537) * 0.01)
+        self.b = nn.Linear(257, 5)
+
+    def forward(self, x: torch.Tensor, use_gate: bool = True) -> torch.Tensor:
+        h = torch.tanh(self.mid(torch.tanh(self.a(x))))
+        if use_gate:
+            h = h + self.top(h) * self.extra[:257]
+        return self.b(h)

@@ -618,7 +618,7 @@ def _accumulate(stage: int, overlap: bool, accum_dtype: Any) -> dict[str, Any]:
                 opt.backward(_loss(model(x.to(dtype), use_gate), y.to(dtype)))
             if not last:
                 no_sync_bytes += counter.bytes_sent
-                held = {k: (t.dtype, t.numel()) for k, t in opt._accum.items()}
+                held = {k: (t.dtype, t.numel()) for k, t in opt._reducer.accum.items()}
                 grads = {k: p.grad.dtype for k, p in model.named_parameters() if p.grad is not None}
                 accum_seen.append((held, grads, opt.grad_bytes()))
             _loss(ref(x.to(dtype), use_gate), y.to(dtype)).backward()

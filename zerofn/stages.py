@@ -47,6 +47,7 @@ from zerofn.precision import (
 from zerofn.state import DEFAULT_POLICY, StepInfo, ZeroState
 
 __all__ = [
+    "StepVetoed",
     "gather_params",
     "reduce_grads",
     "reduce_realisation",
@@ -383,6 +384,7 @@ def step_shards(
     *,
     norm_type: float = 2.0,
     donate: bool = False,
+    veto: object = None,
 ) -> tuple[ZeroState, StepInfo]:
     r"""Decide overflow on every rank, unscale and clip, and apply the optimizer to this rank's shards.
 
@@ -423,6 +425,12 @@ def step_shards(
       max_norm: clip threshold for the true (unscaled) norm, or ``None`` for no clipping.
       norm_type: 2.0 or ``math.inf``.
       donate: reuse ``state``'s and ``grad_shards``' tensors in place; do not use them after.
+      veto: a picklable reason (not ``None``) this rank has, outside the function's own
+        checks, for no rank to apply this step (the facade's: its params were changed by
+        the user since the last step). It rides as a flag in the scalar all-reduce; if any
+        rank vetoes, every rank raises :class:`StepVetoed` carrying every rank's veto, with
+        ``state`` and ``grad_shards`` untouched (also under ``donate``), so the caller can
+        act on the same list on every rank and call again.
 
     Returns:
       ``(new_state, info)`` with ``new_state.step == state.step + 1`` unless skipped;
@@ -433,6 +441,7 @@ def step_shards(
     Raises:
       NonFiniteGradError: on every rank, when a gradient element on any rank is not finite
         and ``state.policy.nonfinite == "raise"``.
+      StepVetoed: on every rank, when some rank passed a ``veto``.
 
     Collectives: one ``all_reduce`` of two float64 scalars (norm and non-finite flag);
     with ``nonfinite="raise"`` and a bad step, one object all-gather of the offending
@@ -477,11 +486,12 @@ def step_shards(
     except (TypeError, ValueError, KeyError) as e:
         failure = e
     policy, loss_scale = state.policy, state.loss_scale
+    refused = failure is not None or veto is not None
     norm, rejected = _global_norm(
-        grad_shards if failure is None else {}, norm_type, group, state.work_device, rejected=failure is not None
+        grad_shards if failure is None else {}, norm_type, group, state.work_device, rejected=refused
     )
     if rejected:
-        _raise_rejected(failure, group)
+        _raise_rejected(failure, group, veto)
     found = not math.isfinite(norm)
     new_loss_scale = policy.loss_scaler.update(loss_scale, found)
     if found:
@@ -508,15 +518,34 @@ def step_shards(
     return new_state, StepInfo(true_norm, False, max_norm / (true_norm + 1e-6) if clipped else 1.0)
 
 
-def _raise_rejected(failure: Exception | None, group: Group) -> None:
-    """Every rank: some rank found its ``step_shards`` input invalid; all raise, none changed state."""
-    everyone = comm.all_gather_objects(None if failure is None else f"{type(failure).__name__}: {failure}", group)
+class StepVetoed(RuntimeError):
+    """Raised by ``step_shards`` on every rank when some rank passed a ``veto``; nothing was applied.
+
+    Attributes:
+      vetoes: every rank's ``veto`` argument, by group rank (``None`` for ranks without one),
+        the same list on every rank.
+    """
+
+    def __init__(self, vetoes: list[object]) -> None:
+        ranks = [r for r, v in enumerate(vetoes) if v is not None]
+        super().__init__(f"step_shards: ranks {ranks} vetoed this step, so no rank applied it")
+        self.vetoes = vetoes
+
+
+def _raise_rejected(failure: Exception | None, group: Group, veto: object = None) -> None:
+    """Every rank: some rank found its ``step_shards`` input invalid or vetoed; all raise, none changed state."""
+    everyone = comm.all_gather_objects(
+        (None if failure is None else f"{type(failure).__name__}: {failure}", veto), group
+    )
     if failure is not None:
         raise failure
-    r, why = next((r, w) for r, w in enumerate(everyone) if w is not None)
-    raise checks.RankMismatchError(
-        f"step_shards: rank {r} rejected its input ({why}), so no rank applied this step; fix the input on that rank"
-    )
+    bad = next(((r, w) for r, (w, _) in enumerate(everyone) if w is not None), None)
+    if bad is not None:
+        raise checks.RankMismatchError(
+            f"step_shards: rank {bad[0]} rejected its input ({bad[1]}), so no rank applied this step; fix the input "
+            "on that rank"
+        )
+    raise StepVetoed([v for _, v in everyone])
 
 
 def _raise_nonfinite(state: ZeroState, grad_shards: Mapping[str, torch.Tensor], group: Group) -> None:

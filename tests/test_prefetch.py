@@ -1,22 +1,18 @@
-"""The facade's speed options and internals change no bit of the results.
+"""``overlap_allgather``: the param gathers launched by ``step``, written by the next forward.
 
-* ``overlap_allgather=True`` (the gather launched at the end of ``step`` and written into
-  the params by the next forward) against the eager gather: the same losses, params,
-  master shards and optimizer state, bitwise, for both stages, with and without
-  overlapped reduction, at N = 1..4; params read through ``wait_params()`` right after a
-  step equal the eager ones; every reader of the params waits by itself; the hooks do not
-  keep the facade alive and ``close()`` removes them.
-* The reused gradient staging buffers: the facade's steps equal the functional loop
-  (``reduce_grads`` -> ``step_shards`` -> ``gather_params``) bitwise, step after step, also
-  with a wire dtype other than the gradients' (a second staging buffer) and with float32
-  accumulation under ``no_sync``.
+Against the eager gather: the same losses, params, master shards and optimizer state,
+bitwise, for both stages, with and without overlapped reduction, at N = 1..4; params read
+through ``wait_params()`` right after a step equal the eager ones; every reader of the
+params waits by itself; params of containers are written by the parent's forward; a
+forward that reads a param before its gather is written raises; the hooks do not keep
+the facade alive and ``close()`` removes them; a script that exits with gathers pending
+exits cleanly.
 
 No timing here: speed is measured in ``benchmarks/``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import gc
 import weakref
@@ -26,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from helpers import Net, assert_trees_equal, batches, gate_used
+from helpers import Net, Wide, assert_trees_equal, batches, gate_used
 
 import zerofn as zf
 
@@ -81,7 +77,7 @@ def _train(
         if wait or not allgather:
             opt.wait_params()  # a no-op without overlap_allgather
             after_step.append(_snapshot(model))
-    pending = opt._gathers_left
+    pending = opt._prefetch.pending if opt._prefetch is not None else 0
     opt.wait_params()
     final = _snapshot(model)
     return {
@@ -156,11 +152,11 @@ def _readers() -> dict[str, Any]:
     one_step(eager_model, eager, *data[0])
     want = _snapshot(eager_model)
     seen["stale_before_wait"] = any(not torch.equal(p, want[n]) for n, p in model.named_parameters())
-    seen["pending_before_wait"] = opt._gathers_left
+    seen["pending_before_wait"] = opt._prefetch.pending
     # The model's own state_dict waits (a pre-hook), as do load_state_dict and the optimizer's readers.
     sd = {k: v.clone() for k, v in model.state_dict().items()}
     seen["model_state_dict"] = all(torch.equal(sd[n], want[n]) for n in want)
-    seen["pending_after_state_dict"] = opt._gathers_left
+    seen["pending_after_state_dict"] = opt._prefetch.pending
 
     one_step(model, opt, *data[1])
     one_step(eager_model, eager, *data[1])
@@ -293,7 +289,7 @@ def _stale_read() -> dict[str, Any]:
         model(data[1][0])
     except RuntimeError as e:
         message = str(e)
-    current = opt._gathers_left == 0
+    current = opt._prefetch.pending == 0
     # After wait_params() such a model trains (the user takes charge of the timing).
     opt.wait_params()
     x, y = data[2]
@@ -368,143 +364,6 @@ def test_overlap_allgather_needs_the_module_that_owns_every_param(worlds):
         assert "not parameters of module=" in errors[1] and "'group0.param2'" in errors[1]
 
 
-# --------------------------------------------------------------------------- staging buffers
-
-
-class Wide(nn.Module):
-    """Net's interface with two members above the one-pass copy threshold (2**16 elements).
-
-    ``mid.weight`` has 257 * 256 = 65792 elements: no padding at N = 1, 2, 4, one padding
-    element at N = 3; ``top.weight`` 65537 * 1 pads at every N > 1.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(7, 256)
-        self.mid = nn.Linear(256, 257)
-        self.top = nn.Linear(257, 1, bias=False)
-        self.extra = nn.Parameter(torch.randn(65537) * 0.01)
-        self.b = nn.Linear(257, 5)
-
-    def forward(self, x: torch.Tensor, use_gate: bool = True) -> torch.Tensor:
-        h = torch.tanh(self.mid(torch.tanh(self.a(x))))
-        if use_gate:
-            h = h + self.top(h) * self.extra[:257]
-        return self.b(h)
-
-
-def _facade_vs_functional(
-    stage: int, overlap: bool, wire: str | None, accumulate: int, wide: bool = False
-) -> dict[str, Any]:
-    """The facade and the functional loop on the same batches, params compared after every step."""
-    torch.manual_seed(0)
-    dtype = torch.bfloat16 if accumulate > 1 else torch.float32
-    make = Wide if wide else Net
-    bucket = 2**17 if wide else 64  # wide: small and large members share buckets
-    model = make().to(dtype)
-    functional = {n: p.detach().clone() for n, p in model.named_parameters()}
-    comm_dtype = getattr(torch, wire) if wire else None
-    precision = zf.PrecisionPolicy.for_dtype(dtype).replace(comm_dtype=comm_dtype)
-    fopt = zf.optim.adamw(lr=1e-2, weight_decay=0.1)
-    opt = zf.ZeroOptimizer(
-        model.named_parameters(),
-        fopt,
-        partition_grad=stage == 2,
-        overlap_communication=overlap,
-        reduce_bucket_size=bucket,
-        precision=precision,
-    )
-    state = zf.shard_params(functional, fopt, policy=precision)
-    data = batches(dist.get_rank(), STEPS * accumulate)
-    mismatches = []
-    for step in range(STEPS):
-        use_gate = gate_used(step)
-        grads: dict[str, torch.Tensor] = {}
-        for micro in range(accumulate):
-            x, y = next(data)
-            x, y = x.to(dtype), y.to(dtype)
-            last = micro == accumulate - 1
-            with contextlib.nullcontext() if last else opt.no_sync():
-                opt.backward(((model(x, use_gate) - y) ** 2).mean())
-            params = {n: t.requires_grad_(True) for n, t in functional.items()}
-            loss = ((torch.func.functional_call(make().to(dtype), params, (x, use_gate)) - y) ** 2).mean()
-            got = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
-            for (n, _), g in zip(params.items(), got, strict=True):
-                if g is not None:
-                    acc = precision.grad_accum_dtype_for(dtype) if accumulate > 1 else dtype
-                    grads[n] = g.to(acc) if n not in grads else grads[n] + g.to(acc)
-            functional = {n: t.detach() for n, t in functional.items()}
-        shards = zf.reduce_grads(grads, state.layout, stage=stage, precision=precision, bucket_numel=bucket)
-        # The reduced shards themselves (AdamW would hide a gradient scale error).
-        held = opt._grad_shards
-        mismatches += [(step, "grad", n) for n in shards if n not in held or not torch.equal(held[n], shards[n])]
-        mismatches += [(step, "grad", n) for n in held if n not in shards]
-        state, _ = zf.step_shards(state, shards)
-        functional = dict(zf.gather_params(state, bucket_numel=bucket))
-        opt.step()
-        opt.zero_grad()
-        mine = {n: p.detach() for n, p in model.named_parameters()}
-        mismatches += [(step, n) for n in mine if not torch.equal(mine[n], functional[n])]
-    return {"mismatches": mismatches}
-
-
-@pytest.mark.parametrize(
-    ("stage", "overlap", "wire", "accumulate", "wide"),
-    [
-        (2, False, None, 1, False),
-        (2, True, None, 1, False),
-        (1, True, "bfloat16", 1, False),
-        (2, True, "float16", 1, False),
-        (2, True, None, 3, False),
-        (2, True, None, 1, True),
-        (2, False, "bfloat16", 3, True),
-    ],
-)
-def test_reused_staging_buffers_keep_the_facade_bitwise_equal_to_the_functional_loop(
-    world, stage, overlap, wire, accumulate, wide
-):
-    for res in world.run(_facade_vs_functional, stage, overlap, wire, accumulate, wide):
-        assert res["mismatches"] == []
-
-
-def _staging_reuse(overlap: bool, wire: str | None) -> dict[str, Any]:
-    torch.manual_seed(0)
-    model = Net()
-    bucket = 64
-    opt = zf.ZeroOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1),
-        partition_grad=True,
-        overlap_communication=overlap,
-        reduce_bucket_size=bucket,
-        communication_dtype=getattr(torch, wire) if wire else None,
-    )
-    sizes, ptrs = [], []
-    for step, (x, y) in enumerate(batches(dist.get_rank(), 6)):
-        opt.backward(((model(x, gate_used(step)) - y) ** 2).mean())
-        opt.step()
-        sizes.append(opt.staging_bytes())
-        ptrs.append(sorted(b.data_ptr() for free in opt._staging._free.values() for b in free))
-    n = opt.state.layout.world_size
-    largest = max(b.shard_numel * n for b in opt.state.layout.buckets(bucket))
-    opt.close()
-    return {"sizes": sizes, "ptrs": ptrs, "largest": largest, "after_close": opt.staging_bytes()}
-
-
-@pytest.mark.parametrize(("overlap", "wire"), [(False, None), (True, None), (True, "bfloat16")])
-def test_staging_buffers_are_reused_across_steps_and_bounded(world, overlap, wire):
-    for res in world.run(_staging_reuse, overlap, wire):
-        keep = 3 if overlap else 1
-        dtypes = 2 if wire else 1
-        elems = max(res["largest"], 64)
-        assert all(0 < size <= dtypes * keep * elems * 4 for size in res["sizes"])
-        if not overlap:
-            # From the second step on, the same buffers: nothing allocated, nothing dropped.
-            # (Overlapped, how many buckets are in flight at once depends on timing.)
-            assert res["sizes"][1:] == [res["sizes"][1]] * (len(res["sizes"]) - 1)
-            assert all(p == res["ptrs"][1] for p in res["ptrs"][2:])
-        assert res["after_close"] == 0
-
-
 _EXIT_SCRIPT = """
 import os, torch, torch.distributed as dist, torch.nn as nn
 import zerofn as zf
@@ -515,7 +374,7 @@ opt = zf.ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), partition_gr
                        overlap_allgather=True, module=model)
 opt.backward(model(torch.randn(4, 8)).square().mean())
 opt.step()
-assert opt._gathers_left > 0
+assert opt._prefetch.pending > 0
 {end}
 """
 

@@ -1,0 +1,22 @@
+"""The stateful facade: ``ZeroOptimizer`` for an ordinary ``nn.Module`` training loop.
+
+One file per concern (as FSDP2's ``_fully_shard/``):
+
+=====================  ======================================================================
+``optimizer.py``       ``ZeroOptimizer``: construction, backward/step/zero_grad/no_sync,
+                       state dicts and checkpoints, the ``torch.optim.Optimizer`` bridge
+``_options.py``        the seed's keywords -> PrecisionPolicy, hybrid groups, named params
+``_reducer.py``        gradient hooks: which bucket is ready, when its reduction launches,
+                       which staging buffer it uses, accumulation, replica sums
+``_prefetch.py``       ``overlap_allgather``: gathers launched by ``step``, written by the
+                       next forward's hooks
+=====================  ======================================================================
+
+The facade owns no math and no bucket code: every bucket goes through
+:mod:`zerofn.buckets`, the pieces the stage functions loop over, so the facade and the
+functional path give the same bits.
+"""
+
+from zerofn.facade.optimizer import ZeroOptimizer
+
+__all__ = ["ZeroOptimizer"]

@@ -1,0 +1,511 @@
+"""``ZeroOptimizer``: construction, backward/step/zero_grad/no_sync/state_dict, the torch.optim bridge.
+
+It owns no math and no bucket code. It keeps one :class:`~zerofn.state.ZeroState` and
+threads it through the stage functions: the :class:`~._reducer.GradReducer` turns
+gradients into shards (from hooks, through :mod:`zerofn.buckets`), ``step`` calls
+:func:`~zerofn.step_shards` with ``donate=True`` (the facade owns its state, so no step
+doubles the optimizer-state memory), and :func:`~zerofn.gather_params` writes the new
+values straight into the model's parameters (``out=``), or the
+:class:`~._prefetch.ParamPrefetcher` launches the same gathers for the next forward.
+
+Mixed precision is :mod:`zerofn.precision`'s policy, stored in the state: the facade only
+scales the loss in ``backward`` by the state's loss scale and hands everything else
+(overflow decision, loss-scale update, unscaling, clipping, CPU offload, casting back to
+the working dtype) to the stage functions.
+
+Between ``backward`` and ``step`` a rank holds only its shards of the reduced gradients
+(``p.grad`` is ``None``, as in the seed); :meth:`ZeroOptimizer.get_param_grad` gathers one
+on demand.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zerofn import checks, comm, optim, torch_optim
+from zerofn.comm import CommPolicy
+from zerofn.facade import _guards, _options
+from zerofn.facade._prefetch import ParamPrefetcher
+from zerofn.facade._reducer import GradReducer
+from zerofn.facade._state_dicts import StateDictMethods
+from zerofn.precision import GradAccumDtype, PrecisionPolicy, scale_loss
+from zerofn.stages import StepVetoed, gather_params, shard_params, step_shards
+from zerofn.state import StepInfo, ZeroState
+
+__all__ = ["ZeroOptimizer"]
+
+log = logging.getLogger("zerofn")
+
+
+class ZeroOptimizer(StateDictMethods, torch.optim.Optimizer):
+    """ZeRO stage 1/2 as a drop-in optimizer; every number it holds is a ``ZeroState``.
+
+    Two ways to build it::
+
+        ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), partition_grad=True)
+        ZeroOptimizer(model.named_parameters(), zf.optim.adamw(lr=1e-3), partition_grad=True)
+
+    It is a ``torch.optim.Optimizer`` so torch LR schedulers drive it: ``param_groups``
+    are live (for a wrapped torch optimizer they are that optimizer's groups), and their
+    hyperparameters are read at every ``step``.
+
+    Args:
+      optimizer: a torch optimizer over the model's params (SGD/Adam/AdamW run on the
+        fast functional path, other element-wise ones on the generic path, whole-tensor
+        ones such as LBFGS are refused), or an iterable of ``(name, param)`` /
+        mapping ``name -> param`` when ``functional_optimizer`` is given.
+      functional_optimizer: a :mod:`zerofn.optim` optimizer, with named params.
+      partition_grad: ZeRO stage 2 (gradients sharded, reduced from hooks) if True,
+        else stage 1.
+      reduce_bucket_size: padded elements per communication bucket.
+      overlap_communication: launch each bucket's reduction asynchronously as soon as
+        its gradients are ready during backward.
+      overlap_allgather: hide the parameter gather behind the next forward (the seed's
+        option; needs ``module=``, which must own every param; see
+        :mod:`zerofn.facade._prefetch`). ``step`` launches the gathers and returns; each
+        module's forward pre-hook writes its params' buckets (the same bits as without
+        it). Until then ``p.data`` holds the *previous* values: read params outside the
+        model's forward only after :meth:`wait_params`. A forward that reads a param
+        before its owner's ``forward`` runs (``F.linear(x, self.proj.weight)`` without
+        calling ``self.proj``) raises when autograd is on. The facade's own readers and
+        the model's ``state_dict`` / ``load_state_dict`` wait by themselves. Memory: the
+        gathered ``(N, S)`` buckets, Ψ·b bytes, from ``step`` until the forward.
+      clip_grad_norm: clip by the global gradient norm when > 0.
+      norm_type: 2.0 or ``math.inf`` for clipping and ``get_grad_norm``.
+      dp_process_group: the data-parallel group; ``None`` for the default. Shards live
+        across all of it unless ``sub_dp_size`` or ``replicate_group`` make it hybrid.
+      sub_dp_size: the seed's hybrid option: split ``dp_process_group`` (ranks in order)
+        into ``sub_dp_size`` shard groups of ``N / sub_dp_size`` consecutive ranks; a
+        rank's replicas are the ranks at its position in the other shard groups. Every
+        rank of ``dp_process_group`` must construct the optimizer (it creates groups).
+      replicate_group: explicit hybrid layout: ``dp_process_group`` is then this rank's
+        shard group and ``replicate_group`` the ranks holding the same shards.
+      comm_policy: collective realisations (default per backend, see :class:`~zerofn.CommPolicy`).
+      module: optional model whose ``named_parameters()`` names the params of a wrapped
+        torch optimizer (for messages and ``state.master`` keys); otherwise they are
+        named ``"group{g}.param{i}"``.
+      verbose: log skipped steps.
+      communication_dtype, cpu_offload, forced_dtype, master_weights, nonfinite,
+      grad_accum_dtype, initial_scale, min_scale, growth_factor, backoff_factor,
+      growth_interval, hysteresis, max_scale: the seed's precision keywords, turned into a
+        :class:`~zerofn.precision.PrecisionPolicy` (meanings: :mod:`zerofn.facade._options`).
+        float16 params train with a dynamic loss scaler (``backward`` multiplies the loss
+        by its current scale); bfloat16 and float32 without.
+      precision: a full :class:`~zerofn.precision.PrecisionPolicy` instead of the
+        options above (then leave those at their defaults). Params of several dtypes
+        raise :class:`~zerofn.precision.MixedDtypeError` naming them unless
+        ``forced_dtype`` or the policy says what to do.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer | Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+        functional_optimizer: optim.Optimizer | None = None,
+        *,
+        initial_scale: float = 2**16,
+        min_scale: float = 1,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        hysteresis: int = 2,
+        max_scale: float = 2**24,
+        clip_grad_norm: float = 0.0,
+        norm_type: float = 2.0,
+        verbose: bool = False,
+        reduce_bucket_size: int = 1024 * 1024,
+        communication_dtype: torch.dtype | None = None,
+        overlap_communication: bool = False,
+        overlap_allgather: bool = False,
+        partition_grad: bool = False,
+        cpu_offload: bool = False,
+        dp_process_group: dist.ProcessGroup | None = None,
+        sub_dp_size: int = 1,
+        replicate_group: dist.ProcessGroup | None = None,
+        forced_dtype: torch.dtype | None = None,
+        master_weights: bool = True,
+        comm_policy: CommPolicy | None = None,
+        module: torch.nn.Module | None = None,
+        nonfinite: str = "skip",
+        grad_accum_dtype: GradAccumDtype = "auto",
+        precision: PrecisionPolicy | None = None,
+    ) -> None:
+        seed = {k: v for k, v in locals().items() if k in _options.PRECISION_DEFAULTS}  # precision keywords
+        _options.check_settings(reduce_bucket_size, norm_type, clip_grad_norm)
+        _guards.check_module(module)  # a DDP-wrapped model would have its gradients reduced twice
+        named_groups, fopt, torch_groups = _options.resolve_params(optimizer, functional_optimizer, module)
+        params = {n: p for g in named_groups for n, p in g}
+        if overlap_allgather:
+            _options.check_gather_module(params, module)
+        policy = _options.precision_policy(params, precision, seed)
+        _options.cast_params(params, policy)  # validated: now cast, before anything reads them
+        self._group, self._replicate = _options.hybrid_groups(dp_process_group, sub_dp_size, replicate_group)
+        self._stage = 2 if partition_grad else 1
+        self._bucket_numel = reduce_bucket_size
+        self._overlap = overlap_communication
+        self._max_norm = clip_grad_norm if clip_grad_norm > 0 else None
+        self._norm_type = float(norm_type)
+        self._comm_policy = comm_policy or CommPolicy()
+        self._verbose = verbose
+        self._torch_bookkeeping(optimizer.defaults if isinstance(optimizer, torch.optim.Optimizer) else fopt.defaults)
+        self.param_groups = torch_groups
+        self._group_names = [[n for n, _ in g] for g in named_groups]
+        self._params = params
+        self._name_of = {id(p): n for n, p in params.items()}
+        self._state: ZeroState = shard_params(params, fopt, self._group, policy=policy)
+        layout = self._state.layout
+        settings = {"stage": self._stage, "bucket_numel": reduce_bucket_size, "overlap": int(overlap_communication)}
+        settings["precision"] = checks.text_hash(repr(policy))
+        checks.check_ranks_agree(
+            layout, self._group, "ZeroOptimizer", settings=settings, device=self._state.work_device
+        )
+        self._gather_how = self._comm_policy.resolve(self._group)[1]
+        self._hp_cache: tuple[Any, ...] | None = None
+        self._last_info: StepInfo | None = None
+        self._reducer = GradReducer(
+            params,
+            layout,
+            policy,
+            group=self._group,
+            replicate=self._replicate,
+            stage=self._stage,
+            bucket_numel=reduce_bucket_size,
+            overlap=overlap_communication,
+            comm_policy=self._comm_policy,
+        )
+        # Params are the user's: writes made to them outside the facade are noticed at step.
+        self._guard = _guards.ParamGuard(params, module)
+        self._prefetch: ParamPrefetcher | None = None
+        if overlap_allgather:
+            assert module is not None  # check_gather_module
+            buckets = layout.buckets(reduce_bucket_size)
+            self._prefetch = ParamPrefetcher(
+                params, layout, buckets, group=self._group, how=self._gather_how, module=module, guard=self._guard
+            )
+
+    def _torch_bookkeeping(self, defaults: Mapping[str, Any]) -> None:
+        """torch.optim.Optimizer's attributes, without its per-param ``state`` dict (ours is a ZeroState)."""
+        self.defaults = dict(defaults)
+        self._optimizer_step_pre_hooks: dict[int, Any] = {}
+        self._optimizer_step_post_hooks: dict[int, Any] = {}
+        self._optimizer_state_dict_pre_hooks: dict[int, Any] = {}
+        self._optimizer_state_dict_post_hooks: dict[int, Any] = {}
+        self._optimizer_load_state_dict_pre_hooks: dict[int, Any] = {}
+        self._optimizer_load_state_dict_post_hooks: dict[int, Any] = {}
+
+    # ------------------------------------------------------------------ public state
+
+    @property
+    def state(self) -> ZeroState:  # type: ignore[override]
+        """The current :class:`ZeroState` (master shards, optimizer state, step).
+
+        Not torch's dict param -> state: ``optimizer.state[p]`` raises a ``TypeError`` that
+        points at ``state_dict()["state"]`` (the whole state, torch's format) and at the
+        ZeroState's fields (this rank's shards).
+        """
+        return self._state
+
+    @property
+    def stage(self) -> int:
+        return self._stage
+
+    @property
+    def precision(self) -> PrecisionPolicy:
+        """The :class:`~zerofn.precision.PrecisionPolicy` in force (also ``state.policy``)."""
+        return self._state.policy
+
+    @property
+    def loss_scale(self) -> float:
+        """The loss scale the next ``backward`` multiplies the loss by (1.0 without scaling)."""
+        return self._state.loss_scale.scale
+
+    def get_grad_norm(self) -> float | None:
+        """The global norm of the true (unscaled) gradient of the last ``step``, before clipping.
+
+        ``None`` before the first step; ``inf`` after a step skipped for a non-finite gradient.
+        """
+        return None if self._last_info is None else self._last_info.grad_norm
+
+    @property
+    def last_step_info(self) -> StepInfo | None:
+        return self._last_info
+
+    def get_working_to_master_map(self) -> dict[int, torch.Tensor]:
+        """``id(model param) -> this rank's master shard`` (1-D; fp32 unless ``master_weights=False``)."""
+        return {id(p): self._state.master[n] for n, p in self._params.items()}
+
+    def get_master_to_working_map(self) -> dict[int, torch.Tensor]:
+        """``id(master shard) -> model param``."""
+        return {id(self._state.master[n]): p for n, p in self._params.items()}
+
+    def grad_bytes(self) -> int:
+        """Bytes this rank holds for gradients right now: ``p.grad``, accumulators, buckets in flight, shards.
+
+        Not counted: the idle staging buffers kept for reuse between steps (:meth:`staging_bytes`).
+        """
+        local = sum(p.grad.numel() * p.grad.element_size() for p in self._params.values() if p.grad is not None)
+        return local + self._reducer.grad_bytes()
+
+    def staging_bytes(self) -> int:
+        """Bytes of the reusable bucket staging buffers held now, idle or in flight.
+
+        Per dtype up to three ``(N, S)`` gradient buffers with ``overlap_communication``,
+        else one (each ``max(reduce_bucket_size, N·S)`` elements); with
+        ``overlap_allgather`` also each multi-param bucket's ``(S,)`` send row (at most
+        Ψ/N working-dtype elements in all). ``close()`` frees them.
+        """
+        rows = self._prefetch.row_bytes() if self._prefetch is not None else 0
+        return self._reducer.staging_bytes() + rows
+
+    # ------------------------------------------------------------------ gradients
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally (no communication) for both stages, as DDP's ``no_sync``."""
+        old = self._reducer.require_sync
+        self._reducer.require_sync = False
+        try:
+            yield
+        finally:
+            self._reducer.require_sync = old
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
+        """Backward of the loss times the loss scale, then (outside ``no_sync``) reduce to shards.
+
+        Without loss scaling (scale 1.0) this is ``loss.backward()``.
+        """
+        self._guard.check_structure("ZeroOptimizer.backward")  # a moved/cast/replaced param: say what to do
+        # Pending gathers here mean a forward ran outside the model's hooks and read old params: writing
+        # them now makes autograd refuse the saved tensors (modified in place) instead of training on them.
+        self.wait_params()
+        if self._state.loss_scale.scale != 1.0:
+            loss = scale_loss(loss, self._state.loss_scale)
+        loss.backward(retain_graph=retain_graph)
+        if self._reducer.require_sync:
+            self._reducer.reduce_local()
+
+    def backward_by_grad(self, tensor: torch.Tensor, grad: torch.Tensor) -> None:
+        """``torch.autograd.backward(tensor, grad * loss scale)``, then reduce as ``backward``."""
+        self._guard.check_structure("ZeroOptimizer.backward_by_grad")
+        self.wait_params()  # as in backward
+        if self._state.loss_scale.scale != 1.0:
+            grad = scale_loss(grad, self._state.loss_scale)
+        torch.autograd.backward(tensor, grad)
+        if self._reducer.require_sync:
+            self._reducer.reduce_local()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget all gradients: local ``p.grad`` and the reduced shards."""
+        for p in self._params.values():
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.detach_()
+                p.grad.zero_()
+        self._reducer.clear()
+
+    def get_param_grad(self, param: torch.Tensor) -> torch.Tensor | None:
+        """The full reduced (mean) gradient of ``param`` since the last step, or None.
+
+        As reduced: under fp16 loss scaling it still carries the loss scale (divide by
+        ``loss_scale`` for the true gradient), as the seed's working gradients do.
+
+        Collective: every rank of the group must call it for the same param (one gather
+        of the param's shards).
+        """
+        name = self._name_of.get(id(param))
+        if name is None:
+            raise KeyError("get_param_grad: this tensor is not one of the optimizer's params")
+        self.wait_params()
+        return self._reducer.full_grad(name, self._gather_how)
+
+    def close(self) -> None:
+        """Finish pending param gathers, remove the facade's hooks from the model (also on garbage collection)."""
+        try:
+            self.wait_params()
+        finally:
+            self._reducer.close()
+            if self._prefetch is not None:
+                self._prefetch.close()
+
+    def __del__(self) -> None:
+        if sys.is_finalizing():
+            # Interpreter teardown: the model's tensors may be half torn down already, and
+            # writing pending gathers into them aborts the process (a torch internal assert
+            # in THPVariable_clear). Nobody reads the params any more: leave everything.
+            return
+        with contextlib.suppress(Exception):
+            self.close()
+
+    def wait_params(self) -> None:
+        """Complete the param gathers the last ``step`` left in flight (``overlap_allgather``).
+
+        After it, every param holds its updated value. Needed only before reading params
+        outside the model's forward (evaluation through another function, logging
+        ``p.data``); without ``overlap_allgather``, or when nothing is pending, it returns
+        at once. Not a collective: the peers launched their side of the gathers in their
+        own ``step``.
+        """
+        if self._prefetch is not None:
+            self._prefetch.wait()
+
+    # ------------------------------------------------------------------ step
+
+    def _current_optimizer(self) -> optim.Optimizer:
+        """The functional optimizer with the hyperparameters now in ``param_groups``."""
+        fopt, self._hp_cache = torch_optim.with_live_hyperparams(
+            self._state.optimizer, self.param_groups, self._hp_cache
+        )
+        return fopt
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        """Unscale, clip, update this rank's shards and write the gathered params into the model.
+
+        A step whose gradients are not finite on any rank is skipped on every rank (and
+        the dynamic loss scale backs off), or, with ``nonfinite="raise"``, every rank
+        raises :class:`~zerofn.precision.NonFiniteGradError`; either way the gradients
+        of the step are dropped and the optimizer state is untouched.
+
+        ``step`` consumes the reduced gradients, as ZeRO implementations do: the next
+        ``backward`` starts from zero whether or not ``zero_grad`` is called (plain torch
+        would keep accumulating into ``p.grad``).
+
+        Params are the user's: a param written outside the facade since its last write
+        (``model.load_state_dict``, ``p.copy_``, in-place ops under ``no_grad``) is noticed here,
+        before the write-back could revert it, and its masters take the written values on
+        every rank, so the step trains what the user loaded (as with DDP + torch.optim).
+        Changes the optimizer cannot follow (a param moved, cast or replaced; ranks that
+        changed different things) raise :class:`~zerofn.facade._guards.ParamsChangedError`
+        on every rank. Writes through ``p.data`` are not seen: call :meth:`check_params`
+        after them. See :mod:`zerofn.facade._guards`.
+
+        Collectives: one scalar all-reduce (norm, overflow flag, and whether any rank's
+        params changed) and the bucketed gather of the params; only when params changed,
+        one object all-gather of what changed and a second scalar all-reduce.
+        """
+        if closure is not None:
+            raise ValueError("ZeroOptimizer.step does not take a closure")
+        self.wait_params()  # the last step's gathers, if no forward has written them
+        self._guard.check_structure("ZeroOptimizer.step")  # before reduce_local reads moved/cast grads
+        self._reducer.reduce_local()  # e.g. stage 1 after a plain loss.backward()
+        if not self._reducer.shards:
+            raise RuntimeError(
+                "ZeroOptimizer.step: no gradients since the last step or zero_grad(). Call "
+                "optimizer.backward(loss) (or loss.backward()) outside no_sync() before step()."
+            )
+        old_scale = self._state.loss_scale.scale
+        new_state, info = self._step_shards(self._guard.inspect())
+        self._last_info = info
+        self._state = new_state
+        if info.skipped:
+            if self._verbose:
+                scales = old_scale, new_state.loss_scale.scale
+                log.info(
+                    "zerofn: non-finite gradient (norm %s); step skipped, loss scale %s -> %s", info.grad_norm, *scales
+                )
+            return
+        if self._prefetch is not None:  # written into the params by the next forward (or wait_params)
+            self._prefetch.launch(new_state)
+            return
+        # The layout and bucket size were confirmed on every rank at construction.
+        gather_params(
+            new_state,
+            self._group,
+            bucket_numel=self._bucket_numel,
+            policy=self._comm_policy,
+            out=self._params,
+            check=False,
+        )
+        self._guard.record()
+
+    # ------------------------------------------------------------------ params are the user's
+
+    def _step_shards(self, veto: dict[str, Any] | None) -> tuple[ZeroState, StepInfo]:
+        """``step_shards`` on the reduced shards, with this rank's report of changed params as its veto.
+
+        Without changes (the common case) this is one ``step_shards`` call. If any rank saw
+        its params changed, ``step_shards`` applies nothing and every rank gets every rank's
+        report (in the all-gather it makes for that); all decide alike
+        (:func:`~._guards.params_verdict`): the masters follow the changed params, and the
+        step runs again (one more scalar all-reduce), or every rank raises
+        :class:`~._guards.ParamsChangedError` with the gradients kept for a later ``step``.
+        """
+        state = self._state.replace(optimizer=self._current_optimizer())
+        shards = self._reducer.take_shards()
+        try:
+            return step_shards(
+                state, shards, self._group, self._max_norm, norm_type=self._norm_type, donate=True, veto=veto
+            )
+        except StepVetoed as e:
+            self._reducer.shards = shards  # nothing was applied: they wait for the step that follows
+            adopt = _guards.params_verdict(e.vetoes, self._state.layout.names)  # type: ignore[arg-type]
+        # ``state`` carries the live hyperparameters (cached by _current_optimizer): keep it.
+        self._state = _guards.adopt_params(state, self._params, adopt)
+        self._guard.record()
+        return self._step_shards(None)
+
+    def _params_written(self) -> None:
+        """The facade has just written every param (e.g. a checkpoint's weights): its write, not the user's."""
+        self._guard.record()
+
+    def check_params(self) -> list[str]:
+        """Find params written without moving their version counter, and make the masters follow them.
+
+        ``step`` notices every write that moves a param's version counter
+        (``model.load_state_dict``, ``p.copy_``, in-place ops under ``no_grad``). Writes through
+        ``p.data`` (``p.data.copy_(x)``, ``p.data.clamp_(-c, c)``) do not move it: call this after
+        such code. It compares, bitwise, each param's part on this rank with the master
+        rounded to the working dtype and takes the params that differ on any rank (as
+        ``step`` does, see :mod:`zerofn.facade._guards` for the precision rule).
+
+        Returns:
+          The names of the params whose masters were updated (the same on every rank).
+
+        Raises:
+          ParamsChangedError: on every rank, when the ranks' params are not equal (nothing changed).
+
+        Collectives: one object all-gather of each rank's differing names and a digest of
+        every param (each rank hashes all its params: O(params) work, not for every step).
+        With ``overlap_allgather`` it first completes the pending gathers (``wait_params``).
+        """
+        self.wait_params()
+        reports = comm.all_gather_objects(_guards.byte_report(self._state, self._params), self._group)
+        adopt = _guards.byte_verdict(reports, self._state.layout.names)  # type: ignore[arg-type]
+        self._state = _guards.adopt_params(self._state, self._params, adopt)
+        self._guard.record()
+        return adopt
+
+    def update_master_params(self, model: torch.nn.Module | None = None) -> None:
+        """Make the masters follow the model's current params (after editing weights); every rank calls it.
+
+        For float32 params with float32 masters the masters become the params exactly; with
+        bf16/fp16 params, master elements that still round to the param keep their extra
+        precision and the others take the param's value (:mod:`zerofn.facade._guards`).
+        The optimizer state is kept, as torch keeps it when weights are loaded.
+
+        Raises:
+          ParamsChangedError: on every rank, when the ranks' params are not equal (nothing changed).
+
+        Collectives: as :meth:`check_params`, which it is.
+        """
+        del model  # the facade already holds the model's param tensors
+        self.check_params()
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise NotImplementedError("ZeroOptimizer: param groups are fixed at construction (the layout is sharded)")
+
+    def __repr__(self) -> str:
+        layout = self._state.layout
+        return (
+            f"ZeroOptimizer(stage={self._stage}, optimizer={self._state.optimizer.name}, params={len(layout)}, "
+            f"world_size={layout.world_size}, bucket_numel={self._bucket_numel}, overlap={self._overlap})"
+        )
