@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from zerofn import comm, optim, torch_optim
+from zerofn import _state_dict_checks, comm, optim, torch_optim
 from zerofn._tree import FrozenDict
 from zerofn.buckets import cut_shard, launch_gather, pack_shards, unpack_rows
 from zerofn.comm import Group
@@ -49,7 +49,7 @@ from zerofn.precision import PrecisionPolicy
 from zerofn.stages import DEFAULT_BUCKET_NUMEL
 from zerofn.state import DEFAULT_POLICY, ZeroState
 
-__all__ = ["CheckpointError", "full_state_dict", "load", "save", "shard_state_dict"]
+__all__ = ["CheckpointError", "full_state_dict", "load", "raise_alike", "save", "shard_state_dict"]
 
 FORMAT_VERSION = 1
 META_FILE = "zerofn.json"
@@ -57,6 +57,30 @@ META_FILE = "zerofn.json"
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, corrupt, or does not fit the model."""
+
+
+def raise_alike(failure: Exception | None, groups: tuple[Group, ...], where: str) -> None:
+    """Every rank learns every rank's verdict; if any rank failed, every rank raises.
+
+    This rank raises its own error; the others a :class:`CheckpointError` naming the rank
+    that failed and why. Called before anything has changed, so no rank has.
+
+    Collectives: one object all-gather (``None`` or the error text) per group of size > 1.
+    """
+    for group in groups:
+        if comm.group_size(group) == 1:
+            continue
+        everyone = comm.all_gather_objects(None if failure is None else f"{type(failure).__name__}: {failure}", group)
+        if failure is not None:
+            raise failure
+        bad = next(((r, why) for r, why in enumerate(everyone) if why is not None), None)
+        if bad is not None:
+            raise CheckpointError(
+                f"{where}: rank {bad[0]} of the group could not load it ({bad[1]}), so no rank did; every rank "
+                "must load the same checkpoint"
+            )
+    if failure is not None:
+        raise failure
 
 
 # --------------------------------------------------------------------------- per-param view
@@ -294,6 +318,39 @@ def _layout_and_masters(
     return layout, {s.name: cut_shard(like[s.name].to(master_dtype), s, rank) for s in layout.params}
 
 
+def _check_version(zmeta: Mapping[str, Any]) -> None:
+    version = zmeta.get("version", FORMAT_VERSION)  # entries written before versioning are version 1
+    if version != FORMAT_VERSION:
+        raise CheckpointError(
+            f"the state dict's zerofn entry has format version {version!r}; this zerofn reads version "
+            f"{FORMAT_VERSION}: load it with the zerofn release that wrote it"
+        )
+
+
+def _saved_optimizer(zmeta: Mapping[str, Any] | None) -> optim.Optimizer:
+    """The optimizer a zerofn state dict names (for validation before the real one is rebuilt)."""
+    if zmeta is None:
+        raise CheckpointError(
+            "this is a plain torch optimizer state dict: pass optimizer=zf.optim.adamw(...) (or the "
+            "matching factory) so zerofn knows which update rule the state belongs to"
+        )
+    return _optimizer_for([], lambda idx: [], zmeta, None)
+
+
+def _loaded_value(key: str, value: Any, spec: ParamSpec, rank: int, master: torch.Tensor) -> Any:
+    """One validated state value, as this rank keeps it.
+
+    Per-element state: this rank's shard, cast to the master's dtype (torch casts loaded
+    state to its param's dtype; zerofn's optimizer steps the master shard). ``step``: a 0-d
+    float32 tensor, as torch creates it. Other scalars: copies.
+    """
+    if _is_per_element(key, value, spec):
+        return cut_shard(value, spec, rank, dtype=master.dtype, device=master.device)
+    if key == "step":
+        return torch.as_tensor(value, dtype=torch.float32).detach().clone()
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
 def shard_state_dict(
     full: Mapping[str, Any],
     like: ShardLayout | Mapping[str, torch.Tensor],
@@ -302,6 +359,7 @@ def shard_state_dict(
     optimizer: optim.Optimizer | None = None,
     master_dtype: torch.dtype = torch.float32,
     policy: PrecisionPolicy | None = None,
+    group_sizes: list[int] | None = None,
 ) -> ZeroState:
     """A ZeroState for this rank, at the group's world size, from a full state dict.
 
@@ -316,6 +374,14 @@ def shard_state_dict(
       master_dtype: master dtype when the masters come from ``like``'s params.
       policy: the precision policy of the run that continues (loss scaler, dtypes); the
         saved loss-scale state is restored into it.
+      group_sizes: params per param group of the optimizer loading it, when known (the
+        facade passes its own): the state dict must have the same grouping.
+
+    Raises:
+      CheckpointError: before anything is built, when the state dict does not fit: another
+        model (param shapes), another optimizer (state keys), another grouping, state that
+        is one rank's shard, missing or invalid hyperparameters, or a zerofn entry of an
+        unknown format version. The message names the param, key and shapes.
 
     Returns:
       The ZeroState; masters from ``full["zerofn"]["master"]`` when present, else ``like``.
@@ -323,16 +389,20 @@ def shard_state_dict(
     Collectives: none (every rank cuts its own shards out of ``full``).
     """
     layout, masters_from_params = _layout_and_masters(like, group, master_dtype)
-    zmeta = full.get("zerofn")
-    saved_groups = list(full["param_groups"])
-    count = sum(len(g["params"]) for g in saved_groups)
+    zmeta = full.get("zerofn") if isinstance(full, Mapping) else None
     if zmeta is not None:
+        _check_version(zmeta)
         _check_fits(zmeta, layout)
         order: list[str] = list(zmeta["names"])
     else:
-        if count != len(layout):
-            raise CheckpointError(f"the state dict has {count} params in its param_groups, the model {len(layout)}")
         order = list(layout.names)
+    # Everything is checked before anything is built: a failed load changes nothing.
+    problem = _state_dict_checks.state_dict_problem(
+        full, layout, order, optimizer or _saved_optimizer(zmeta), group_sizes=group_sizes
+    )
+    if problem is not None:
+        raise CheckpointError(f"cannot load this optimizer state dict: {problem}")
+    saved_groups = list(full["param_groups"])
     flat_indices = [i for g in saved_groups for i in g["params"]]
     name_of = dict(zip(flat_indices, order, strict=True))
     fopt = _optimizer_for(saved_groups, lambda idx: [name_of[i] for i in idx], zmeta, optimizer)
@@ -343,17 +413,13 @@ def shard_state_dict(
         master = masters_from_params
     else:
         raise CheckpointError("the state dict holds no master weights: pass the params as `like`")
-    device = next(iter(master.values())).device
     entries: dict[str, dict[str, Any]] = {}
     for idx, per in full["state"].items():
         name = name_of[int(idx)]
         spec = layout[name]
-        entries[name] = {
-            k: cut_shard(v, spec, rank, device=device)
-            if _is_per_element(k, v, spec)
-            else (v.clone() if isinstance(v, torch.Tensor) else v)
-            for k, v in per.items()
-        }
+        if not spec.holds(rank):
+            continue  # a whole param another rank owns: its state lives there
+        entries[name] = {k: _loaded_value(k, v, spec, rank, master[name]) for k, v in per.items()}
     master_fd = FrozenDict({s.name: master[s.name] for s in layout.params})
     opt_state = _from_per_param(fopt, master_fd, entries)
     step = (
@@ -400,7 +466,7 @@ def save(
     params: Mapping[str, torch.Tensor] | None = None,
     replicate_group: Group = None,
     _before_commit: Callable[[], None] | None = None,
-) -> str | None:
+) -> str:
     """Write a sharded, world-size-free checkpoint of ``state`` (and ``params``) to ``path``.
 
     Each rank writes only its shards (DCP); replicated values (model ``params``, step
@@ -417,14 +483,17 @@ def save(
         writes, the others wait for the commit. Every rank of the world calls ``save``.
 
     Returns:
-      The directory the checkpoint was written to (``None`` on ranks that only waited).
+      The committed directory the checkpoint was written to, on every rank (replicas
+      included), so ``load(save(path, ...), ...)`` works everywhere.
 
     Collectives: a broadcast of the directory name, DCP's plan exchange, two barriers
-    (within ``group``); with replicas one more barrier over ``replicate_group``.
+    (within ``group``); with replicas one more broadcast of the committed directory's
+    name over ``replicate_group``.
     """
     if replicate_group is not None and comm.group_rank(replicate_group) != 0:
-        comm.barrier(replicate_group)  # a replica: the first shard group writes the same shards
-        return None
+        # A replica: the first shard group writes the same shards; this broadcast returns
+        # once the checkpoint is committed, with the directory it went to.
+        return str(comm.broadcast_object(None, replicate_group))
     path = os.path.abspath(os.fspath(path))
     if os.path.isdir(path) and not os.path.islink(path):
         raise CheckpointError(f"{path} is a plain directory; zerofn manages checkpoint paths as symlinks")
@@ -493,7 +562,7 @@ def save(
             shutil.rmtree(previous, ignore_errors=True)
     comm.barrier(group)
     if replicate_group is not None:
-        comm.barrier(replicate_group)  # release the replicas: the checkpoint is committed
+        comm.broadcast_object(target, replicate_group)  # release the replicas: the checkpoint is committed
     return target
 
 
@@ -550,12 +619,25 @@ def load(
     Collectives: DCP's plan exchange; each rank reads the pieces its shards overlap.
     """
     path = os.path.abspath(os.fspath(path))
-    meta = _read_meta(path, verify)
-    layout, _ = _layout_and_masters(like, group, torch.float32)
-    zmeta = {k: meta[k] for k in ("names", "shapes", "dtypes")}
-    _check_fits(zmeta, layout)
-    if params_out is not None and meta["model"] is None:
-        raise CheckpointError(f"{path} holds no model weights (saved without params=)")
+    # Everything that can be checked before reading a tensor is, and every rank learns every
+    # rank's verdict before DCP's collectives start: a rank that cannot load makes all raise.
+    try:
+        meta = _read_meta(path, verify)
+        layout, _ = _layout_and_masters(like, group, torch.float32)
+        _check_fits({k: meta[k] for k in ("names", "shapes", "dtypes")}, layout)
+        if params_out is not None and meta["model"] is None:
+            raise CheckpointError(f"{path} holds no model weights (saved without params=)")
+        names_of = {n: [n] for n in layout.names}
+        fopt = _optimizer_for(
+            [{**g, "params": g["params"]} for g in meta["param_groups"]],
+            lambda names: [m for n in names for m in names_of[n]],
+            {"optimizer": meta["optimizer"]},
+            optimizer,
+        )
+        failure: Exception | None = None
+    except (CheckpointError, KeyError, TypeError, ValueError) as e:
+        failure = e if isinstance(e, CheckpointError) else CheckpointError(f"{path}: unreadable metadata ({e!r})")
+    raise_alike(failure, (group,), "zerofn.checkpoint.load")
     rank = comm.group_rank(group)
     device = next(iter(like.values())).device if isinstance(like, Mapping) else torch.device("cpu")
     mesh = comm.device_mesh(group, device.type)
@@ -579,32 +661,41 @@ def load(
             else:
                 value = json.loads(rest)
             entries[spec.name][key] = value
+    # The model's weights are read into new tensors and copied into ``params_out`` only once
+    # every rank has read and checked everything: a failed load leaves the model as it was
+    # (the cost: one more copy of the model's weights for the duration of the load).
+    staged: dict[str, torch.Tensor] = {}
     if params_out is not None:
         for name in meta["model"]:
-            sd[f"model/{name}"] = params_out[name].detach()
+            staged[name] = torch.empty_like(params_out[name].detach())
+            sd[f"model/{name}"] = staged[name]
+    state: ZeroState | None = None
     try:
         comm.dcp_load(sd, path, group)
+        for key, value in sd.items():  # scalars may be replaced rather than filled in place
+            if key.startswith("optim/") and isinstance(value, torch.Tensor) and value.dim() == 0:
+                _, name, field = key.split("/", 2)
+                entries[name][field] = value
+        master_fd = FrozenDict(master)
+        state = ZeroState(
+            layout,
+            fopt,
+            rank,
+            master_fd,
+            _from_per_param(fopt, master_fd, {n: e for n, e in entries.items() if e}),
+            meta["step"],
+            policy=policy or DEFAULT_POLICY,
+        )
+        failure = None
+    except CheckpointError as e:
+        failure = e
     except Exception as e:  # DCP wraps per-rank failures; say which checkpoint and why
-        raise CheckpointError(f"{path}: reading the shards failed: {e}") from e
-    for key, value in sd.items():  # scalars may be replaced rather than filled in place
-        if key.startswith("optim/") and isinstance(value, torch.Tensor) and value.dim() == 0:
-            _, name, field = key.split("/", 2)
-            entries[name][field] = value
-    names_of = {n: [n] for n in layout.names}
-    fopt = _optimizer_for(
-        [{**g, "params": g["params"]} for g in meta["param_groups"]],
-        lambda names: [m for n in names for m in names_of[n]],
-        {"optimizer": meta["optimizer"]},
-        optimizer,
-    )
-    master_fd = FrozenDict(master)
-    state = ZeroState(
-        layout,
-        fopt,
-        rank,
-        master_fd,
-        _from_per_param(fopt, master_fd, {n: e for n, e in entries.items() if e}),
-        meta["step"],
-        policy=policy or DEFAULT_POLICY,
-    )
+        failure = CheckpointError(f"{path}: reading the shards failed: {e}")
+        failure.__cause__ = e
+    raise_alike(failure, (group,), "zerofn.checkpoint.load")
+    assert state is not None
+    if staged:
+        with torch.no_grad():  # params_out may be leaf params that require grad
+            for name, value in staged.items():
+                params_out[name].copy_(value)  # type: ignore[index]
     return _with_loss_scale(state, meta.get("loss_scale"))

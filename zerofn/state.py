@@ -21,6 +21,15 @@ DEFAULT_POLICY = PrecisionPolicy(mixed_dtypes="keep")
 NO_LOSS_SCALE = LossScaleState(1.0, 0, 0)
 
 
+_NOT_A_DICT = (
+    "optimizer.state is a zerofn.ZeroState, not torch's dict param -> {key: tensor}: each rank holds only its "
+    "shards of the optimizer state. For the whole state in torch's format use optimizer.state_dict()['state'] "
+    "(entries by param index, as torch numbers them; a collective: call it on every rank). For this rank's "
+    "shards read the ZeroState's fields: state.opt_state (e.g. state.opt_state.exp_avg[name]), "
+    "state.master[name], state.step, with the names in state.layout.names"
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class ZeroState:
     """One rank's ZeRO state: its master shards, optimizer-state shards and loss scale.
@@ -62,6 +71,29 @@ class ZeroState:
 
     def replace(self, **changes: Any) -> ZeroState:
         return dataclasses.replace(self, **changes)
+
+    # A torch optimizer's ``state`` is a dict param -> {key: tensor}; code ported from one
+    # (``opt.state[p]["exp_avg"]``, ``for s in opt.state.values()``) gets told where to look.
+    def __getitem__(self, key: Any) -> Any:
+        raise TypeError(_NOT_A_DICT)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        raise TypeError(_NOT_A_DICT)
+
+    def __contains__(self, key: Any) -> bool:
+        raise TypeError(_NOT_A_DICT)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        raise TypeError(_NOT_A_DICT)
+
+    def keys(self) -> Any:
+        raise TypeError(_NOT_A_DICT)
+
+    def values(self) -> Any:
+        raise TypeError(_NOT_A_DICT)
+
+    def items(self) -> Any:
+        raise TypeError(_NOT_A_DICT)
 
     @property
     def nbytes(self) -> int:
