@@ -212,7 +212,12 @@ def _check_hyperparams(name: str, hp: Mapping[str, Any]) -> None:
     for key in ("lr", "weight_decay", "momentum", "dampening", "eps"):
         if key in hp:
             value = hp[key]
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            # Adafactor's eps is a pair (eps1 or None, eps2): each part obeys the same rule.
+            parts = value if key == "eps" and isinstance(value, (tuple, list)) else (value,)
+            if not all(
+                (p is None and len(parts) > 1) or (isinstance(p, (int, float)) and math.isfinite(p) and p >= 0)
+                for p in parts
+            ):
                 raise ValueError(f"zerofn.optim.{name}: {key} must be a finite number >= 0, got {value!r}")
     if "betas" in hp:
         betas = hp["betas"]
