@@ -30,6 +30,7 @@ any tensor, and raises :class:`CheckpointError` naming what is wrong.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -89,9 +90,14 @@ def raise_alike(failure: Exception | None, groups: tuple[Group, ...], where: str
 def _per_param(opt_state: Any, names: tuple[str, ...]) -> dict[str, dict[str, Any]]:
     """An optimizer state as torch keeps it: name -> {key: value}, params without state omitted."""
     out: dict[str, dict[str, Any]] = {}
+    if isinstance(opt_state, optim.PartitionState):
+        for sub in opt_state.states:
+            out.update(_per_param(sub, names))
+        return {n: out[n] for n in names if n in out}
+    # A rank keeps state only for what it holds: whole params of other ranks are absent.
     if isinstance(opt_state, optim.AdamState):
         for n in names:
-            if int(opt_state.step[n]) == 0:
+            if n not in opt_state.step or int(opt_state.step[n]) == 0:
                 continue  # torch creates Adam state lazily, at a param's first step
             entry = {"step": opt_state.step[n], "exp_avg": opt_state.exp_avg[n], "exp_avg_sq": opt_state.exp_avg_sq[n]}
             if n in opt_state.max_exp_avg_sq:
@@ -99,11 +105,11 @@ def _per_param(opt_state: Any, names: tuple[str, ...]) -> dict[str, dict[str, An
             out[n] = entry
     elif isinstance(opt_state, optim.SGDState):
         for n in names:
-            if opt_state.momentum_buffer[n] is not None:
+            if opt_state.momentum_buffer.get(n) is not None:
                 out[n] = {"momentum_buffer": opt_state.momentum_buffer[n]}
     elif isinstance(opt_state, torch_optim.TorchOptimState):
         for n in names:
-            if len(opt_state.per_param[n]):
+            if len(opt_state.per_param.get(n, ())):
                 out[n] = dict(opt_state.per_param[n])
     else:
         raise TypeError(f"zerofn.checkpoint: unknown optimizer state type {type(opt_state).__name__}")
@@ -112,6 +118,16 @@ def _per_param(opt_state: Any, names: tuple[str, ...]) -> dict[str, dict[str, An
 
 def _from_per_param(optimizer: optim.Optimizer, master: Mapping[str, torch.Tensor], entries: Mapping[str, dict]) -> Any:
     """The optimizer state for ``master`` shards with torch-style ``entries`` filled in."""
+    if optimizer.parts:  # a partition: each part's state over its own names
+        sub_masters: list[dict[str, torch.Tensor]] = [{} for _ in optimizer.parts]
+        for n, t in master.items():
+            sub_masters[optimizer.part_index(n)][n] = t
+        return optim.PartitionState(
+            tuple(
+                _from_per_param(part, FrozenDict(sub), {n: e for n, e in entries.items() if n in sub})
+                for (_, part), sub in zip(optimizer.parts, sub_masters, strict=True)
+            )
+        )
     fresh = optimizer.init(master)
     if isinstance(fresh, optim.AdamState):
         fields = {f: dict(getattr(fresh, f)) for f in optim.AdamState._fields}
@@ -188,9 +204,38 @@ def _group_plan(optimizer: optim.Optimizer, names: tuple[str, ...]) -> list[tupl
     return [(groups[i], dict(optimizer.hyperparams(groups[i][0]))) for i in sorted(groups)]
 
 
+def _cpu_copy(v: Any) -> Any:
+    return v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v
+
+
+def _gather_whole(
+    state: ZeroState, entries: Mapping[str, Mapping[str, Any]], group: Group
+) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
+    """Every whole param's master and optimizer state, from its owner, on every rank (CPU copies).
+
+    Collectives: one object all-gather over ``group`` (each rank sends what it owns).
+    """
+    mine = {
+        s.name: (
+            state.master[s.name].detach().cpu().clone(),
+            {k: _cpu_copy(v) for k, v in entries.get(s.name, {}).items()},
+        )
+        for s in state.layout.params
+        if s.is_whole and s.holds(state.rank)
+    }
+    masters: dict[str, torch.Tensor] = {}
+    states: dict[str, dict[str, Any]] = {}
+    for theirs in comm.all_gather_objects(mine, group):
+        for name, (master, entry) in theirs.items():  # type: ignore[union-attr]
+            masters[name] = master
+            if entry:
+                states[name] = entry
+    return masters, states
+
+
 def full_state_dict(
     state: ZeroState, group: Group = None, *, bucket_numel: int = DEFAULT_BUCKET_NUMEL
-) -> dict[str, Any]:
+) -> dict[str, Any] | list[dict[str, Any]]:
     """The whole optimizer state in ``torch.optim.Optimizer.state_dict()`` format, on every rank.
 
     Params are numbered in param-group order (as torch does); ``param_groups`` carry the
@@ -198,29 +243,74 @@ def full_state_dict(
     ``dtypes``, ``master`` (name -> full master weights), ``step``, ``loss_scale`` and
     ``optimizer`` (the functional optimizer's name and torch class).
 
-    Collectives: bucketed all-gathers of every shard-shaped state field and the masters.
+    Whole params (placement ``"whole"``) come from their owners with the state's real
+    shapes (Muon's ``momentum_buffer`` shaped like the param, Adafactor's ``row_var`` of
+    an ``(m, n)`` matrix ``(m, 1)``), so the dict loads into the plain torch class.
+
+    For a :func:`zerofn.optim.partition` the result is a list: one such dict per part, in
+    part order, each numbering only that part's params (each loads into the matching
+    plain torch optimizer built over those params in order).
+
+    Collectives: bucketed all-gathers of every shard-shaped state field and the masters of
+    the split params; with whole params one object all-gather of the owners' state.
     """
     layout = state.layout
-    plan = _group_plan(state.optimizer, layout.names)
-    ordered = [n for names, _ in plan for n in names]
-    index = {n: i for i, n in enumerate(ordered)}
     entries = _per_param(state.opt_state, layout.names)
-    keys = sorted({k for e in entries.values() for k, v in e.items() if _is_sharded(v)})
+    split = {n for n in layout.names if not layout[n].is_whole}
+    keys = sorted({k for n, e in entries.items() if n in split for k, v in e.items() if _is_sharded(v)})
     gathered = {
-        k: _gather_full({n: e[k] for n, e in entries.items() if k in e}, layout, group, bucket_numel) for k in keys
+        k: _gather_full({n: e[k] for n, e in entries.items() if n in split and k in e}, layout, group, bucket_numel)
+        for k in keys
     }
-    master = _gather_full(dict(state.master), layout, group, bucket_numel)
-    torch_state: dict[int, dict[str, Any]] = {}
-    for n in ordered:
-        if n not in entries:
-            continue
-        torch_state[index[n]] = {
-            k: gathered[k][n] if _is_sharded(v) else (v.clone() if isinstance(v, torch.Tensor) else v)
-            for k, v in entries[n].items()
-        }
+    master = _gather_full({n: t for n, t in state.master.items() if n in split}, layout, group, bucket_numel)
+    full_entries: dict[str, dict[str, Any]] = {
+        n: {k: gathered[k][n] if _is_sharded(v) else _cpu_copy(v) for k, v in e.items()}
+        for n, e in entries.items()
+        if n in split
+    }
+    if layout.has_whole:
+        whole_masters, whole_entries = _gather_whole(state, entries, group)
+        master.update(whole_masters)
+        full_entries.update(whole_entries)
+    if state.optimizer.parts:
+        names_of: list[list[str]] = [[] for _ in state.optimizer.parts]
+        for n in layout.names:
+            names_of[state.optimizer.part_index(n)].append(n)
+        return [
+            _torch_format(state, part, names, full_entries, master)
+            for (_, part), names in zip(state.optimizer.parts, names_of, strict=True)
+        ]
+    return _torch_format(state, state.optimizer, layout.names, full_entries, master)
+
+
+@functools.lru_cache(maxsize=64)
+def _torch_defaults(cls: type[torch.optim.Optimizer], given: tuple[tuple[str, Any], ...]) -> dict[str, Any]:
+    """Every hyperparameter a param group of ``cls`` carries (torch's own state dicts have them all,
+    and torch's ``step`` reads them), for a group built with ``given``."""
+    instance = cls([torch.zeros(2, 2, requires_grad=True)], **dict(given))
+    group: dict[str, Any] = {"params": []}
+    instance.__setstate__({"state": {}, "param_groups": [group]})  # keys later torch releases added
+    return {**instance.defaults, **{k: v for k, v in group.items() if k != "params"}}
+
+
+def _torch_format(
+    state: ZeroState,
+    optimizer: optim.Optimizer,
+    names: tuple[str, ...] | list[str],
+    full_entries: Mapping[str, Mapping[str, Any]],
+    master: Mapping[str, torch.Tensor],
+) -> dict[str, Any]:
+    """One torch-format state dict over ``names`` (full tensors), with its ``"zerofn"`` entry."""
+    layout = state.layout
+    plan = _group_plan(optimizer, tuple(names))
+    if optimizer.name not in ("sgd", "adam", "adamw"):  # a torch class driven as-is: its full defaults
+        base = _torch_defaults(optimizer.torch_class, tuple(sorted(optimizer.defaults.items(), key=lambda kv: kv[0])))
+        plan = [(group_names, {**base, **hp}) for group_names, hp in plan]
+    ordered = [n for group_names, _ in plan for n in group_names]
+    index = {n: i for i, n in enumerate(ordered)}
     return {
-        "state": torch_state,
-        "param_groups": [{**hp, "params": [index[n] for n in names]} for names, hp in plan],
+        "state": {index[n]: dict(full_entries[n]) for n in ordered if n in full_entries},
+        "param_groups": [{**hp, "params": [index[n] for n in group_names]} for group_names, hp in plan],
         "zerofn": {
             "version": FORMAT_VERSION,
             "names": ordered,
@@ -229,7 +319,7 @@ def full_state_dict(
             "master": {n: master[n] for n in ordered},
             "step": state.step,
             "loss_scale": _loss_scale_to_dict(state),
-            "optimizer": {"name": state.optimizer.name, "torch_class": state.optimizer.torch_class.__name__},
+            "optimizer": {"name": optimizer.name, "torch_class": optimizer.torch_class.__name__},
         },
     }
 
@@ -263,6 +353,11 @@ def _optimizer_for(
                 "matching factory) so zerofn knows which update rule the state belongs to"
             )
         info = zmeta["optimizer"]
+        if info["name"] == "partition":
+            raise CheckpointError(
+                "this checkpoint was saved from a zf.optim.partition: pass the same partition as optimizer= "
+                "(zerofn cannot rebuild the parts' selectors from a checkpoint)"
+            )
         factories = {"sgd": optim.sgd, "adam": optim.adam, "adamw": optim.adamw}
         if info["name"] in factories:
             optimizer = factories[info["name"]]()
@@ -306,16 +401,28 @@ def _check_fits(zmeta: Mapping[str, Any], layout: ShardLayout) -> None:
 
 
 def _layout_and_masters(
-    like: ShardLayout | Mapping[str, torch.Tensor], group: Group, master_dtype: torch.dtype
+    like: ShardLayout | Mapping[str, torch.Tensor],
+    group: Group,
+    master_dtype: torch.dtype,
+    optimizer: optim.Optimizer | None = None,
 ) -> tuple[ShardLayout, dict[str, torch.Tensor] | None]:
+    """The layout to load into (this group's size) and, from params, this rank's masters.
+
+    Placements: a layout's own (owners re-planned for another world size), else what
+    ``optimizer`` needs for the params (:func:`zerofn.stages.resolve_placement`).
+    """
+    from zerofn.stages import resolve_placement  # stages imports nothing from here; keep it so
+
     n = comm.group_size(group)
     if isinstance(like, ShardLayout):
         if like.world_size != n:
-            return make_layout(dict(zip(like.names, like.params, strict=True)), n), None
+            placement = {p.name: p.placement for p in like.params}
+            return make_layout(dict(zip(like.names, like.params, strict=True)), n, placement=placement), None
         return like, None
-    layout = make_layout(like, n)
+    placement = resolve_placement(like, optimizer) if optimizer is not None else None
+    layout = make_layout(like, n, placement=placement)
     rank = comm.group_rank(group)
-    return layout, {s.name: cut_shard(like[s.name].to(master_dtype), s, rank) for s in layout.params}
+    return layout, {s.name: cut_shard(like[s.name].to(master_dtype), s, rank) for s in layout.params if s.holds(rank)}
 
 
 def _check_version(zmeta: Mapping[str, Any]) -> None:
@@ -352,7 +459,7 @@ def _loaded_value(key: str, value: Any, spec: ParamSpec, rank: int, master: torc
 
 
 def shard_state_dict(
-    full: Mapping[str, Any],
+    full: Mapping[str, Any] | list[Mapping[str, Any]],
     like: ShardLayout | Mapping[str, torch.Tensor],
     group: Group = None,
     *,
@@ -365,7 +472,8 @@ def shard_state_dict(
 
     Args:
       full: from :func:`full_state_dict` (any world size) or a plain torch optimizer's
-        ``state_dict()``.
+        ``state_dict()``; for a :func:`zerofn.optim.partition`, the list of one such
+        dict per part (``optimizer`` required: the partition itself).
       like: the params (name -> tensor, in the order the torch optimizer listed them) or
         a :class:`ShardLayout` (then the masters must come from ``full["zerofn"]``).
       group: the sharding group; the state is sharded over its size.
@@ -388,29 +496,122 @@ def shard_state_dict(
 
     Collectives: none (every rank cuts its own shards out of ``full``).
     """
-    layout, masters_from_params = _layout_and_masters(like, group, master_dtype)
+    if isinstance(full, (list, tuple)):
+        return _shard_state_dicts(
+            full,
+            like,
+            group,
+            optimizer=optimizer,
+            master_dtype=master_dtype,
+            policy=policy,
+            group_sizes=group_sizes,
+        )
     zmeta = full.get("zerofn") if isinstance(full, Mapping) else None
+    if isinstance(zmeta, Mapping):
+        _check_version(zmeta)
+    placed_by = optimizer or _saved_optimizer(zmeta if isinstance(zmeta, Mapping) else None)
+    layout, masters_from_params = _layout_and_masters(like, group, master_dtype, placed_by)
+    rank = comm.group_rank(group)
+    fopt, master, entries, zmeta = _load_one(
+        full, layout, layout.names, optimizer, rank, masters_from_params, group_sizes=group_sizes
+    )
+    master_fd = FrozenDict({s.name: master[s.name] for s in layout.params if s.holds(rank)})
+    opt_state = _from_per_param(fopt, master_fd, entries)
+    step = (
+        int(zmeta["step"]) if zmeta is not None else max((int(e.get("step", 0)) for e in entries.values()), default=0)
+    )
+    state = ZeroState(layout, fopt, rank, master_fd, opt_state, step, policy=policy or DEFAULT_POLICY)
+    return _with_loss_scale(state, zmeta.get("loss_scale") if zmeta else None)
+
+
+# Torch classes whose constructor refuses any param that is not 2-D. The general checks
+# (zerofn._state_dict_checks) probe hyperparameters on a 1-D param, which these refuse, so
+# their state dicts are checked here with the same declarations on the params' own shapes.
+_MATRIX_ONLY = frozenset({"Muon"})
+
+
+def _matrix_only_problem(
+    full: Mapping[str, Any], layout: ShardLayout, order: list[str], optimizer: optim.Optimizer
+) -> str | None:
+    """:func:`zerofn._state_dict_checks.state_dict_problem` for a matrix-only class (Muon).
+
+    Checks the structure (groups indexing every param once), then each param's state keys
+    and shapes against :func:`~zerofn._state_dict_checks.declared_state` for its own
+    (2-D) shape, with torch's constructor validating each group's hyperparameters.
+    """
+    if not isinstance(full, Mapping) or "state" not in full or "param_groups" not in full:
+        return "a state dict needs 'state' and 'param_groups' entries (from optimizer.state_dict())"
+    groups, state = full["param_groups"], full["state"]
+    indices = [i for g in groups for i in g["params"]]
+    if sorted(indices) != list(range(len(order))):
+        return f"the param groups must index the {len(order)} params 0..{len(order) - 1} once each, found {indices}"
+    cls = optimizer.torch_class
+    for g, group in enumerate(groups):
+        hp = {k: v for k, v in group.items() if k != "params"}
+        for index in group["params"]:
+            spec = layout[order[index]]
+            where = f"param {spec.name!r} (index {index})"
+            try:
+                declared = _state_dict_checks.declared_state(cls, hp, spec.shape)
+            except (ValueError, TypeError, RuntimeError) as e:
+                return f"param group {g}, {where}: {cls.__name__} cannot take it ({e})"
+            entry = state.get(index, state.get(str(index)))
+            if not entry:
+                continue
+            if set(entry) != set(declared):
+                return (
+                    f"{where}: state keys {sorted(entry)} are not {cls.__name__}'s {sorted(declared)}: the state "
+                    "dict was saved from another optimizer"
+                )
+            for key, expected in declared.items():
+                value = entry[key]
+                found = tuple(value.shape) if isinstance(value, torch.Tensor) else None
+                if (expected is None) != (found is None or found == ()) or (expected is not None and found != expected):
+                    return f"{where}: state {key!r} has shape {found}, expected {expected} (param {spec.shape})"
+    return None
+
+
+def _load_one(
+    full: Mapping[str, Any],
+    layout: ShardLayout,
+    names: tuple[str, ...] | list[str],
+    optimizer: optim.Optimizer | None,
+    rank: int,
+    masters_from_params: Mapping[str, torch.Tensor] | None,
+    *,
+    group_sizes: list[int] | None = None,
+) -> tuple[optim.Optimizer, dict[str, torch.Tensor], dict[str, dict[str, Any]], Mapping[str, Any] | None]:
+    """Check one torch-format dict over ``names`` and cut what this rank holds out of it.
+
+    Returns ``(optimizer with the saved hyperparameters, masters, per-param state, zerofn
+    entry)``, masters and state for the params of ``names`` that ``rank`` holds.
+    """
+    zmeta = full.get("zerofn") if isinstance(full, Mapping) else None
+    # Checks read names, shapes and dtypes only: a part's dict is checked against its params.
+    checked = layout if len(names) == len(layout) else make_layout({n: layout[n] for n in names}, 1)
     if zmeta is not None:
         _check_version(zmeta)
-        _check_fits(zmeta, layout)
+        _check_fits(zmeta, checked)
         order: list[str] = list(zmeta["names"])
     else:
-        order = list(layout.names)
+        order = list(checked.names)
     # Everything is checked before anything is built: a failed load changes nothing.
-    problem = _state_dict_checks.state_dict_problem(
-        full, layout, order, optimizer or _saved_optimizer(zmeta), group_sizes=group_sizes
-    )
+    checker = optimizer or _saved_optimizer(zmeta)
+    if checker.torch_class.__name__ in _MATRIX_ONLY:
+        problem = _matrix_only_problem(full, checked, order, checker)
+    else:
+        problem = _state_dict_checks.state_dict_problem(full, checked, order, checker, group_sizes=group_sizes)
     if problem is not None:
         raise CheckpointError(f"cannot load this optimizer state dict: {problem}")
     saved_groups = list(full["param_groups"])
     flat_indices = [i for g in saved_groups for i in g["params"]]
     name_of = dict(zip(flat_indices, order, strict=True))
     fopt = _optimizer_for(saved_groups, lambda idx: [name_of[i] for i in idx], zmeta, optimizer)
-    rank = comm.group_rank(group)
+    held = [layout[n] for n in names if layout[n].holds(rank)]
     if zmeta is not None and "master" in zmeta:
-        master = {s.name: cut_shard(zmeta["master"][s.name], s, rank, device="cpu") for s in layout.params}
+        master = {s.name: cut_shard(zmeta["master"][s.name], s, rank, device="cpu") for s in held}
     elif masters_from_params is not None:
-        master = masters_from_params
+        master = {s.name: masters_from_params[s.name] for s in held}
     else:
         raise CheckpointError("the state dict holds no master weights: pass the params as `like`")
     entries: dict[str, dict[str, Any]] = {}
@@ -420,12 +621,56 @@ def shard_state_dict(
         if not spec.holds(rank):
             continue  # a whole param another rank owns: its state lives there
         entries[name] = {k: _loaded_value(k, v, spec, rank, master[name]) for k, v in per.items()}
-    master_fd = FrozenDict({s.name: master[s.name] for s in layout.params})
-    opt_state = _from_per_param(fopt, master_fd, entries)
+    return fopt, master, entries, zmeta
+
+
+def _shard_state_dicts(
+    fulls: list[Mapping[str, Any]] | tuple[Mapping[str, Any], ...],
+    like: ShardLayout | Mapping[str, torch.Tensor],
+    group: Group,
+    *,
+    optimizer: optim.Optimizer | None,
+    master_dtype: torch.dtype,
+    policy: PrecisionPolicy | None,
+    group_sizes: list[int] | None,
+) -> ZeroState:
+    """:func:`shard_state_dict` of a list: one torch-format dict per part of a partition."""
+    if optimizer is None or not optimizer.parts or len(optimizer.parts) != len(fulls):
+        parts = len(optimizer.parts) if optimizer is not None else 0
+        raise CheckpointError(
+            f"a list of {len(fulls)} state dicts (one per optimizer) loads with optimizer=zf.optim.partition([...]) "
+            f"of as many parts; got {'no optimizer' if optimizer is None else f'{optimizer.name} with {parts} parts'}"
+        )
+    if group_sizes is not None:
+        raise CheckpointError("group_sizes applies to one state dict; check each part's dict separately")
+    layout, masters_from_params = _layout_and_masters(like, group, master_dtype, optimizer)
+    rank = comm.group_rank(group)
+    names_of: list[list[str]] = [[] for _ in optimizer.parts]
+    for n in layout.names:
+        names_of[optimizer.part_index(n)].append(n)
+    fopt, master, entries = optimizer, {}, {}
+    zmeta = None
+    for i, (full, names) in enumerate(zip(fulls, names_of, strict=True)):
+        part_opt, part_master, part_entries, part_meta = _load_one(
+            full, layout, names, optimizer.parts[i][1], rank, masters_from_params
+        )
+        fopt = fopt.with_part(i, part_opt)
+        master.update(part_master)
+        entries.update(part_entries)
+        zmeta = zmeta or part_meta
+    master_fd = FrozenDict({s.name: master[s.name] for s in layout.params if s.holds(rank)})
     step = (
         int(zmeta["step"]) if zmeta is not None else max((int(e.get("step", 0)) for e in entries.values()), default=0)
     )
-    state = ZeroState(layout, fopt, rank, master_fd, opt_state, step, policy=policy or DEFAULT_POLICY)
+    state = ZeroState(
+        layout,
+        fopt,
+        rank,
+        master_fd,
+        _from_per_param(fopt, master_fd, entries),
+        step,
+        policy=policy or DEFAULT_POLICY,
+    )
     return _with_loss_scale(state, zmeta.get("loss_scale") if zmeta else None)
 
 
@@ -440,6 +685,30 @@ def _dtensor(shard: torch.Tensor, spec: ParamSpec, rank: int, mesh: Any) -> Any:
     return DTensor.from_local(
         shard[: stop - start], mesh, [Shard(0)], run_check=False, shape=torch.Size([spec.numel]), stride=(1,)
     )
+
+
+def _save_whole(
+    sd: dict[str, Any], state: ZeroState, spec: ParamSpec, entry: Mapping[str, Any]
+) -> tuple[dict[str, str], str]:
+    """Put a whole param this rank owns into ``sd`` as plain full tensors (only the owner
+    has the keys, so DCP writes them once, from here); returns its state kinds and master dtype.
+
+    Kinds: ``whole:<dtype>:<shape>`` for state tensors (Adafactor's ``row_var`` has its own
+    shape), ``scalar:...`` and ``json:...`` as for split params.
+    """
+    sd[f"master/{spec.name}"] = state.master[spec.name]
+    kinds: dict[str, str] = {}
+    for key, value in entry.items():
+        if isinstance(value, torch.Tensor):
+            sd[f"optim/{spec.name}/{key}"] = value
+            dtype = str(value.dtype).removeprefix("torch.")
+            if value.dim() == 0:
+                kinds[key] = f"scalar:{dtype}:{value.device.type}"
+            else:
+                kinds[key] = f"whole:{dtype}:{'x'.join(str(d) for d in value.shape)}"
+        else:
+            kinds[key] = "json:" + json.dumps(value)
+    return kinds, str(state.master[spec.name].dtype).removeprefix("torch.")
 
 
 def _fsync_dir(path: str) -> None:
@@ -501,12 +770,18 @@ def save(
     rank = comm.group_rank(group)
     token = comm.broadcast_object(uuid.uuid4().hex[:12] if rank == 0 else None, group)
     target = f"{path}.{token}"
-    device = next(iter(state.master.values())).device
+    device = state.state_device
     mesh = comm.device_mesh(group, device.type)
     entries = _per_param(state.opt_state, layout.names)
     sd: dict[str, Any] = {}
     kinds: dict[str, dict[str, str]] = {}
+    master_dtypes: dict[str, str] = {}
     for spec in layout.params:
+        if spec.is_whole:
+            if spec.holds(rank):  # the owner writes the whole param and its state, full-shaped
+                kinds[spec.name], master_dtypes[spec.name] = _save_whole(sd, state, spec, entries.get(spec.name, {}))
+            continue
+        master_dtypes[spec.name] = str(state.master[spec.name].dtype).removeprefix("torch.")
         sd[f"master/{spec.name}"] = _dtensor(state.master[spec.name], spec, rank, mesh)
         kinds[spec.name] = {}
         for key, value in entries.get(spec.name, {}).items():
@@ -521,6 +796,11 @@ def save(
     if params is not None:
         for name, t in params.items():
             sd[f"model/{name}"] = t.detach()
+    if layout.has_whole:  # rank 0 writes the metadata: it learns the owners' kinds and dtypes
+        owned = {n: (kinds[n], master_dtypes[n]) for n in layout.owners if n in kinds}
+        for theirs in comm.all_gather_objects(owned, group):
+            for n, (k, d) in theirs.items():  # type: ignore[union-attr]
+                kinds[n], master_dtypes[n] = k, d
     comm.dcp_save(sd, target, group)
     if rank == 0:
         plan = _group_plan(state.optimizer, layout.names)
@@ -530,7 +810,8 @@ def save(
             "names": list(layout.names),
             "shapes": [list(p.shape) for p in layout.params],
             "dtypes": [str(p.dtype).removeprefix("torch.") for p in layout.params],
-            "master_dtypes": [str(state.master[n].dtype).removeprefix("torch.") for n in layout.names],
+            "master_dtypes": [master_dtypes[n] for n in layout.names],
+            "placements": [p.placement for p in layout.params],
             "state_kinds": kinds,
             "param_groups": [{**hp, "params": names} for names, hp in plan],
             "optimizer": {"name": state.optimizer.name, "torch_class": state.optimizer.torch_class.__name__},
@@ -564,6 +845,46 @@ def save(
     if replicate_group is not None:
         comm.broadcast_object(target, replicate_group)  # release the replicas: the checkpoint is committed
     return target
+
+
+def _check_placements(meta: Mapping[str, Any], layout: ShardLayout) -> None:
+    """Split params are saved as shards of the flat param, whole ones full-shaped: they must agree."""
+    saved = dict(zip(meta["names"], meta.get("placements") or ["split"] * len(meta["names"]), strict=True))
+    for p in layout.params:
+        if saved[p.name] != p.placement:
+            raise CheckpointError(
+                f"param {p.name!r} was saved {saved[p.name]} and would load {p.placement}: the optimizer that "
+                "loads it must place it as the one that saved it did (the same optimizer, the same placement override)"
+            )
+
+
+def _load_whole(
+    sd: dict[str, Any],
+    master: dict[str, torch.Tensor],
+    spec: ParamSpec,
+    kinds: Mapping[str, str],
+    master_dtypes: Mapping[str, str],
+    device: torch.device,
+) -> dict[str, Any]:
+    """Ask DCP for a whole param this rank owns (full-shaped master and state); returns its entries."""
+    master[spec.name] = torch.zeros(spec.shape, dtype=getattr(torch, master_dtypes[spec.name]), device=device)
+    sd[f"master/{spec.name}"] = master[spec.name]
+    entry: dict[str, Any] = {}
+    for key, kind in kinds.items():
+        what, _, rest = kind.partition(":")
+        if what == "whole":
+            dtype, _, dims = rest.partition(":")
+            shape = tuple(int(d) for d in dims.split("x"))
+            value: Any = torch.zeros(shape, dtype=getattr(torch, dtype), device=device)
+            sd[f"optim/{spec.name}/{key}"] = value
+        elif what == "scalar":
+            dtype, _, dev = rest.partition(":")
+            value = torch.zeros((), dtype=getattr(torch, dtype), device=device if dev != "cpu" else "cpu")
+            sd[f"optim/{spec.name}/{key}"] = value
+        else:
+            value = json.loads(rest)
+        entry[key] = value
+    return entry
 
 
 def _read_meta(path: str, verify: bool) -> dict[str, Any]:
@@ -623,8 +944,10 @@ def load(
     # rank's verdict before DCP's collectives start: a rank that cannot load makes all raise.
     try:
         meta = _read_meta(path, verify)
-        layout, _ = _layout_and_masters(like, group, torch.float32)
+        placed_by = optimizer or _saved_optimizer({"optimizer": meta["optimizer"]})
+        layout, _ = _layout_and_masters(like, group, torch.float32, placed_by)
         _check_fits({k: meta[k] for k in ("names", "shapes", "dtypes")}, layout)
+        _check_placements(meta, layout)
         if params_out is not None and meta["model"] is None:
             raise CheckpointError(f"{path} holds no model weights (saved without params=)")
         names_of = {n: [n] for n in layout.names}
@@ -646,6 +969,12 @@ def load(
     master: dict[str, torch.Tensor] = {}
     entries: dict[str, dict[str, Any]] = {}
     for spec in layout.params:
+        if spec.is_whole:
+            if spec.holds(rank):
+                entries[spec.name] = _load_whole(
+                    sd, master, spec, meta["state_kinds"][spec.name], master_dtypes, device
+                )
+            continue
         master[spec.name] = torch.zeros(spec.shard_numel, dtype=getattr(torch, master_dtypes[spec.name]), device=device)
         sd[f"master/{spec.name}"] = _dtensor(master[spec.name], spec, rank, mesh)
         entries[spec.name] = {}
