@@ -28,6 +28,13 @@ values from before the last step), and ranks that changed different params or th
 params differently. Each raises :class:`ParamsChangedError` on every rank, saying what to
 do, with the state unchanged.
 
+Every rank decides alike: ``step`` passes this rank's report as the ``veto`` of
+:func:`~zerofn.step_shards`, whose one scalar all-reduce carries the flag; only when some
+rank saw a change does one object all-gather bring every report to every rank. In a
+hybrid layout (``sub_dp_size`` / ``replicate_group``) that verdict is taken within each
+shard group: a change made on the ranks of some shard groups only is not compared
+across the replicas.
+
 Precision: with float32 masters of float32 params the masters take the written values
 exactly. With bfloat16/float16 params and float32 masters, a master element keeps its
 value when the param's element is still that value rounded to the working dtype (nothing
@@ -136,8 +143,10 @@ class ParamGuard:
         if names is None:
             self._versions = [p._version for p in self._tensors]
             self._ptrs = [p.data_ptr() for p in self._tensors]
+            self._stale.clear()
             return
         for n in names:
+            self._stale.discard(n)
             i = self._index[n]
             self._versions[i] = self._tensors[i]._version
             self._ptrs[i] = self._tensors[i].data_ptr()

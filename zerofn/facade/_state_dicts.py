@@ -149,7 +149,8 @@ class StateDictMethods:
         params_out = self._params if with_model else None
         new = checkpoint.load(path, self._params, self._group, optimizer=self._state.optimizer, params_out=params_out)
         self._adopt(new)
-        self._params_written()  # the loaded weights are the facade's own write, not the user's
+        if with_model:
+            self._params_written()  # the loaded weights are the facade's own write, not the user's
         for i, group in enumerate(self.param_groups):
             names = self._group_names[i]
             if names:

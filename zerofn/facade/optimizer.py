@@ -56,6 +56,14 @@ class ZeroOptimizer(StateDictMethods, torch.optim.Optimizer):
     are live (for a wrapped torch optimizer they are that optimizer's groups), and their
     hyperparameters are read at every ``step``.
 
+    The params are the user's, as with DDP: weights loaded into the model after building
+    the optimizer (``model.load_state_dict``, ``p.copy_``, in-place ops under ``no_grad``)
+    are trained, not reverted: ``step`` finds them by the params' version counters and
+    the masters follow (:mod:`zerofn.facade._guards`; bf16/fp16 params: the master's
+    extra precision is dropped for the written elements). Writes through ``p.data`` move
+    no version counter: call :meth:`check_params` after them. ``optimizer.state`` is a
+    :class:`~zerofn.state.ZeroState`; ``optimizer.state[p]`` raises and says where to look.
+
     Args:
       optimizer: a torch optimizer over the model's params (SGD/Adam/AdamW run on the
         fast functional path, other element-wise ones on the generic path, whole-tensor
@@ -90,7 +98,9 @@ class ZeroOptimizer(StateDictMethods, torch.optim.Optimizer):
       comm_policy: collective realisations (default per backend, see :class:`~zerofn.CommPolicy`).
       module: optional model whose ``named_parameters()`` names the params of a wrapped
         torch optimizer (for messages and ``state.master`` keys); otherwise they are
-        named ``"group{g}.param{i}"``.
+        named ``"group{g}.param{i}"``. The bare model, not a ``DistributedDataParallel``
+        (refused: gradients would be reduced twice). With it, a param or submodule
+        replaced after construction is refused at the next ``backward``/``step``.
       verbose: log skipped steps.
       communication_dtype, cpu_offload, forced_dtype, master_weights, nonfinite,
       grad_accum_dtype, initial_scale, min_scale, growth_factor, backoff_factor,
