@@ -619,7 +619,7 @@ def parts(reps: int, bucket_numel: int = 2**20) -> list[tuple[str, float, float]
     collective, not the wait for the slowest rank. The bucket parts are the pieces of
     :mod:`zerofn.buckets` that every path (functional and facade) runs.
     """
-    from zerofn import checks, stages
+    from zerofn import stages
 
     ctx = _ctx()
     n, device = ctx.world, ctx.device
@@ -698,9 +698,7 @@ def parts(reps: int, bucket_numel: int = 2**20) -> list[tuple[str, float, float]
 
     timed("zerofn reduce: cut own row into shards (clone)", split)
     timed("zerofn reduce: reduce_grads() whole (check + all above)", lambda: zf.reduce_grads(grads, layout), True)
-    timed(
-        "zerofn reduce: check_ranks_agree (tiny all_gather)", lambda: checks.check_ranks_agree(layout, None, "x"), True
-    )
+    timed("zerofn reduce: check_ranks_agree (tiny all_gather)", lambda: zf.check_ranks_agree(layout, None, "x"), True)
     gshards = zf.reduce_grads(grads, layout)
     timed(
         "zerofn step: global norm, float64 per param + scalar all_reduce",

@@ -72,11 +72,15 @@ for a, b in zip(all_reduce(xs), all_gather(reduce_scatter(xs)), strict=True):
 #
 # ## The same on 3 real gloo ranks
 #
-# zerofn sends everything through one module, `zerofn.comm`. Its two bucket collectives
-# work on a *rank-major* buffer of shape `(N, S)`: `sum_rows` leaves rank `r` with the
-# sum of row `r` (a reduce-scatter, or an all-reduce that keeps its own row), and
-# `gather_rows` gives every rank all rows (an all-gather, or one broadcast per rank).
-# Each call inside `zf.count_bytes()` adds what this rank sent to the counter.
+# zerofn moves every bucket through the pieces of `zf.buckets`, the same pieces for the
+# functional stages, the `ZeroOptimizer` facade and checkpoints. Its two collectives work
+# on a bucket's *rank-major* buffer of shape `(N, S)`: `launch_reduce` leaves rank `r`
+# with the sum of row `r` (a reduce-scatter, or an all-reduce that keeps its own row;
+# with `whole=True` the all-reduce keeps every row), and `launch_gather` gives every rank
+# all rows (an all-gather, or one broadcast per rank). Both return a pending handle:
+# `.wait()` gives the result, so a caller can overlap the collective with other work.
+# Each call inside `zf.count_bytes()` adds what this rank sent to the counter. Here the
+# bucket holds one 6-element tensor `x`, so its rows are `x.view(N, 2)`.
 
 # %%
 world = World(N)
@@ -85,13 +89,16 @@ world = World(N)
 def collectives_on_this_rank():
     rank = dist.get_rank()
     x = torch.arange(6.0) + 10 * rank  # the same x_r as above
+    layout = zf.make_layout({"x": x}, N)  # one bucket of one tensor: rows (N, 2)
+    (bucket,) = layout.buckets(2**20)
     out = {"before": x}
     with zf.count_bytes() as sent:
-        rows = x.view(N, -1).clone()  # the all-reduce realisation writes the sum into `rows`
-        zf.comm.sum_rows(rows, None, "all_reduce").wait()
-        out["all_reduce"] = rows.reshape(-1)
-        out["reduce_scatter"] = zf.comm.sum_rows(x.view(N, -1).clone(), None, "reduce_scatter").wait()
-        out["all_gather"] = zf.comm.gather_rows(out["reduce_scatter"], None, "all_gather").wait().reshape(-1)
+        rows = x.view(N, -1).clone()  # the reduce sums into its rows: give it a copy
+        out["all_reduce"] = zf.buckets.launch_reduce(rows, layout, bucket, None, "all_reduce", whole=True).wait()
+        out["all_reduce"] = out["all_reduce"].reshape(-1)
+        rows = x.view(N, -1).clone()
+        out["reduce_scatter"] = zf.buckets.launch_reduce(rows, layout, bucket, None, "reduce_scatter").wait()
+        out["all_gather"] = zf.buckets.launch_gather(out["reduce_scatter"], None, "all_gather").wait().reshape(-1)
     out["bytes"] = dict(sent.by_collective)
     return out
 
@@ -125,7 +132,7 @@ print("gloo == reference on every rank; bytes == ring formula")
 # `reduce_grads` -> `step_shards` -> `gather_params`.
 #
 # * **DDP** all-reduces every gradient: $2\frac{N-1}{N}\Psi b$. To count it with the same
-#   counter we issue that very all-reduce through `zerofn.comm`.
+#   counter we issue that very all-reduce with `zf.buckets.launch_reduce`.
 # * **Stage 1** all-reduces too (every rank receives the whole mean gradient and keeps
 #   only its shards), then all-gathers the params: $3\frac{N-1}{N}\Psi b$.
 # * **Stage 2** reduce-scatters instead: $2\frac{N-1}{N}\Psi b$, what DDP sends, while
@@ -159,14 +166,16 @@ def step_bytes(model):
     for label, (stage, policy) in configs.items():
         state = zf.shard_params(params, zf.optim.adamw(lr=1e-3))
         with zf.count_bytes() as sent:
-            gshards = zf.reduce_grads(grads, state.layout, stage=stage, policy=policy)
+            gshards = zf.reduce_grads(grads, state.layout, stage=stage, comm_policy=policy)
             state, _ = zf.step_shards(state, gshards)
-            zf.gather_params(state, policy=policy)
+            zf.gather_params(state, comm_policy=policy)
         report[label] = dict(sent.by_collective)
-    # DDP: one all-reduce of all gradients (flattened, viewed as N rows).
-    rows = torch.cat([g.reshape(-1) for g in grads.values()]).view(N, -1)
+    # DDP: one all-reduce of all gradients (flattened, viewed as N rows: one bucket).
+    flat = torch.cat([g.reshape(-1) for g in grads.values()])
+    flat_layout = zf.make_layout({"all": flat}, N)
+    (bucket,) = flat_layout.buckets(flat.numel())
     with zf.count_bytes() as sent:
-        zf.comm.sum_rows(rows, None, "all_reduce").wait()
+        zf.buckets.launch_reduce(flat.view(N, -1), flat_layout, bucket, None, "all_reduce", whole=True).wait()
     report["DDP"] = dict(sent.by_collective)
     return report, dict(grads), dict(gshards), state.layout
 

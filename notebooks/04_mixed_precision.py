@@ -96,7 +96,7 @@ def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def train_fp16(model, steps, inject):
     rank = dist.get_rank()
     params = {k: v.detach().half() for k, v in model.named_parameters()}
-    state = zf.shard_params(params, zf.optim.adamw(lr=1e-2), policy=POLICY)
+    state = zf.shard_params(params, zf.optim.adamw(lr=1e-2), precision=POLICY)
     history = []
     for step in range(steps):
         x, y = (t.half() for t in batch(rank, step))
@@ -112,7 +112,7 @@ def train_fp16(model, steps, inject):
             w[0, 0] = math.inf
             grads = {**grads, "2.weight": w}
         local_overflow = not all(bool(torch.isfinite(g).all()) for g in grads.values())
-        gshards = zf.reduce_grads(grads, state.layout, precision=state.policy)
+        gshards = zf.reduce_grads(grads, state.layout, precision=state.precision)
         state, info = zf.step_shards(state, gshards)
         params = zf.gather_params(state)
         history.append(

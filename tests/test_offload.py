@@ -56,7 +56,7 @@ def _functional(dtype: torch.dtype, stage: int, offload: bool) -> dict[str, Any]
     policy = PrecisionPolicy.for_dtype(dtype, state_device="cpu" if offload else None)
     if scaler is not None:
         policy = policy.replace(loss_scaler=scaler)
-    state = zf.shard_params(params, zf.optim.adamw(lr=1e-2), policy=policy)
+    state = zf.shard_params(params, zf.optim.adamw(lr=1e-2), precision=policy)
     state_devices, param_devices, skipped = set(), set(), 0
     for step, (x, y) in enumerate(batches(dist.get_rank(), STEPS)):
         use_gate = gate_used(step)
@@ -64,7 +64,7 @@ def _functional(dtype: torch.dtype, stage: int, offload: bool) -> dict[str, Any]
         del g["unused.weight"], g["unused.bias"]
         if not use_gate:
             del g["gate.weight"], g["gate.bias"]
-        shards = zf.reduce_grads(g, state.layout, stage=stage, bucket_numel=BUCKET, precision=state.policy)
+        shards = zf.reduce_grads(g, state.layout, stage=stage, bucket_numel=BUCKET, precision=state.precision)
         state, info = zf.step_shards(state, shards, max_norm=0.5)
         skipped += info.skipped
         state_devices |= {str(t.device) for t in _tensors((state.master, state.opt_state))}
@@ -78,7 +78,7 @@ def _functional(dtype: torch.dtype, stage: int, offload: bool) -> dict[str, Any]
         "skipped": skipped,
         "state_devices": state_devices,
         "param_devices": param_devices,
-        "recorded": (state.policy.state_device, state.param_device, str(state.state_device), str(state.work_device)),
+        "recorded": (state.precision.state_device, state.param_device, str(state.state_device), str(state.work_device)),
     }
 
 
@@ -149,11 +149,11 @@ def test_offload_is_bitwise_equal_to_no_offload_and_keeps_the_state_on_the_cpu(w
 def _state_on_meta() -> dict[str, Any]:
     params = {k: p.detach() for k, p in Net().named_parameters()}
     policy = PrecisionPolicy.for_dtype(torch.bfloat16, state_device="meta")
-    state = zf.shard_params(params, zf.optim.adamw(lr=1e-2), policy=policy)
+    state = zf.shard_params(params, zf.optim.adamw(lr=1e-2), precision=policy)
     after_shard = {str(t.device) for t in state.master.values()}
     gen = torch.Generator().manual_seed(dist.get_rank())
     grads = {k: torch.randn(p.shape, generator=gen).bfloat16() for k, p in params.items()}
-    shards = zf.reduce_grads(grads, state.layout, precision=state.policy)
+    shards = zf.reduce_grads(grads, state.layout, precision=state.precision)
     new, info = zf.step_shards(state, shards)
     steps = new.opt_state.step  # torch keeps Adam's step counter on the CPU (not fused)
     moments = _tensors((new.master, new.opt_state.exp_avg, new.opt_state.exp_avg_sq))

@@ -95,11 +95,11 @@ def _train_zero(model, opt, stage, clip, policy):
         grads["unused.weight"] = grads["unused.bias"] = None  # never in the forward
         if not use_gate:  # layer drop: no gradient this step
             del grads["gate.weight"], grads["gate.bias"]
-        shards = zf.reduce_grads(grads, state.layout, stage=stage, bucket_numel=BUCKET, policy=policy)
+        shards = zf.reduce_grads(grads, state.layout, stage=stage, bucket_numel=BUCKET, comm_policy=policy)
         state, info = zf.step_shards(state, shards, max_norm=MAX_NORM if clip else None)
         assert not info.skipped
         clipped += info.clip_coef < 1.0
-        params = zf.gather_params(state, bucket_numel=BUCKET, policy=policy)
+        params = zf.gather_params(state, bucket_numel=BUCKET, comm_policy=policy)
     return params, clipped
 
 

@@ -570,15 +570,15 @@ def test_zero_state_holds_the_loss_scale_as_leaves_and_the_policy_as_static_meta
     master = FrozenDict({"w": torch.zeros(3)})
     policy = PrecisionPolicy.for_dtype(torch.float16)
     state = zf.ZeroState(
-        layout, opt, 0, master, opt.init(master), 4, loss_scale=policy.loss_scaler.init(), policy=policy
+        layout, opt, 0, master, opt.init(master), 4, loss_scale=policy.loss_scaler.init(), precision=policy
     )
     leaves, spec = pytree.tree_flatten(state)
     assert leaves[-4:] == [4, 65536.0, 0, 2]  # step, then scale, growth tracker, hysteresis left
     rebuilt = pytree.tree_unflatten(leaves, spec)
-    assert rebuilt.policy is policy and rebuilt.loss_scale == state.loss_scale and rebuilt.layout == layout
+    assert rebuilt.precision is policy and rebuilt.loss_scale == state.loss_scale and rebuilt.layout == layout
     halved = pytree.tree_map(lambda x: x / 2 if isinstance(x, float) else x, state)
-    assert halved.loss_scale.scale == 32768.0 and halved.policy is policy
+    assert halved.loss_scale.scale == 32768.0 and halved.precision is policy
     # States built the old way (positional, no precision) still work, with the defaults.
     old = zf.ZeroState(layout, opt, 0, master, opt.init(master))
-    assert old.loss_scale == LossScaleState(1.0, 0, 0) and old.policy is DEFAULT_POLICY
+    assert old.loss_scale == LossScaleState(1.0, 0, 0) and old.precision is DEFAULT_POLICY
     assert old.param_device is None and old.work_device == old.state_device == torch.device("cpu")

@@ -258,7 +258,7 @@ def _train_functional(base: nn.Module, cfg: dict) -> dict[str, Any]:
     model = _prepare(base, cfg)
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     fopt = zf.optim.adamw(**ADAMW) if cfg["mw"] else zf.optim.sgd(**SGD)
-    state = zf.shard_params(params, fopt, policy=_policy(cfg))
+    state = zf.shard_params(params, fopt, precision=_policy(cfg))
 
     def scaled_loss(params, x, y, use_gate, loss_scale):
         out = functional_call(model, params, (x,), {"use_gate": use_gate})
@@ -270,7 +270,9 @@ def _train_functional(base: nn.Module, cfg: dict) -> dict[str, Any]:
         for name in list(grads):  # what autograd leaves as None in the model: no gradient
             if name.startswith("unused.") or (name.startswith("gate.") and not use_gate):
                 del grads[name]
-        shards = zf.reduce_grads(grads, state.layout, stage=cfg["stage"], bucket_numel=BUCKET, precision=state.policy)
+        shards = zf.reduce_grads(
+            grads, state.layout, stage=cfg["stage"], bucket_numel=BUCKET, precision=state.precision
+        )
         max_norm = MAX_NORM if cfg["clip"] else None
         state, info = zf.step_shards(state, shards, max_norm=max_norm, norm_type=cfg["norm_type"])
         if not info.skipped:
@@ -441,7 +443,7 @@ def _inf_on_last_rank(api: str, variant: str) -> dict[str, Any]:
     if api == "functional":
         params = {k: p.detach().clone() for k, p in model.named_parameters()}
         policy = PrecisionPolicy.for_dtype(torch.float16, loss_scaler=DynamicLossScaler(**scaler))
-        state = zf.shard_params(params, zf.optim.adamw(lr=1e-2), policy=policy)
+        state = zf.shard_params(params, zf.optim.adamw(lr=1e-2), precision=policy)
 
         def grads_for(x, y):
             def loss(p):
@@ -451,13 +453,13 @@ def _inf_on_last_rank(api: str, variant: str) -> dict[str, Any]:
             del g["unused.weight"], g["unused.bias"]
             return g
 
-        state, info = zf.step_shards(state, zf.reduce_grads(grads_for(x, y), state.layout, precision=state.policy))
+        state, info = zf.step_shards(state, zf.reduce_grads(grads_for(x, y), state.layout, precision=state.precision))
         assert not info.skipped
         x, y = next(data)
         g = grads_for(x, y)
         if rank == n - 1:
             g["b.bias"] = g["b.bias"].index_fill(0, torch.tensor([0]), math.inf)
-        shards = zf.reduce_grads(g, state.layout, precision=state.policy)
+        shards = zf.reduce_grads(g, state.layout, precision=state.precision)
         local_bad = zf.precision.nonfinite_grad_names(shards)
         before = Snapshot((state.master, state.opt_state))
         new, info = zf.step_shards(state, shards, donate=variant == "donate")
@@ -519,14 +521,14 @@ def _nan_in_bf16(api: str, nonfinite: str) -> dict[str, Any]:
         model = model.to(torch.bfloat16)
         params = {k: p.detach().clone() for k, p in model.named_parameters()}
         state = zf.shard_params(
-            params, zf.optim.adamw(lr=1e-2), policy=PrecisionPolicy.for_dtype(torch.bfloat16, nonfinite=nonfinite)
+            params, zf.optim.adamw(lr=1e-2), precision=PrecisionPolicy.for_dtype(torch.bfloat16, nonfinite=nonfinite)
         )
         for step, (x, y) in enumerate(data):
             g = dict(grad(_bf16_loss)(params, model, x, y))
             del g["unused.weight"], g["unused.bias"]
             if step == 1 and rank == n - 1:
                 g["a.weight"] = g["a.weight"].index_fill(1, torch.tensor([3]), math.nan)
-            shards = zf.reduce_grads(g, state.layout, precision=state.policy)
+            shards = zf.reduce_grads(g, state.layout, precision=state.precision)
             try:
                 new, info = zf.step_shards(state, shards)
             except NonFiniteGradError as e:
@@ -696,16 +698,16 @@ def test_no_sync_accumulates_in_float32_and_matches_the_reference(world):
 def _reduce_dtypes() -> dict[str, Any]:
     rank = dist.get_rank()
     params = {"w": torch.zeros(7, 13, dtype=torch.bfloat16), "b": torch.zeros(13, dtype=torch.bfloat16)}
-    state = zf.shard_params(params, zf.optim.sgd(lr=0.1), policy=PrecisionPolicy.for_dtype(torch.bfloat16))
+    state = zf.shard_params(params, zf.optim.sgd(lr=0.1), precision=PrecisionPolicy.for_dtype(torch.bfloat16))
     gen = torch.Generator().manual_seed(rank)
     acc = {k: torch.randn(p.shape, generator=gen) for k, p in params.items()}  # float32 accumulators
     out: dict[str, Any] = {}
     for comm in (None, torch.float32):
         with zf.count_bytes() as c:
-            shards = zf.reduce_grads(acc, state.layout, stage=1, comm_dtype=comm, precision=state.policy)
+            shards = zf.reduce_grads(acc, state.layout, stage=1, comm_dtype=comm, precision=state.precision)
         out[str(comm)] = ({k: v.clone() for k, v in shards.items()}, c.by_collective.get("all_reduce", 0))
     try:
-        zf.reduce_grads({"w": acc["w"], "b": acc["b"].bfloat16()}, state.layout, precision=state.policy)
+        zf.reduce_grads({"w": acc["w"], "b": acc["b"].bfloat16()}, state.layout, precision=state.precision)
     except ValueError as e:
         out["mixed_error"] = str(e)
     out["acc"] = acc
@@ -745,9 +747,9 @@ def _fp16_purity(donate: bool) -> bool:
     policy = PrecisionPolicy.for_dtype(
         torch.float16, loss_scaler=DynamicLossScaler(initial_scale=2.0**14, growth_interval=2)
     )
-    state = zf.shard_params(params, zf.optim.adamw(lr=1e-2), policy=policy)
+    state = zf.shard_params(params, zf.optim.adamw(lr=1e-2), precision=policy)
     snap.assert_unchanged(params, "shard_params")
-    assert state.policy is policy and state.loss_scale == zf.LossScaleState(2.0**14, 0, 2)
+    assert state.precision is policy and state.loss_scale == zf.LossScaleState(2.0**14, 0, 2)
     assert all(t.dtype == torch.float32 for t in state.master.values())
     assert all(s.dtype == torch.float16 for s in state.layout.params)
     gen = torch.Generator().manual_seed(rank)
@@ -756,7 +758,7 @@ def _fp16_purity(donate: bool) -> bool:
         if step == 2:
             grads["a.bias"][0] = math.inf
         snap = Snapshot(grads)
-        shards = zf.reduce_grads(grads, state.layout, precision=state.policy)
+        shards = zf.reduce_grads(grads, state.layout, precision=state.precision)
         snap.assert_unchanged(grads, "reduce_grads")
         copy_state = torch.utils._pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, state)
         copy_shards = {k: v.clone() for k, v in shards.items()}
@@ -786,14 +788,16 @@ def test_stage_functions_stay_pure_under_fp16_loss_scaling(world, donate):
 def _master_weights_off() -> dict[str, Any]:
     params = {k: p.detach() for k, p in Net().named_parameters()}
     policy = PrecisionPolicy.for_dtype(torch.bfloat16, master_weights=False)
-    state = zf.shard_params(params, zf.optim.sgd(lr=0.1), policy=policy)
+    state = zf.shard_params(params, zf.optim.sgd(lr=0.1), precision=policy)
     full = zf.gather_params(state)
     return {
         "master": {k: t.dtype for k, t in state.master.items()},
         "full": {k: t.dtype for k, t in full.items()},
         "rounded": all(torch.equal(full[k], p.bfloat16()) for k, p in params.items()),
         "nbytes": state.nbytes,
-        "fp32_nbytes": zf.shard_params(params, zf.optim.sgd(lr=0.1), policy=policy.replace(master_weights=True)).nbytes,
+        "fp32_nbytes": zf.shard_params(
+            params, zf.optim.sgd(lr=0.1), precision=policy.replace(master_weights=True)
+        ).nbytes,
     }
 
 

@@ -44,7 +44,7 @@ def _facade_vs_functional(
         reduce_bucket_size=bucket,
         precision=precision,
     )
-    state = zf.shard_params(functional, fopt, policy=precision)
+    state = zf.shard_params(functional, fopt, precision=precision)
     data = batches(dist.get_rank(), STEPS * accumulate)
     mismatches = []
     for step in range(STEPS):

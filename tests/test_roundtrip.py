@@ -21,7 +21,7 @@ POLICIES = {"default": zf.CommPolicy(), "byte_optimal": zf.CommPolicy.byte_optim
 def _roundtrip(params, bucket_numel, policy_name, master_dtype=torch.float32):
     """On each rank: shard, then gather. Returns the gathered params and this rank's shards."""
     state = zf.shard_params(params, zf.optim.sgd(lr=0.1), master_dtype=master_dtype)
-    gathered = zf.gather_params(state, bucket_numel=bucket_numel, policy=POLICIES[policy_name])
+    gathered = zf.gather_params(state, bucket_numel=bucket_numel, comm_policy=POLICIES[policy_name])
     return gathered, dict(state.master)
 
 

@@ -2,13 +2,16 @@
 
 The four stage functions (``shard_params``, ``reduce_grads``, ``step_shards``,
 ``gather_params``) take immutable state and explicit process groups and return new
-state; ``zerofn.optim`` holds the functional optimizers they apply.
+state; ``zerofn.optim`` holds the functional optimizers they apply, ``zerofn.buckets``
+the bucket pieces every path moves gradients and params through, and ``ZeroOptimizer``
+is the drop-in facade. ``__all__`` is the public surface (pinned by a test).
 """
 
-from zerofn import buckets, checkpoint, checks, comm, optim, precision, torch_optim
+from zerofn import buckets, checkpoint, optim, precision, torch_optim
+from zerofn._checks import RankMismatchError, check_ranks_agree
+from zerofn._comm import CommCounter, CommPolicy, count_bytes
 from zerofn._tree import FrozenDict
-from zerofn.checks import RankMismatchError
-from zerofn.comm import CommPolicy, count_bytes
+from zerofn.checkpoint import CheckpointError
 from zerofn.facade import ZeroOptimizer
 from zerofn.layout import Bucket, ParamSpec, ShardLayout, make_layout
 from zerofn.precision import (
@@ -28,6 +31,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Bucket",
+    "CheckpointError",
+    "CommCounter",
     "CommPolicy",
     "DynamicLossScaler",
     "FrozenDict",
@@ -44,9 +49,8 @@ __all__ = [
     "ZeroOptimizer",
     "ZeroState",
     "buckets",
+    "check_ranks_agree",
     "checkpoint",
-    "checks",
-    "comm",
     "count_bytes",
     "gather_params",
     "make_layout",

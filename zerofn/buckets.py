@@ -39,8 +39,9 @@ from typing import NamedTuple
 
 import torch
 
-from zerofn import _placement, comm
-from zerofn.comm import Group
+from zerofn import _comm as comm
+from zerofn import _placement
+from zerofn._comm import Group
 from zerofn.layout import Bucket, ParamSpec, ShardLayout
 
 __all__ = [

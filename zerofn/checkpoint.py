@@ -41,10 +41,12 @@ from typing import Any
 
 import torch
 
-from zerofn import _state_dict_checks, comm, optim, torch_optim
+from zerofn import _comm as comm
+from zerofn import _state_dict_checks, optim, torch_optim
+from zerofn._comm import Group
+from zerofn._deprecation import UNSET, renamed
 from zerofn._tree import FrozenDict
 from zerofn.buckets import cut_shard, launch_gather, pack_shards, unpack_rows
-from zerofn.comm import Group
 from zerofn.layout import ParamSpec, ShardLayout, make_layout
 from zerofn.precision import PrecisionPolicy
 from zerofn.stages import DEFAULT_BUCKET_NUMEL
@@ -465,8 +467,9 @@ def shard_state_dict(
     *,
     optimizer: optim.Optimizer | None = None,
     master_dtype: torch.dtype = torch.float32,
-    policy: PrecisionPolicy | None = None,
+    precision: PrecisionPolicy | None = None,
     group_sizes: list[int] | None = None,
+    policy: Any = UNSET,
 ) -> ZeroState:
     """A ZeroState for this rank, at the group's world size, from a full state dict.
 
@@ -480,10 +483,11 @@ def shard_state_dict(
       optimizer: the functional optimizer; required for a plain torch state dict,
         otherwise rebuilt from the checkpoint. Saved per-group hyperparameters win.
       master_dtype: master dtype when the masters come from ``like``'s params.
-      policy: the precision policy of the run that continues (loss scaler, dtypes); the
-        saved loss-scale state is restored into it.
+      precision: the precision policy of the run that continues (loss scaler, dtypes);
+        the saved loss-scale state is restored into it.
       group_sizes: params per param group of the optimizer loading it, when known (the
         facade passes its own): the state dict must have the same grouping.
+      policy: the old name of ``precision`` (deprecated, warns).
 
     Raises:
       CheckpointError: before anything is built, when the state dict does not fit: another
@@ -496,6 +500,7 @@ def shard_state_dict(
 
     Collectives: none (every rank cuts its own shards out of ``full``).
     """
+    precision = renamed("shard_state_dict", "policy", "precision", policy, precision)
     if isinstance(full, (list, tuple)):
         return _shard_state_dicts(
             full,
@@ -503,7 +508,7 @@ def shard_state_dict(
             group,
             optimizer=optimizer,
             master_dtype=master_dtype,
-            policy=policy,
+            precision=precision,
             group_sizes=group_sizes,
         )
     zmeta = full.get("zerofn") if isinstance(full, Mapping) else None
@@ -520,7 +525,7 @@ def shard_state_dict(
     step = (
         int(zmeta["step"]) if zmeta is not None else max((int(e.get("step", 0)) for e in entries.values()), default=0)
     )
-    state = ZeroState(layout, fopt, rank, master_fd, opt_state, step, policy=policy or DEFAULT_POLICY)
+    state = ZeroState(layout, fopt, rank, master_fd, opt_state, step, precision=precision or DEFAULT_POLICY)
     return _with_loss_scale(state, zmeta.get("loss_scale") if zmeta else None)
 
 
@@ -631,7 +636,7 @@ def _shard_state_dicts(
     *,
     optimizer: optim.Optimizer | None,
     master_dtype: torch.dtype,
-    policy: PrecisionPolicy | None,
+    precision: PrecisionPolicy | None,
     group_sizes: list[int] | None,
 ) -> ZeroState:
     """:func:`shard_state_dict` of a list: one torch-format dict per part of a partition."""
@@ -669,7 +674,7 @@ def _shard_state_dicts(
         master_fd,
         _from_per_param(fopt, master_fd, entries),
         step,
-        policy=policy or DEFAULT_POLICY,
+        precision=precision or DEFAULT_POLICY,
     )
     return _with_loss_scale(state, zmeta.get("loss_scale") if zmeta else None)
 
@@ -920,7 +925,8 @@ def load(
     optimizer: optim.Optimizer | None = None,
     params_out: Mapping[str, torch.Tensor] | None = None,
     verify: bool = True,
-    policy: PrecisionPolicy | None = None,
+    precision: PrecisionPolicy | None = None,
+    policy: Any = UNSET,
 ) -> ZeroState:
     """Read a checkpoint written by :func:`save` at any world size into this group's shards.
 
@@ -932,13 +938,15 @@ def load(
         the saved hyperparameters are applied to it.
       params_out: model tensors to fill in place with the saved weights (if saved).
       verify: check every file's SHA-256 (sizes and presence are always checked).
-      policy: the precision policy to continue with; the saved loss-scale state is restored.
+      precision: the precision policy to continue with; the saved loss-scale state is restored.
+      policy: the old name of ``precision`` (deprecated, warns).
 
     Returns:
       This rank's ZeroState at ``comm.group_size(group)`` ranks.
 
     Collectives: DCP's plan exchange; each rank reads the pieces its shards overlap.
     """
+    precision = renamed("load", "policy", "precision", policy, precision)
     path = os.path.abspath(os.fspath(path))
     # Everything that can be checked before reading a tensor is, and every rank learns every
     # rank's verdict before DCP's collectives start: a rank that cannot load makes all raise.
@@ -1013,7 +1021,7 @@ def load(
             master_fd,
             _from_per_param(fopt, master_fd, {n: e for n, e in entries.items() if e}),
             meta["step"],
-            policy=policy or DEFAULT_POLICY,
+            precision=precision or DEFAULT_POLICY,
         )
         failure = None
     except CheckpointError as e:

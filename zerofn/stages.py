@@ -27,13 +27,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
-from zerofn import _placement, checks, comm
+from zerofn import _checks as checks
+from zerofn import _comm as comm
+from zerofn import _placement
+from zerofn._comm import CommPolicy, Group
+from zerofn._deprecation import UNSET, renamed
 from zerofn._tree import FrozenDict
 from zerofn.buckets import cut_shard, launch_gather, launch_reduce, pack_grads, pack_shards, split_row, unpack_rows
-from zerofn.comm import CommPolicy, Group
 from zerofn.layout import ShardLayout, make_layout
 from zerofn.optim import Optimizer
 from zerofn.precision import (
@@ -64,11 +68,12 @@ def _policy_for(policy: PrecisionPolicy | None, master_dtype: torch.dtype) -> Pr
     if policy is None:
         return DEFAULT_POLICY if master_dtype == torch.float32 else DEFAULT_POLICY.replace(master_dtype=master_dtype)
     if not isinstance(policy, PrecisionPolicy):
-        raise TypeError(f"shard_params: policy must be a zerofn.PrecisionPolicy or None, got {type(policy).__name__}")
+        what = type(policy).__name__
+        raise TypeError(f"shard_params: precision must be a zerofn.PrecisionPolicy or None, got {what}")
     if master_dtype != torch.float32:
         raise ValueError(
-            f"shard_params: got both master_dtype={master_dtype} and a policy; put it in the policy instead: "
-            f"policy.replace(master_dtype={master_dtype})"
+            f"shard_params: got both master_dtype={master_dtype} and a precision policy; put it in the policy "
+            f"instead: precision.replace(master_dtype={master_dtype})"
         )
     return policy
 
@@ -79,8 +84,9 @@ def shard_params(
     group: Group = None,
     *,
     master_dtype: torch.dtype = torch.float32,
-    policy: PrecisionPolicy | None = None,
+    precision: PrecisionPolicy | None = None,
     placement: Mapping[str, str] | Callable[[str, torch.Tensor], str] | None = None,
+    policy: Any = UNSET,
 ) -> ZeroState:
     """The first ZeroState: this rank's master shards of ``params`` and fresh optimizer state.
 
@@ -91,8 +97,8 @@ def shard_params(
       group: the sharding process group (``None``: default). Only its size and this
         rank's index are read.
       master_dtype: dtype of the master shards and optimizer state (float32), when no
-        ``policy`` is given.
-      policy: the :class:`~zerofn.precision.PrecisionPolicy`; ``None``: every param keeps
+        ``precision`` is given.
+      precision: the :class:`~zerofn.precision.PrecisionPolicy`; ``None``: every param keeps
         its own (working) dtype, ``master_dtype`` master shards on the params' device, no
         loss scaling. With a policy, each param's working dtype is
         :func:`~zerofn.precision.resolve_param_dtypes` (``param_dtype`` forces one; mixed
@@ -108,18 +114,20 @@ def shard_params(
         or a function ``(name, param) -> "split" | "whole"``. It may place whole what the
         optimizer would split, never the reverse (a whole-tensor update never runs on
         shards).
+      policy: the old name of ``precision`` (deprecated, warns).
 
     Returns:
       A :class:`ZeroState` whose ``master[name]`` is, for a split param, chunk ``rank`` of
       the padded flat param, shape ``(ceil(numel / N),)``; for a whole param the full
-      param (its shape) on its owner rank, absent on the others. ``policy`` is the policy
-      used.
+      param (its shape) on its owner rank, absent on the others. ``precision`` is the
+      policy used.
 
     Collectives: none. Ranks' layouts are compared by the first ``reduce_grads`` /
     ``gather_params`` (or call :func:`zerofn.checks.check_ranks_agree` yourself).
     """
+    precision = renamed("shard_params", "policy", "precision", policy, precision)
     checks.validate_params(params, "shard_params")
-    policy = _policy_for(policy, master_dtype)
+    policy = _policy_for(precision, master_dtype)
     dtypes = resolve_param_dtypes(params, policy)
     rank = comm.group_rank(group)
     param_device = next(iter(params.values())).device
@@ -143,7 +151,7 @@ def shard_params(
         optimizer.init(master),
         0,
         loss_scale=policy.loss_scaler.init(),
-        policy=policy,
+        precision=policy,
         param_device=str(param_device),
     )
 
@@ -220,10 +228,11 @@ def reduce_grads(
     stage: int = 2,
     bucket_numel: int = DEFAULT_BUCKET_NUMEL,
     *,
-    policy: CommPolicy | None = None,
+    comm_policy: CommPolicy | None = None,
     comm_dtype: torch.dtype | None = None,
     precision: PrecisionPolicy | None = None,
     replicate_group: Group = None,
+    policy: Any = UNSET,
 ) -> FrozenDict[torch.Tensor]:
     """Average full local gradients over the group and keep this rank's shards.
 
@@ -244,18 +253,19 @@ def reduce_grads(
       layout: ``state.layout``.
       group: the sharding process group (``None``: default).
       stage: 1 reduces with an all-reduce (as ZeRO-1); 2 with the group's reduce
-        realisation (``policy``). Both return only this rank's shards.
+        realisation (``comm_policy``). Both return only this rank's shards.
       bucket_numel: padded elements per bucket; a larger param travels alone.
-      policy: how collectives are realised; default :class:`CommPolicy` (per backend).
+      comm_policy: how collectives are realised; default :class:`CommPolicy` (per backend).
       comm_dtype: dtype on the wire; default ``precision.comm_dtype``, else the params'
         working dtype (as the seed: the wire carries working precision, also for
         float32-accumulated gradients, unless told otherwise).
       precision: the state's :class:`~zerofn.precision.PrecisionPolicy`
-        (``state.policy``), for the wire and accumulation dtypes; ``None``: the default.
+        (``state.precision``), for the wire and accumulation dtypes; ``None``: the default.
       replicate_group: for a hybrid layout, the group of ranks that hold the same shards
         as this one (one per shard group); gradients are then averaged over all
         ``N * R`` ranks. ``None`` (default): no replicas. Note the asymmetry with
         ``group``: here ``None`` does not mean the default group.
+      policy: the old name of ``comm_policy`` (deprecated, warns).
 
     Returns:
       name -> ``(shard_numel,)`` mean-gradient shard in the dtype the gradient came in
@@ -268,6 +278,7 @@ def reduce_grads(
     ``all_reduce`` (stage 1, or stage 2 on gloo) of ``N*S`` elements, and with replicas
     one ``all_reduce`` of ``S`` elements over ``replicate_group``.
     """
+    comm_policy = renamed("reduce_grads", "policy", "comm_policy", policy, comm_policy)
     comm.group_rank(group)  # a rank outside the group cannot take part: raise here, alone
     # Local validation first; its verdict travels in the agreement all-gather, so a bad
     # input on one rank makes every rank raise instead of leaving the others waiting.
@@ -278,7 +289,7 @@ def reduce_grads(
             raise ValueError(f"reduce_grads: bucket_numel must be a positive int (elements), got {bucket_numel!r}")
         if precision is not None and not isinstance(precision, PrecisionPolicy):
             raise TypeError(
-                f"reduce_grads: precision must be a zerofn.PrecisionPolicy (state.policy) or None, "
+                f"reduce_grads: precision must be a zerofn.PrecisionPolicy (state.precision) or None, "
                 f"got {type(precision).__name__}"
             )
         precision = precision or DEFAULT_POLICY
@@ -310,7 +321,7 @@ def reduce_grads(
         device=device,
         failure=failure,
     )
-    how = reduce_realisation(stage, group, policy)
+    how = reduce_realisation(stage, group, comm_policy)
     rank = comm.group_rank(group)
     replicas = comm.group_size(replicate_group) if replicate_group is not None else 1
     present_set = set(present)
@@ -440,7 +451,7 @@ def step_shards(
 
     Raises:
       NonFiniteGradError: on every rank, when a gradient element on any rank is not finite
-        and ``state.policy.nonfinite == "raise"``.
+        and ``state.precision.nonfinite == "raise"``.
       StepVetoed: on every rank, when some rank passed a ``veto``.
 
     Collectives: one ``all_reduce`` of two float64 scalars (norm and non-finite flag);
@@ -485,7 +496,7 @@ def step_shards(
         failure: Exception | None = None
     except (TypeError, ValueError, KeyError) as e:
         failure = e
-    policy, loss_scale = state.policy, state.loss_scale
+    policy, loss_scale = state.precision, state.loss_scale
     refused = failure is not None or veto is not None
     norm, rejected = _global_norm(
         grad_shards if failure is None else {}, norm_type, group, state.work_device, rejected=refused
@@ -577,9 +588,10 @@ def gather_params(
     group: Group = None,
     *,
     bucket_numel: int = DEFAULT_BUCKET_NUMEL,
-    policy: CommPolicy | None = None,
+    comm_policy: CommPolicy | None = None,
     out: Mapping[str, torch.Tensor] | None = None,
     check: bool = True,
+    policy: Any = UNSET,
 ) -> dict[str, torch.Tensor]:
     """All ranks' master shards, gathered into full params in their working dtypes.
 
@@ -593,7 +605,7 @@ def gather_params(
       state: the current state.
       group: the sharding process group (``None``: default).
       bucket_numel: padded elements per bucket.
-      policy: how collectives are realised; default :class:`CommPolicy` (per backend).
+      comm_policy: how collectives are realised; default :class:`CommPolicy` (per backend).
       out: explicit donation of destination tensors: name -> tensor of the param's
         shape and dtype (e.g. the model's own parameters) to write into in place instead
         of allocating new ones. Validated before any collective.
@@ -601,6 +613,7 @@ def gather_params(
         bucket size (the default). A caller that has confirmed it once for this layout
         and group, as the facade does at construction, may pass False to save the round trip.
 
+      policy: the old name of ``comm_policy`` (deprecated, warns).
     Returns:
       A new dict name -> full param (layout order, original shape, working dtype, on the
       params' device ``state.work_device``), equal on every rank. Without ``out`` the
@@ -611,6 +624,7 @@ def gather_params(
     per bucket one ``all_gather`` (NCCL) or one ``broadcast`` per rank (gloo) of ``S``
     elements each.
     """
+    comm_policy = renamed("gather_params", "policy", "comm_policy", policy, comm_policy)
     layout = state.layout
     checks.validate_world(layout, group, "gather_params")
     if not isinstance(bucket_numel, int) or bucket_numel <= 0:
@@ -620,7 +634,7 @@ def gather_params(
         checks.validate_out(out, layout, "gather_params")
     if check:
         checks.check_ranks_agree(layout, group, "gather_params", settings={"bucket_numel": bucket_numel}, device=device)
-    how = (policy or CommPolicy()).resolve(group)[1]
+    how = (comm_policy or CommPolicy()).resolve(group)[1]
     result = {
         s.name: out[s.name] if out is not None else torch.empty(s.shape, dtype=s.dtype, device=device)
         for s in layout.params

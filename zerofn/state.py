@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, NamedTuple
 
 import torch
 import torch.utils._pytree as pytree
 
+from zerofn._deprecation import renamed
 from zerofn._tree import FrozenDict
 from zerofn.layout import ShardLayout
 from zerofn.optim import Optimizer
@@ -35,7 +37,7 @@ class ZeroState:
     """One rank's ZeRO state: its master shards, optimizer-state shards and loss scale.
 
     A pytree whose leaves are the tensors, the step count and the three numbers of the
-    loss-scale state; ``layout``, ``optimizer``, ``rank``, ``policy`` and ``param_device``
+    loss-scale state; ``layout``, ``optimizer``, ``rank``, ``precision`` and ``param_device``
     are static metadata carried in the tree's context, so ``tree_map`` over a state
     touches tensors (and those numbers) only.
 
@@ -46,15 +48,17 @@ class ZeroState:
       master: name -> ``(shard_numel,)`` master shard, padding zero, for a split param;
         the full-shape master of a whole param this rank owns (absent if another rank
         owns it). In
-        ``policy.master_dtype`` (float32 by default), or in the param's working dtype
-        when ``policy.master_weights`` is False; on ``policy.state_device`` (the CPU for
+        ``precision.master_dtype`` (float32 by default), or in the param's working dtype
+        when ``precision.master_weights`` is False; on ``precision.state_device`` (the CPU for
         CPU offload) or else on the params' device.
       opt_state: the optimizer's state NamedTuple over the same shard shapes (same device).
       step: completed (not skipped) optimizer steps.
       loss_scale: the loss scaler's :class:`~zerofn.precision.LossScaleState`; advanced by
         every ``step_shards``, skipped steps included (that is how the scaler backs off).
-      policy: the :class:`~zerofn.precision.PrecisionPolicy` the state was built with
+      precision: the :class:`~zerofn.precision.PrecisionPolicy` the state was built with
         (static): its loss scaler, ``nonfinite`` rule and dtypes drive ``step_shards``.
+        (``policy`` is its old name: reading it, or ``replace(policy=...)``, still works
+        with a ``DeprecationWarning``, for one release.)
       param_device: where the full (working) params live, as a string: gradients come
         from there and ``gather_params`` puts params there. ``None``: the master's device.
     """
@@ -66,11 +70,23 @@ class ZeroState:
     opt_state: Any
     step: int = 0
     loss_scale: LossScaleState = NO_LOSS_SCALE
-    policy: PrecisionPolicy = DEFAULT_POLICY
+    precision: PrecisionPolicy = DEFAULT_POLICY
     param_device: str | None = None
 
     def replace(self, **changes: Any) -> ZeroState:
+        if "policy" in changes:
+            changes["precision"] = renamed("ZeroState.replace", "policy", "precision", changes.pop("policy"), None)
         return dataclasses.replace(self, **changes)
+
+    @property
+    def policy(self) -> PrecisionPolicy:
+        """The old name of :attr:`precision` (deprecated, warns)."""
+        warnings.warn(
+            "ZeroState.policy is deprecated and will be removed in the next release; use ZeroState.precision",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.precision
 
     # A torch optimizer's ``state`` is a dict param -> {key: tensor}; code ported from one
     # (``opt.state[p]["exp_avg"]``, ``for s in opt.state.values()``) gets told where to look.
@@ -106,12 +122,12 @@ class ZeroState:
         """Where the master shards and the optimizer state live.
 
         A rank that holds no master tensor (every param whole and owned elsewhere) reports
-        ``policy.state_device``, else the params' device.
+        ``precision.state_device``, else the params' device.
         """
         if self.master:
             return next(iter(self.master.values())).device
-        if self.policy.state_device is not None:
-            return torch.device(self.policy.state_device)
+        if self.precision.state_device is not None:
+            return torch.device(self.precision.state_device)
         return torch.device(self.param_device or "cpu")
 
     @property
@@ -124,9 +140,9 @@ pytree.register_pytree_node(
     ZeroState,
     lambda s: (
         [s.master, s.opt_state, s.step, s.loss_scale],
-        (s.layout, s.optimizer, s.rank, s.policy, s.param_device),
+        (s.layout, s.optimizer, s.rank, s.precision, s.param_device),
     ),
-    lambda children, ctx: ZeroState(ctx[0], ctx[1], ctx[2], *children, policy=ctx[3], param_device=ctx[4]),
+    lambda children, ctx: ZeroState(ctx[0], ctx[1], ctx[2], *children, precision=ctx[3], param_device=ctx[4]),
     serialized_type_name="zerofn.ZeroState",
 )
 

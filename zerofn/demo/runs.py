@@ -154,7 +154,7 @@ class FunctionalRun:
         self.params = {k: v.detach().clone() for k, v in self.model.named_parameters()}
         opt = zf.optim.adamw(lr=cfg.lr, weight_decay=WEIGHT_DECAY)
         # This rank's 1/N of the fp32 master weights and AdamW moments; no communication.
-        self.state = zf.shard_params(self.params, opt, group, policy=precision_policy(cfg))
+        self.state = zf.shard_params(self.params, opt, group, precision=precision_policy(cfg))
         self.group, self.stage, self.comm, self.max_norm = group, cfg.stage, comm, cfg.max_norm
         self.sent = ByteLog()
 
@@ -176,11 +176,18 @@ class FunctionalRun:
                 loss += float(micro_loss)
         with self.sent.count():
             gshards = zf.reduce_grads(
-                grads, self.state.layout, self.group, stage=self.stage, policy=self.comm, precision=self.state.policy
+                grads,
+                self.state.layout,
+                self.group,
+                stage=self.stage,
+                comm_policy=self.comm,
+                precision=self.state.precision,
             )  # the mean gradient over ranks, this rank's shards only
             self.state, info = zf.step_shards(self.state, gshards, self.group, max_norm=self.max_norm)
             if not info.skipped:  # a skipped step (fp16 overflow) changed no shard: nothing to gather
-                self.params = zf.gather_params(self.state, self.group, policy=self.comm)  # full, equal on all ranks
+                self.params = zf.gather_params(
+                    self.state, self.group, comm_policy=self.comm
+                )  # full, equal on all ranks
         return loss, info.skipped
 
     def named_params(self) -> dict[str, torch.Tensor]:

@@ -36,7 +36,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zerofn import comm, optim, torch_optim
+from zerofn import _comm as comm
+from zerofn import optim, torch_optim
 from zerofn.precision import (
     DynamicLossScaler,
     MixedDtypeError,

@@ -27,9 +27,9 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from zerofn import comm
+from zerofn import _comm as comm
+from zerofn._comm import Group
 from zerofn.buckets import launch_gather, pack_shards, unpack_rows
-from zerofn.comm import Group
 from zerofn.facade._guards import ParamGuard
 from zerofn.layout import Bucket, ShardLayout
 from zerofn.state import ZeroState

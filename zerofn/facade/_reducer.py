@@ -29,9 +29,10 @@ from typing import Any
 
 import torch
 
-from zerofn import checks, comm
+from zerofn import _checks as checks
+from zerofn import _comm as comm
+from zerofn._comm import CommPolicy, Group
 from zerofn.buckets import launch_gather, launch_reduce, pack_grads, split_row, unpack_rows, wire_dtype
-from zerofn.comm import CommPolicy, Group
 from zerofn.layout import Bucket, ShardLayout
 from zerofn.precision import PrecisionPolicy
 from zerofn.stages import reduce_grads, reduce_realisation, sum_over_replicas
@@ -251,7 +252,7 @@ class GradReducer:
             self._group,
             self._stage,
             self._bucket_numel,
-            policy=self._comm_policy,
+            comm_policy=self._comm_policy,
             precision=self._precision,
             replicate_group=self._replicate,
         )

@@ -13,7 +13,8 @@ from typing import Any, Protocol
 
 import torch
 
-from zerofn import checkpoint, comm, optim, torch_optim
+from zerofn import _comm as comm
+from zerofn import checkpoint, optim, torch_optim
 from zerofn.state import ZeroState
 
 __all__ = ["StateDictMethods"]
@@ -98,7 +99,7 @@ class StateDictMethods:
         if self._state.master:
             return next(iter(self._state.master.values())).dtype
         layout = self._state.layout
-        return self._state.policy.master_dtype_for(layout[layout.names[0]].dtype)
+        return self._state.precision.master_dtype_for(layout[layout.names[0]].dtype)
 
     def _adopt(self: _Host, new: ZeroState) -> None:
         """Take a loaded state's contents, keeping this facade's static settings."""

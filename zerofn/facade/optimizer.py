@@ -29,8 +29,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zerofn import checks, comm, optim, torch_optim
-from zerofn.comm import CommPolicy
+from zerofn import _checks as checks
+from zerofn import _comm as comm
+from zerofn import optim, torch_optim
+from zerofn._comm import CommPolicy
 from zerofn.facade import _guards, _options
 from zerofn.facade._prefetch import ParamPrefetcher
 from zerofn.facade._reducer import GradReducer
@@ -168,7 +170,7 @@ class ZeroOptimizer(StateDictMethods, torch.optim.Optimizer):
         self._group_names = [[n for n, _ in g] for g in named_groups]
         self._params = params
         self._name_of = {id(p): n for n, p in params.items()}
-        self._state: ZeroState = shard_params(params, fopt, self._group, policy=policy)
+        self._state: ZeroState = shard_params(params, fopt, self._group, precision=policy)
         layout = self._state.layout
         settings = {"stage": self._stage, "bucket_numel": reduce_bucket_size, "overlap": int(overlap_communication)}
         settings["precision"] = checks.text_hash(repr(policy))
@@ -227,8 +229,8 @@ class ZeroOptimizer(StateDictMethods, torch.optim.Optimizer):
 
     @property
     def precision(self) -> PrecisionPolicy:
-        """The :class:`~zerofn.precision.PrecisionPolicy` in force (also ``state.policy``)."""
-        return self._state.policy
+        """The :class:`~zerofn.precision.PrecisionPolicy` in force (also ``state.precision``)."""
+        return self._state.precision
 
     @property
     def loss_scale(self) -> float:
@@ -431,7 +433,7 @@ class ZeroOptimizer(StateDictMethods, torch.optim.Optimizer):
             new_state,
             self._group,
             bucket_numel=self._bucket_numel,
-            policy=self._comm_policy,
+            comm_policy=self._comm_policy,
             out=self._params,
             check=False,
         )
