@@ -22,7 +22,14 @@ assert _spec is not None and _spec.loader is not None
 build = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(build)
 
-EXPECTED = ["01_sharding", "02_collectives", "03_training_loop", "04_mixed_precision", "05_checkpoints"]
+EXPECTED = [
+    "01_sharding",
+    "02_collectives",
+    "03_training_loop",
+    "04_mixed_precision",
+    "05_checkpoints",
+    "06_whole_tensor_optimizers",
+]
 # Appended to each notebook under test (not to the committed one): every World the
 # notebook started must have been closed, so no worker process outlives it.
 NO_WORKERS_LEFT = (
@@ -32,7 +39,7 @@ NO_WORKERS_LEFT = (
 )
 
 
-def test_the_five_notebooks_are_there() -> None:
+def test_the_six_notebooks_are_there() -> None:
     assert [p.stem for p in build.NOTEBOOKS] == EXPECTED
 
 
