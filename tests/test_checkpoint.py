@@ -382,3 +382,38 @@ def test_corrupt_missing_and_mismatched_checkpoints_raise_clear_errors(worlds, t
     # Not a checkpoint at all.
     os.remove(os.path.join(target, "zerofn.json"))
     assert all("not a zerofn checkpoint" in m for m in worlds[2].run(_try_load, path, good, "adamw"))
+
+
+# --------------------------------------------------------------------------- format version
+
+
+def _versions() -> dict[str, Any]:
+    torch.manual_seed(0)
+    params = {"w": torch.randn(5, 3), "b": torch.randn(3)}
+    state = zf.shard_params(params, zf.optim.adamw(lr=1e-2))
+    grads = {n: torch.randn_like(p) for n, p in params.items()}
+    state, _ = zf.step_shards(state, zf.reduce_grads(grads, state.layout))
+    full = ck.full_state_dict(state)
+    older = copy.deepcopy(full)
+    del older["zerofn"]["version"]  # written before the entry carried a version
+    from_older = ck.shard_state_dict(older, params)
+    newer = copy.deepcopy(full)
+    newer["zerofn"]["version"] = ck.FORMAT_VERSION + 1
+    try:
+        ck.shard_state_dict(newer, params)
+        refused = ""
+    except zf.CheckpointError as e:
+        refused = str(e)
+    return {
+        "version": full["zerofn"]["version"],
+        "same": ck.full_state_dict(from_older),
+        "full": full,
+        "refused": refused,
+    }
+
+
+def test_the_zerofn_entry_carries_a_format_version_and_an_unknown_one_is_refused(worlds):
+    for res in worlds[2].run(_versions):
+        assert res["version"] == ck.FORMAT_VERSION
+        assert_state_dicts_equal(res["same"], res["full"])  # no version: read as the first format
+        assert f"format version {ck.FORMAT_VERSION + 1}" in res["refused"], res["refused"]
