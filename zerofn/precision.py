@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
 
 import torch
@@ -55,6 +55,8 @@ __all__ = [
     "NonFiniteGradError",
     "PrecisionPolicy",
     "StaticLossScaler",
+    "clip_coef",
+    "mul_grads_",
     "nonfinite_grad_names",
     "resolve_param_dtypes",
     "scale_loss",
@@ -381,6 +383,51 @@ def unscale_and_clip_coef(
         if clip > 1:
             div = clip * scale
     return 1.0 / div
+
+
+def clip_coef(total_norm: float, max_norm: float) -> float:
+    r"""``torch.nn.utils.clip_grad_norm_``'s factor: :math:`\min(1, m / (n + 10^{-6}))`.
+
+    Args:
+      total_norm: the global norm :math:`n` of the true (unscaled) gradients; finite, >= 0.
+      max_norm: the threshold :math:`m`, >= 0.
+
+    Returns:
+      The Python float to multiply every gradient by (1.0: nothing to clip).
+
+    Examples:
+      >>> clip_coef(3.0, 1.0) == 1.0 / (3.0 + 1e-6)
+      True
+      >>> clip_coef(0.5, 1.0)
+      1.0
+    """
+    if not (math.isfinite(total_norm) and total_norm >= 0):
+        raise ValueError(f"clip_coef: total_norm must be finite and >= 0, got {total_norm!r}")
+    if not (math.isfinite(max_norm) and max_norm >= 0):
+        raise ValueError(f"clip_coef: max_norm must be finite and >= 0, got {max_norm!r}")
+    return min(1.0, max_norm / (total_norm + 1e-6))
+
+
+def mul_grads_(grads: Iterable[torch.Tensor], factor: float) -> None:
+    """Multiply gradients in place by ``factor``, as ``clip_grad_norm_`` and ``GradScaler.unscale_`` do.
+
+    The factor is a 0-d tensor in mul's compute dtype (float32; float64 for float64
+    gradients), so a float16/bfloat16 gradient is multiplied by the float32 factor and
+    rounded once, as torch's own clipping and unscaling round it. One ``_foreach_mul_``
+    per (device, dtype).
+
+    Args:
+      grads: tensors to scale in place (any floating dtypes and devices; any strides).
+      factor: the multiplier (a clip coefficient, or ``1 / loss scale`` to unscale).
+
+    Collectives: none.
+    """
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for g in grads:
+        groups.setdefault((g.device, g.dtype), []).append(g)
+    for (device, dtype), tensors in groups.items():
+        scalar = torch.tensor(factor, dtype=torch.promote_types(dtype, torch.float32), device=device)
+        torch._foreach_mul_(tensors, scalar)
 
 
 class NonFiniteGradError(FloatingPointError):

@@ -53,6 +53,7 @@ from zerofn.state import DEFAULT_POLICY, StepInfo, ZeroState
 __all__ = [
     "StepVetoed",
     "gather_params",
+    "global_grad_norm",
     "reduce_grads",
     "reduce_realisation",
     "resolve_placement",
@@ -385,6 +386,41 @@ def _global_norm(
     if total[1] > 0:
         return math.inf, total[2] > 0
     return (math.sqrt(total[0]) if norm_type == 2.0 else total[0]), total[2] > 0
+
+
+def global_grad_norm(
+    grad_shards: Mapping[str, torch.Tensor],
+    group: Group = None,
+    *,
+    norm_type: float = 2.0,
+    scale: float = 1.0,
+    device: torch.device | str = "cpu",
+) -> float:
+    """The global ``norm_type`` norm of the true gradient, from every rank's pieces of it.
+
+    The same norm ``step_shards`` computes (float64, padding zero, ``inf`` when any rank
+    holds a non-finite element), without a step: what ``clip_grad_norm_`` and
+    ``get_grad_norm`` report between backward and step.
+
+    Args:
+      grad_shards: name -> this rank's piece of each mean gradient (shards from
+        :func:`reduce_grads`, or views of the owned range of full gradients); any shapes.
+        Together the ranks' pieces must cover each gradient exactly once.
+      group: the sharding process group (``None``: default).
+      norm_type: 2.0 or ``math.inf``.
+      scale: the loss scale the pieces carry (1.0: none); the result is divided by it.
+      device: where the scalars go (the params' device).
+
+    Returns:
+      The unscaled norm as a Python float, equal on every rank; ``inf`` if any element is
+      not finite.
+
+    Collectives: one ``all_reduce`` of three float64 values over ``group``.
+    """
+    if norm_type not in (2.0, math.inf):
+        raise ValueError(f"global_grad_norm: norm_type must be 2.0 or math.inf, got {norm_type!r}")
+    norm, _ = _global_norm(grad_shards, norm_type, group, torch.device(device))
+    return unscaled_norm(norm, scale)
 
 
 def step_shards(

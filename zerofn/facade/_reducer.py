@@ -1,47 +1,143 @@
-"""The facade's gradient reducer: when each bucket's reduction launches, and into which buffer.
+"""The facade's gradient reducer: when each bucket's reduction launches, into which buffer,
+and what ``p.grad`` holds afterwards.
 
 It owns no packing, scaling or cutting: every bucket goes through
 :mod:`zerofn.buckets` (``pack_grads`` into a reused staging buffer, ``launch_reduce``,
-``split_row``), the same pieces :func:`~zerofn.reduce_grads` loops over, so both paths
-send identical buffers and get identical bits.
+``split_row`` / ``unpack_rows``, ``cut_shard``), the same pieces
+:func:`~zerofn.reduce_grads` loops over, so both paths send identical buffers and get
+identical bits.
 
-Gradient flow per backward:
+Gradient flow per backward (hooks on every param):
 
-* **no hooks** (stage 1 without overlap): :meth:`GradReducer.reduce_local` reduces all
-  ``p.grad`` with :func:`~zerofn.reduce_grads` and frees them.
-* **hooks** (stage 2, or ``overlap_communication=True``): a post-accumulate-grad hook
-  counts each bucket's members as their gradients land; a full bucket is packed into an
-  ``(N, S)`` staging buffer (reused between buckets and steps), its members' ``p.grad``
-  freed, and its reduction launched (asynchronously when overlapping). When autograd
+* a post-accumulate-grad hook counts each bucket's members as their gradients land; a
+  full bucket is packed into an ``(N, S)`` staging buffer (reused between buckets and
+  steps) and its reduction launched (asynchronously with ``overlap``). When autograd
   finishes, an engine callback launches the buckets with absent members (layer drop)
-  and waits for all.
+  and the gradients left over from earlier ``no_sync`` micro-steps, and waits for all.
+* **stage 1** reduces with an all-reduce, so every rank receives the whole bucket: it is
+  unpacked into full averaged gradients in ``p.grad``, as DDP leaves them (memory: full
+  gradients, as DDP). ``step`` uses what the user left there (clipped, edited, replaced
+  or set to ``None``), cut into this rank's shards.
+* **stage 2** keeps this rank's row only (the shards); each reduced param's ``p.grad``
+  holds a :class:`ShardedGrad`, a zero-memory placeholder on which every torch function
+  (``clip_grad_norm_``, ``clip_grad_value_``, ``GradScaler.unscale_``, ``p.grad.norm()``)
+  raises :class:`ShardedGradError` naming the facade's way, instead of silently seeing
+  no gradient.
 * **accumulation**: inside ``no_sync()`` nothing is communicated. When the accumulation
   dtype differs from the working dtype (float32 under fp16/bf16 by default), a hook moves
   each fresh ``p.grad`` into a float32 accumulator, and the closing backward reduces the
   accumulators.
+
+What ``p.grad`` holds is decided before autograd accumulates into it, by a pre-hook on
+each param's ``AccumulateGrad`` node (it runs only when a gradient is about to be
+accumulated into ``p.grad``, never for ``torch.autograd.grad``): a placeholder or a
+gradient that ``step`` already used is cleared (so the next backward starts from zero,
+as the facade's ``step`` consumes gradients); an averaged gradient of the current step
+is set aside and added to the next reduction's result (two backwards before one step sum
+their mean gradients, as at stage 2).
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, NamedTuple
 
 import torch
 
 from zerofn import _checks as checks
 from zerofn import _comm as comm
 from zerofn._comm import CommPolicy, Group
-from zerofn.buckets import launch_gather, launch_reduce, pack_grads, split_row, unpack_rows, wire_dtype
+from zerofn.buckets import (
+    cut_shard,
+    launch_gather,
+    launch_reduce,
+    pack_grads,
+    split_row,
+    unpack_rows,
+    wire_dtype,
+)
 from zerofn.layout import Bucket, ShardLayout
-from zerofn.precision import PrecisionPolicy
-from zerofn.stages import reduce_grads, reduce_realisation, sum_over_replicas
+from zerofn.precision import PrecisionPolicy, mul_grads_
+from zerofn.stages import reduce_realisation, sum_over_replicas
 
-__all__ = ["GradReducer", "Staging"]
+__all__ = ["GradReducer", "ShardedGrad", "ShardedGradError", "Staging"]
 
 # Buckets whose reduction may be in flight at once when overlapping: enough to keep the
 # network busy while backward computes, few enough to bound the buffers held.
 MAX_INFLIGHT = 2
+
+SHARDED_GRAD_MESSAGE = (
+    "zerofn: {what} on the p.grad of a param trained by ZeroOptimizer(partition_grad=True). At ZeRO "
+    "stage 2 each rank keeps only its shard of the averaged gradient, so p.grad holds no values. "
+    "Between backward and step, write instead: opt.clip_grad_norm_(max_norm) for "
+    "torch.nn.utils.clip_grad_norm_ (or clip_grad_norm=max_norm when building the optimizer), "
+    "opt.get_grad_norm() for the global gradient norm, opt.get_param_grad(p) to read one full "
+    "gradient (a collective), opt.zero_grad() to drop the gradients. Or use partition_grad=False "
+    "(stage 1), where p.grad holds the averaged gradient as with DDP."
+)
+GRAD_SCALER_MESSAGE = (
+    "zerofn: torch.amp.GradScaler cannot unscale the gradients of ZeroOptimizer(partition_grad=True): at "
+    "ZeRO stage 2 each rank keeps only its shard of the averaged gradient, so p.grad holds no values. "
+    "Use the facade's own loss scaling instead: float16 params (or forced_dtype=torch.float16, or "
+    "precision=zerofn.PrecisionPolicy.for_dtype(torch.float16)) train with a dynamic loss scaler, and "
+    "opt.backward(loss) scales the loss; then call opt.step() without the scaler, and "
+    "opt.clip_grad_norm_(max_norm) to clip the unscaled gradients. Nothing was changed."
+)
+
+# What may be read of a placeholder without touching gradient values: what torch's own
+# helpers look at before they compute (GradScaler groups by device and dtype, Module's
+# zero_grad reads grad_fn), so that they reach the computation and raise the error above.
+_METADATA = frozenset(
+    {
+        torch.Tensor.dtype.__get__,
+        torch.Tensor.device.__get__,
+        torch.Tensor.shape.__get__,
+        torch.Tensor.ndim.__get__,
+        torch.Tensor.layout.__get__,
+        torch.Tensor.is_sparse.__get__,
+        torch.Tensor.requires_grad.__get__,
+        torch.Tensor.grad_fn.__get__,
+        torch.Tensor.is_leaf.__get__,
+        torch.Tensor.size,
+        torch.Tensor.dim,
+        torch.Tensor.numel,
+    }
+)
+_AMP_UNSCALE = frozenset({torch._amp_foreach_non_finite_check_and_unscale_})
+
+
+class ShardedGradError(RuntimeError):
+    """A torch function read or wrote a stage-2 ``p.grad``, which holds no values (see the message)."""
+
+
+class ShardedGrad(torch.Tensor):
+    """What ``p.grad`` holds after backward at ZeRO stage 2: no values, only the param's metadata.
+
+    A 0-stride expansion of one zero element (no memory per param) with the param's shape,
+    dtype and device, so torch accepts it as a gradient. Its shape, dtype and device can be
+    read; every other torch function on it raises :class:`ShardedGradError` with what to
+    write instead, so ``clip_grad_norm_`` & co. fail loudly instead of clipping nothing.
+    The facade clears it before autograd could accumulate into it.
+    """
+
+    @classmethod
+    def __torch_function__(
+        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Mapping[str, Any] | None = None
+    ) -> Any:
+        if func in _METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        if func in _AMP_UNSCALE:
+            raise ShardedGradError(GRAD_SCALER_MESSAGE)
+        name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+        raise ShardedGradError(SHARDED_GRAD_MESSAGE.format(what=f"{name}() was called"))
+
+
+def sharded_grad(param: torch.Tensor) -> ShardedGrad:
+    """A :class:`ShardedGrad` for ``param``: its shape, dtype and device, one element of memory."""
+    zero = torch.zeros((), dtype=param.dtype, device=param.device)
+    return zero.expand(param.shape).as_subclass(ShardedGrad)  # type: ignore[return-value]
 
 
 class Staging:
@@ -90,18 +186,46 @@ class Staging:
 
 
 class _InFlight:
-    """One bucket whose reduction is launched: its handle, who was present, the buffer it reads."""
+    """One bucket whose reduction is launched: its handle, who was present, the buffer it reads.
 
-    __slots__ = ("bucket", "buf", "dtype", "pending", "present")
+    ``outs``: stage 1, the local gradients just packed, reused as the full averaged
+    gradients' storage (name -> tensor of the param's shape and working dtype). ``buf``
+    is the staging buffer to give back once settled (None: not a staging buffer).
+    """
+
+    __slots__ = ("bucket", "buf", "dtype", "outs", "pending", "present", "rows")
 
     def __init__(
-        self, bucket: Bucket, pending: comm.Pending, present: set[str], dtype: torch.dtype, buf: torch.Tensor
+        self,
+        bucket: Bucket,
+        pending: comm.Pending,
+        present: set[str],
+        dtype: torch.dtype,
+        buf: torch.Tensor,
+        outs: dict[str, torch.Tensor],
     ) -> None:
-        self.bucket, self.pending, self.present, self.dtype, self.buf = bucket, pending, present, dtype, buf
+        self.bucket, self.pending, self.present, self.dtype = bucket, pending, present, dtype
+        self.buf: torch.Tensor | None = buf
+        self.outs = outs
+        self.rows: torch.Tensor | None = None  # hybrid: what waits for the replicas' sum
+
+
+class _Averaged(NamedTuple):
+    """Stage 1: the averaged gradient the reducer left in ``p.grad``.
+
+    ``grad`` and ``version`` tell whether the user changed it since (then ``step`` cuts
+    ``p.grad``, not the exact shard kept aside); ``dtype`` is the dtype the local gradient
+    was reduced in (the accumulation dtype after ``no_sync`` micro-steps), the dtype of
+    the shard ``step`` gets.
+    """
+
+    grad: torch.Tensor
+    version: int
+    dtype: torch.dtype
 
 
 class GradReducer:
-    """Full local gradients in, this rank's mean-gradient shards out (``shards``).
+    """Full local gradients in; averaged gradients in ``p.grad`` (stage 1) or shards (stage 2) out.
 
     Args:
       params: name -> the model's param (layout order).
@@ -111,10 +235,14 @@ class GradReducer:
       stage: 1 or 2 (the reduce realisation); bucket_numel: elements per bucket.
       overlap: launch reductions asynchronously from the hooks.
       comm_policy: collective realisations.
+      loss_scale: returns the loss scale the next reduced gradients carry (the state's;
+        1.0 without loss scaling). Stage 1 divides ``p.grad`` by it, so users see true
+        gradients, as after ``GradScaler.unscale_``.
 
     Collectives: per bucket one reduction (see :func:`zerofn.buckets.launch_reduce`), one
-    tiny rank-agreement all-gather per hooked backward, and with replicas one all-reduce
-    per bucket over the replicate group at the end of backward.
+    tiny rank-agreement all-gather per backward (and per :meth:`settle` that finds local
+    gradients), and with replicas one all-reduce per bucket over the replicate group at the
+    end of backward.
     """
 
     def __init__(
@@ -129,26 +257,41 @@ class GradReducer:
         bucket_numel: int,
         overlap: bool,
         comm_policy: CommPolicy,
+        loss_scale: Callable[[], float] = lambda: 1.0,
     ) -> None:
         self._params = params
         self._layout = layout
         self._precision = precision
         self._group, self._replicate = group, replicate
+        self._rank = comm.group_rank(group)
         self._replicas = comm.group_size(replicate) if replicate is not None else 1
         self._stage, self._bucket_numel, self._overlap = stage, bucket_numel, overlap
         self._comm_policy = comm_policy
+        self._loss_scale = loss_scale
         self._how = reduce_realisation(stage, group, comm_policy)
         self._buckets = layout.buckets(bucket_numel)
         self._bucket_of = {name: i for i, b in enumerate(self._buckets) for name in b.names}
         self._position = {name: i for i, name in enumerate(layout.names)}  # layout order, for sorting
         self.require_sync = True  # False inside no_sync()
-        self.shards: dict[str, torch.Tensor] = {}  # reduced, waiting for step()
+        # Stage 2: the reduced shards, waiting for step(). Stage 1: the exact shards of the
+        # averaged gradients where p.grad cannot hold them bit for bit (loss-scaled, or a
+        # wire dtype finer than the working one); used while p.grad is untouched.
+        self.shards: dict[str, torch.Tensor] = {}
+        self._averaged: dict[str, _Averaged] = {}  # stage 1: p.grad holds this step's mean gradient
+        self._aside: dict[str, torch.Tensor] = {}  # stage 1: a mean gradient set aside while more accumulates
+        self._edited: set[str] = set()  # stage 1: its mean gradient was changed by the user; no exact shard
+        self._used: dict[str, torch.Tensor] = {}  # p.grad tensors a step has consumed (cleared before reuse)
+        self._placed: set[str] = set()  # stage 2: p.grad holds the placeholder
+        self._placeholders: dict[str, ShardedGrad] = {}
+        self._local: set[str] = set()  # local, unreduced gradient in p.grad or an accumulator
+        self._taken: tuple[Any, ...] | None = None  # what the last take_step_grads consumed (give_back)
         # Hook-path bookkeeping for the backward pass in progress.
         self._ready: list[set[str]] = [set() for _ in self._buckets]
-        self._launched: set[int] = set()
+        self._sent: list[set[str]] = [set() for _ in self._buckets]
+        self._ready_empty: set[str] = set()
         self._inflight: list[_InFlight] = []
         self.staging = Staging(keep=MAX_INFLIGHT + 1 if overlap else 1, min_numel=bucket_numel)
-        self._replica_rows: list[tuple[Bucket, torch.Tensor, set[str], torch.dtype]] = []
+        self._replica_rows: list[_InFlight] = []
         self._callback_queued = False
         # Accumulation in another dtype than the working one (float32 under fp16/bf16):
         # micro-step gradients are moved out of p.grad into these by the hooks.
@@ -156,58 +299,220 @@ class GradReducer:
         self._accum_names = {n for n, d in self._accum_dtype.items() if d != layout[n].dtype}
         self.accum: dict[str, torch.Tensor] = {}
         self._accumulating = False  # a no_sync backward folded gradients since the last reduction
-        self._hook_reduce = overlap or stage == 2
         self._hooks: list[Any] = []
-        if self._hook_reduce or self._accum_names:
-            me = weakref.ref(self)  # hooks live on the model's params; they must not keep us alive
+        self._accumulators: list[Any] = []  # the AccumulateGrad nodes: they must live for their hooks
+        me = weakref.ref(self)  # hooks live on the model's params; they must not keep us alive
+        with torch.enable_grad():
             for name, p in params.items():
+                if not p.requires_grad:  # never gets a gradient
+                    continue
                 self._hooks.append(p.register_post_accumulate_grad_hook(_grad_hook(me, name)))
+                node = p.view_as(p).grad_fn.next_functions[0][0]
+                self._accumulators.append(node)
+                self._hooks.append(node.register_prehook(_pre_hook(me, name)))
 
     # ------------------------------------------------------------------ state
 
     def clear(self) -> None:
-        """Forget accumulators and reduced shards (``zero_grad``)."""
+        """Forget every gradient (``zero_grad``): accumulators, shards, averaged and used marks.
+
+        The caller has cleared or zeroed ``p.grad``; placeholders are dropped here.
+        """
+        for name in self._placed:
+            p = self._params[name]
+            if p.grad is self._placeholders.get(name):
+                p.grad = None
         self.accum = {}
         self._accumulating = False
         self.shards = {}
+        self._averaged = {}
+        self._aside = {}
+        self._edited = set()
+        self._used = {}
+        self._placed = set()
+        self._local = set()
+        self._taken = None
 
-    def take_shards(self) -> dict[str, torch.Tensor]:
-        """The reduced shards, handed over (to ``step``); the reducer starts from none."""
-        shards, self.shards = self.shards, {}
-        return shards
+    def holds_grads(self) -> bool:
+        """Whether any gradient arrived since the last step or ``zero_grad`` (reduced or local)."""
+        return bool(self.shards or self._averaged or self._aside or self._local or self._foreign())
 
     def full_grad(self, name: str, how: str) -> torch.Tensor | None:
-        """The full reduced gradient of ``name`` (param shape, the shard's dtype), or None.
+        """The full averaged gradient of ``name``, unscaled (param shape), or None.
 
-        Collectives: one gather (``how``) of the param's shard, on every rank of the group.
+        Stage 1: ``p.grad``'s values (a copy), no communication. Stage 2: the shard gathered
+        (``how``) on every rank of the group, in the shard's dtype, divided by the loss scale.
         """
+        if self._stage == 1:
+            g = self._params[name].grad if name in self._averaged else None
+            return None if g is None else g.detach().clone()
         shard = self.shards.get(name)
         if shard is None:
             return None
         alone = Bucket((name,), (0,), self._layout[name].shard_numel)  # this param's shard is the row
         rows = launch_gather(shard.contiguous(), self._group, how).wait()
-        return unpack_rows(rows, self._layout, alone)[name]
+        full = unpack_rows(rows, self._layout, alone)[name]
+        scale = self._loss_scale()
+        if scale != 1.0:
+            mul_grads_([full], 1.0 / scale)
+        return full
 
     def grad_bytes(self) -> int:
-        """Bytes held for gradients beyond ``p.grad``: accumulators, buckets in flight, shards."""
+        """Bytes held for gradients beyond ``p.grad``: accumulators, buckets in flight, shards, set aside."""
         total = sum(a.numel() * a.element_size() for a in self.accum.values())
         total += sum(s.numel() * s.element_size() for s in self.shards.values())
+        total += sum(a.numel() * a.element_size() for a in self._aside.values())
         n = self._layout.world_size
-        total += sum(f.bucket.shard_numel * n * f.buf.element_size() for f in self._inflight)
-        return total + sum(row.numel() * row.element_size() for _, row, _, _ in self._replica_rows)
+        total += sum(f.bucket.shard_numel * n * f.buf.element_size() for f in self._inflight if f.buf is not None)
+        return total + sum(f.rows.numel() * f.rows.element_size() for f in self._replica_rows if f.rows is not None)
 
     def staging_bytes(self) -> int:
         """Bytes of the staging buffers held now, idle or in flight."""
-        return self.staging.nbytes() + sum(f.buf.numel() * f.buf.element_size() for f in self._inflight)
+        held = [f.buf for f in (*self._inflight, *self._replica_rows) if f.buf is not None]
+        return self.staging.nbytes() + sum(b.numel() * b.element_size() for b in held)
 
     def close(self) -> None:
-        """Remove the gradient hooks and drop the idle staging buffers."""
+        """Remove the hooks, the placeholders from ``p.grad`` and the idle staging buffers."""
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        self._accumulators = []
+        for name in self._placed:
+            p = self._params[name]
+            if p.grad is self._placeholders.get(name):
+                p.grad = None
+        self._placed = set()
         self.staging.clear()
 
+    # ------------------------------------------------------------------ step's view of the gradients
+
+    def settle(self) -> None:
+        """Reduce local gradients still waiting (after ``no_sync`` micro-steps, or set by hand).
+
+        Collectives: when this rank holds such gradients, the rank-agreement all-gather and
+        the buckets' reductions (every rank must be in the same situation, as after the
+        same backward calls).
+        """
+        self._drop_cleared()
+        if self._local or self._foreign():
+            self._flush()
+
+    def _drop_cleared(self) -> None:
+        """Stage 2: a placeholder the user cleared or replaced (``p.grad = None``) drops its shard."""
+        for name in [n for n in self._placed if self._params[n].grad is not self._placeholders[n]]:
+            self._placed.discard(name)
+            self.shards.pop(name, None)
+
+    def norm_pieces(self) -> tuple[dict[str, torch.Tensor], float]:
+        """This rank's shards of the current averaged gradients and the loss scale they carry.
+
+        Exactly what :meth:`take_step_grads` would hand to ``step`` now (stage 1: cut from
+        ``p.grad`` as the user left it), so a norm of them is the norm the step measures.
+        Call :meth:`settle` first.
+        """
+        return self.peek_step_grads(), self._loss_scale()
+
+    def scale_grads_(self, factor: float) -> None:
+        """Multiply the current averaged gradients in place by ``factor`` (clipping).
+
+        Stage 1: ``p.grad`` and the exact shards kept aside alike (an untouched ``p.grad``
+        stays untouched); stage 2: the shards. Call :meth:`settle` first.
+        """
+        if self._stage == 2:
+            mul_grads_(self.shards.values(), factor)
+            return
+        grads = [g for n in self._averaged if (g := self._params[n].grad) is not None]
+        exact = [n for n in self.shards if self._untouched(n)]
+        mul_grads_(grads + [self.shards[n] for n in exact], factor)
+        for name in exact:
+            av = self._averaged[name]
+            self._averaged[name] = av._replace(version=av.grad._version)
+
+    def _untouched(self, name: str) -> bool:
+        av = self._averaged.get(name)
+        g = self._params[name].grad
+        return av is not None and g is av.grad and g._version == av.version
+
+    def take_step_grads(self) -> dict[str, torch.Tensor]:
+        """The shards ``step`` applies, handed over; the reducer starts from none.
+
+        Stage 1: each averaged ``p.grad`` as the user left it, cut into this rank's shard
+        (in the dtype it was reduced in, times the loss scale again), or the exact shard
+        kept aside when ``p.grad`` is untouched; ``p.grad = None`` leaves the param out, as
+        torch.optim does. ``p.grad`` keeps its values after the step (as with DDP) until
+        the next backward or ``zero_grad``. Stage 2: the shards; a placeholder the user
+        cleared drops its shard. Call :meth:`settle` first. :meth:`give_back` undoes it.
+        """
+        self._drop_cleared()
+        self._taken = (dict(self._averaged), set(self._edited), dict(self.shards), dict(self._used))
+        if self._stage == 2:
+            shards, self.shards = self.shards, {}
+            return shards
+        scale = self._loss_scale()
+        out: dict[str, torch.Tensor] = {}
+        cut: list[torch.Tensor] = []
+        for name, av in self._averaged.items():
+            g = self._params[name].grad
+            spec = self._layout[name]
+            if g is None:
+                continue
+            self._used[name] = g
+            if not spec.holds(self._rank):
+                continue
+            if name in self.shards and self._untouched(name):
+                out[name] = self.shards[name]
+                continue
+            out[name] = cut_shard(g, spec, self._rank, dtype=av.dtype)
+            cut.append(out[name])
+        if scale != 1.0 and cut:
+            mul_grads_(cut, scale)  # step_shards unscales what it gets
+        self._averaged = {}
+        self._edited = set()
+        self.shards = {}
+        return {n: out[n] for n in self._layout.names if n in out}
+
+    def give_back(self, shards: Mapping[str, torch.Tensor]) -> None:
+        """Undo the last :meth:`take_step_grads`: the step applied nothing (``shards`` unchanged).
+
+        The gradients wait for the next ``step``, as if never taken (stage 1: ``p.grad``
+        is again the current averaged gradient; stage 2: ``shards`` are held again).
+        """
+        if self._taken is None:
+            raise RuntimeError("GradReducer.give_back: nothing was taken")
+        self._averaged, self._edited, held, self._used = self._taken
+        self._taken = None
+        if self._stage == 2:
+            held = dict(shards)
+        self._merge_under(held)
+
+    def _merge_under(self, earlier: Mapping[str, torch.Tensor]) -> None:
+        """Put ``earlier`` shards back under whatever arrived since (summed where both hold one)."""
+        later, self.shards = self.shards, dict(earlier)
+        self._merge(later)
+
+    def peek_step_grads(self) -> dict[str, torch.Tensor]:
+        """What :meth:`take_step_grads` would hand over now, without consuming anything (for inspection)."""
+        saved = (dict(self._averaged), set(self._edited), dict(self.shards), dict(self._used), set(self._placed))
+        taken = self._taken
+        try:
+            return dict(self.take_step_grads())
+        finally:
+            self._averaged, self._edited, self.shards, self._used, self._placed = saved
+            self._taken = taken
+
     # ------------------------------------------------------------------ local gradients
+
+    def _foreign(self) -> list[str]:
+        """Names whose ``p.grad`` holds a tensor the facade did not produce or consume (set by hand)."""
+        out = []
+        for name, p in self._params.items():
+            g = p.grad
+            if g is None or type(g) is ShardedGrad or name in self._local or name in self._averaged:
+                continue
+            if self._used.get(name) is g:
+                continue
+            out.append(name)
+        return out
 
     def _merge(self, shards: Mapping[str, torch.Tensor]) -> None:
         for name, shard in shards.items():
@@ -228,6 +533,7 @@ class GradReducer:
 
     def _take_grad(self, name: str) -> torch.Tensor | None:
         """The local gradient to reduce for ``name`` (accumulated or ``p.grad``); frees it here."""
+        self._local.discard(name)
         if self._accumulating and name in self._accum_names:
             self._fold(name)
         acc = self.accum.pop(name, None)
@@ -237,35 +543,45 @@ class GradReducer:
         g, p.grad = p.grad, None
         return g
 
-    def reduce_local(self) -> None:
-        """Reduce whatever full gradients sit in ``p.grad`` or accumulators (no-hook path) and free them."""
-        if self.accum:
-            self._accumulating = True  # left over (e.g. a param with no gradient in the last micro-step)
-        names = [n for n, p in self._params.items() if p.grad is not None or n in self.accum]
-        if not names:
-            return
-        grads = {n: self._take_grad(n) for n in names}
-        self._accumulating = False
-        shards = reduce_grads(
-            grads,
-            self._layout,
-            self._group,
-            self._stage,
-            self._bucket_numel,
-            comm_policy=self._comm_policy,
-            precision=self._precision,
-            replicate_group=self._replicate,
-        )
-        self._merge(shards)
-
     # ------------------------------------------------------------------ hook path
+
+    def before_accumulate(self, name: str) -> None:
+        """Autograd is about to accumulate a gradient into ``p.grad``: make ``p.grad`` ready for it."""
+        p = self._params[name]
+        g = p.grad
+        if type(g) is ShardedGrad and name not in self._placed:  # a stale placeholder: holds nothing
+            p.grad = None
+            return
+        if name in self._placed:  # stage 2
+            self._placed.discard(name)
+            if g is self._placeholders[name]:
+                p.grad = None  # the shard stays: the new gradient's is added to it
+            else:
+                self.shards.pop(name, None)  # the user cleared or replaced it: start from that
+            return
+        if g is None:
+            if self._averaged.pop(name, None) is not None:  # cleared by the user: start from zero
+                self.shards.pop(name, None)
+            return
+        if self._used.get(name) is g:  # step consumed it: start from zero
+            del self._used[name]
+            p.grad = None
+            return
+        if name in self._averaged:  # stage 1, a second backward before step: sum the means
+            if not self._untouched(name):
+                self.shards.pop(name, None)
+                self._edited.add(name)
+            del self._averaged[name]
+            self._aside[name] = g
+            p.grad = None
 
     def on_grad_ready(self, name: str) -> None:
         """A param's gradient was accumulated into ``p.grad`` by autograd."""
+        self._local.add(name)
         if name in self._accum_names and (not self.require_sync or self._accumulating):
             self._fold(name)
             self._accumulating = True
-        if not (self.require_sync and self._hook_reduce):
+        if not self.require_sync:
             return
         if not self._callback_queued:
             # Runs once autograd has finished this backward pass, whoever called it.
@@ -273,15 +589,18 @@ class GradReducer:
             self._callback_queued = True
         b = self._bucket_of.get(name)
         if b is None:  # an empty param: nothing to send
+            self._ready_empty.add(name)
             return
         self._ready[b].add(name)
         if len(self._ready[b]) == len(self._buckets[b].names):
             self._launch(b)
 
     def _launch(self, b: int) -> None:
-        """Pack bucket ``b`` into a staging buffer (its members' ``p.grad`` freed) and launch its reduction."""
+        """Pack bucket ``b``'s ready, unsent members into a staging buffer and launch its reduction."""
         bucket = self._buckets[b]
-        present = set(self._ready[b])
+        present = self._ready[b] - self._sent[b]
+        self._sent[b] |= present
+        fresh = present & self._local  # autograd's own gradients (not tensors the user set)
         grads = {n: self._take_grad(n) for n in bucket.names if n in present}
         first = next(g for g in grads.values() if g is not None)
         n, s = self._layout.world_size, bucket.shard_numel
@@ -289,6 +608,7 @@ class GradReducer:
         rows = pack_grads(grads, self._layout, bucket, replicas=self._replicas, out=buf[: n * s].view(n, s))
         wire = wire_dtype(self._layout, bucket, self._precision.comm_dtype)
         wire_buf = self.staging.take(n * s, wire, first.device) if wire != first.dtype else None
+        whole = self._stage == 1  # every rank receives the whole sum: the full averaged gradients
         pending = launch_reduce(
             rows,
             self._layout,
@@ -298,19 +618,25 @@ class GradReducer:
             comm_dtype=self._precision.comm_dtype,
             wire_out=wire_buf[: n * s].view(n, s) if wire_buf is not None else None,
             async_op=self._overlap,
+            whole=whole,
         )
         if wire_buf is not None:
             self.staging.give(buf)  # stream-ordered before any later writer on this device
             buf = wire_buf
-        self._launched.add(b)
-        self._inflight.append(_InFlight(bucket, pending, present, first.dtype, buf))
+        # Stage 1: the packed local gradients' storage receives the averaged ones (no new memory).
+        outs = {}
+        if whole:
+            for name, g in grads.items():
+                if name in fresh and g is not None and g.dtype == self._layout[name].dtype and g.is_contiguous():
+                    outs[name] = g
+        self._inflight.append(_InFlight(bucket, pending, present, first.dtype, buf, outs))
         self._harvest(MAX_INFLIGHT if self._overlap else 0)
 
     def _harvest(self, keep: int) -> None:
-        """Turn finished buckets into shards, oldest first, leaving at most ``keep`` in flight.
+        """Turn finished buckets into gradients, oldest first, leaving at most ``keep`` in flight.
 
         Each bucket in flight holds an ``(N, S)`` buffer; harvesting early is what keeps a
-        rank's gradient memory at its shards plus a few buckets.
+        rank's gradient memory at its shards plus a few buckets (stage 2).
         """
         while self._inflight and (len(self._inflight) > keep or self._inflight[0].pending.done()):
             f = self._inflight.pop(0)
@@ -319,40 +645,127 @@ class GradReducer:
                 # Hybrid: the replicas' sum waits for the end of backward. Harvesting happens
                 # at timing-dependent moments; a blocking all-reduce over the replicate group
                 # here could interleave with another rank's shard-group collective and
-                # deadlock. Keep just this rank's row (1/N of the bucket) until then.
-                kept = row.clone() if row._base is not None else row
-                self._replica_rows.append((f.bucket, kept, f.present, f.dtype))
-                self.staging.give_unless_aliased(f.buf, [kept])
+                # deadlock. Keep just what this rank needs until then: its row (stage 2,
+                # 1/N of the bucket), or the whole sum (stage 1, in its staging buffer).
+                if self._stage == 2:
+                    kept = row.clone() if row._base is not None else row
+                    if f.buf is not None:
+                        self.staging.give_unless_aliased(f.buf, [kept])
+                    f.buf = None
+                    row = kept
+                f.rows = row
+                self._replica_rows.append(f)
                 continue
-            shards = split_row(row, self._layout, f.bucket, f.present, dtype=f.dtype)
+            self._settle_bucket(f, row)
+
+    def _settle_bucket(self, f: _InFlight, summed: torch.Tensor) -> None:
+        """A reduced bucket (this rank's row, or the whole ``(N, S)`` sum at stage 1) into gradients."""
+        if self._stage == 2:
+            shards = split_row(summed, self._layout, f.bucket, f.present, dtype=f.dtype, rank=self._rank)
             self._merge(shards)
-            self.staging.give_unless_aliased(f.buf, shards.values())
+            if f.buf is not None:
+                self.staging.give_unless_aliased(f.buf, shards.values())
+            return
+        self._settle_whole(f, summed)
+        if f.buf is not None:
+            self.staging.give(f.buf)
+
+    def _settle_whole(self, f: _InFlight, rows: torch.Tensor) -> None:
+        """Stage 1: the ``(N, S)`` sum into full averaged gradients in ``p.grad``.
+
+        The exact shards are kept aside too where ``p.grad`` cannot hold the reduced values
+        bit for bit: under loss scaling (``p.grad`` is unscaled) or with a wire dtype the
+        working dtype does not contain.
+        """
+        layout, bucket = self._layout, f.bucket
+        working = layout[bucket.names[0]].dtype
+        scale = self._loss_scale()
+        if scale != 1.0 or torch.promote_types(rows.dtype, working) != working:
+            exact = split_row(rows[self._rank], layout, bucket, f.present, dtype=f.dtype, rank=self._rank)
+            self._merge({n: s for n, s in exact.items() if n not in self._edited})
+        dests = {
+            n: f.outs.get(n) if n in f.outs else torch.empty(layout[n].shape, dtype=working, device=rows.device)
+            for n in bucket.names
+            if n in f.present
+        }
+        unpack_rows(rows, layout, bucket, dests, names=dests)
+        if scale != 1.0:
+            mul_grads_(dests.values(), 1.0 / scale)  # what the user sees: true gradients
+        for name, g in dests.items():
+            self._set_averaged(name, g, f.dtype)
+
+    def _set_averaged(self, name: str, g: torch.Tensor, dtype: torch.dtype) -> None:
+        aside = self._aside.pop(name, None)
+        if aside is not None:
+            g.add_(aside)  # the earlier backward's mean: two backwards before step sum their means
+        p = self._params[name]
+        if p.dtype == g.dtype and p.device == g.device and p.shape == g.shape:
+            p.grad = g
+        # else the param was cast, moved or replaced since construction: p.grad stays None and
+        # step raises for the param itself (ParamsChangedError), not for its gradient.
+        self._averaged[name] = _Averaged(g, g._version, dtype)
 
     def _sum_replica_rows(self) -> None:
-        """Hybrid only: add the replicas' rows, in bucket launch order (the same on every rank)."""
-        for bucket, row, present, dtype in self._replica_rows:
-            row = sum_over_replicas(row, self._replicate)
-            self._merge(split_row(row, self._layout, bucket, present, dtype=dtype))
+        """Hybrid only: add the replicas' sums, in bucket launch order (the same on every rank)."""
+        for f in self._replica_rows:
+            assert f.rows is not None  # set by _harvest
+            self._settle_bucket(f, sum_over_replicas(f.rows, self._replicate))
         self._replica_rows = []
 
     def _finish_backward(self) -> None:
-        """End of a backward pass: launch partial buckets (layer drop), wait, keep shards."""
+        """End of a backward pass: reduce what is left (layer drop, earlier micro-steps), wait."""
         self._callback_queued = False
-        ready = sorted(set().union(*self._ready), key=self._position.__getitem__)
+        self._flush()
+
+    def _flush(self) -> None:
+        """Launch every unsent gradient (partial buckets, leftovers), wait, settle; reset the bookkeeping.
+
+        Leftovers: local gradients that got nothing in this backward (accumulated in earlier
+        ``no_sync`` micro-steps, or set by hand) travel with it, as DDP reduces them, so
+        after backward every gradient is averaged.
+        """
+        ready = set().union(*self._ready) | self._ready_empty
+        leftovers = (self._local | set(self._foreign())) - ready
+        for name in leftovers:
+            b = self._bucket_of.get(name)
+            if b is None:
+                self._ready_empty.add(name)
+            else:
+                self._ready[b].add(name)
+        present = sorted(ready | leftovers, key=self._position.__getitem__)
         # Every rank must have produced gradients for the same params before the last
         # buckets go out; one tiny all-gather (see checks.check_ranks_agree).
         device = next(iter(self._params.values())).device
-        checks.check_ranks_agree(self._layout, self._group, "ZeroOptimizer.backward", present=ready, device=device)
+        checks.check_ranks_agree(self._layout, self._group, "ZeroOptimizer.backward", present=present, device=device)
         for b in range(len(self._buckets)):
-            if b not in self._launched and self._ready[b]:
+            if self._ready[b] - self._sent[b]:
                 self._launch(b)
         self._harvest(0)
         self._sum_replica_rows()
-        empty = [n for n in ready if n not in self._bucket_of]
-        self._merge({n: g.new_empty(0) for n in empty if (g := self._take_grad(n)) is not None})
-        self._accumulating = bool(self.accum)  # leftovers (no gradient in this backward) go in step()
+        for name in self._ready_empty:  # empty params travel in no bucket
+            g = self._take_grad(name)
+            if g is None:
+                continue
+            if self._stage == 2:
+                self._merge({name: g.new_empty(0)})
+            else:
+                self._set_averaged(name, g, g.dtype)
+        if self._stage == 2:
+            for name in present:
+                p = self._params[name]
+                if p.grad is None:
+                    if name not in self._placeholders:
+                        self._placeholders[name] = sharded_grad(p)
+                    p.grad = self._placeholders[name]
+                    self._placed.add(name)
+        for name, used in self._used.items():  # what an earlier step consumed is no gradient of this one
+            if self._params[name].grad is used:
+                self._params[name].grad = None
+        self._used = {}
+        self._accumulating = bool(self.accum)
         self._ready = [set() for _ in self._buckets]
-        self._launched = set()
+        self._sent = [set() for _ in self._buckets]
+        self._ready_empty = set()
         self._inflight = []
 
 
@@ -361,5 +774,14 @@ def _grad_hook(me: weakref.ref[GradReducer], name: str) -> Any:
         reducer = me()
         if reducer is not None:
             reducer.on_grad_ready(name)
+
+    return hook
+
+
+def _pre_hook(me: weakref.ref[GradReducer], name: str) -> Any:
+    def hook(grad_outputs: Any) -> None:
+        reducer = me()
+        if reducer is not None:
+            reducer.before_accumulate(name)
 
     return hook

@@ -13,16 +13,22 @@ scales the loss in ``backward`` by the state's loss scale and hands everything e
 (overflow decision, loss-scale update, unscaling, clipping, CPU offload, casting back to
 the working dtype) to the stage functions.
 
-Between ``backward`` and ``step`` a rank holds only its shards of the reduced gradients
-(``p.grad`` is ``None``, as in the seed); :meth:`ZeroOptimizer.get_param_grad` gathers one
-on demand.
+Gradients, as a DDP user expects them (see :mod:`~._reducer`): at stage 1, after
+``backward`` every ``p.grad`` holds the averaged, unscaled gradient as DDP leaves it, so
+``torch.nn.utils.clip_grad_norm_``, logging and inspection work unchanged, and ``step``
+uses what the user left there. At stage 2 a rank holds only its shards; ``p.grad`` holds a
+zero-memory placeholder on which torch's functions raise, naming
+:meth:`ZeroOptimizer.clip_grad_norm_`, :meth:`~ZeroOptimizer.get_grad_norm` and
+:meth:`~ZeroOptimizer.get_param_grad` (which gathers one gradient on demand).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import sys
+import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -35,10 +41,10 @@ from zerofn import optim, torch_optim
 from zerofn._comm import CommPolicy
 from zerofn.facade import _guards, _options
 from zerofn.facade._prefetch import ParamPrefetcher
-from zerofn.facade._reducer import GradReducer
+from zerofn.facade._reducer import GradReducer, ShardedGrad
 from zerofn.facade._state_dicts import StateDictMethods
-from zerofn.precision import GradAccumDtype, PrecisionPolicy, scale_loss
-from zerofn.stages import StepVetoed, gather_params, shard_params, step_shards
+from zerofn.precision import GradAccumDtype, PrecisionPolicy, clip_coef, scale_loss
+from zerofn.stages import StepVetoed, gather_params, global_grad_norm, shard_params, step_shards
 from zerofn.state import StepInfo, ZeroState
 
 __all__ = ["ZeroOptimizer"]
@@ -190,6 +196,7 @@ class ZeroOptimizer(StateDictMethods, torch.optim.Optimizer):
             bucket_numel=reduce_bucket_size,
             overlap=overlap_communication,
             comm_policy=self._comm_policy,
+            loss_scale=_loss_scale_of(weakref.ref(self)),
         )
         # Params are the user's: writes made to them outside the facade are noticed at step.
         self._guard = _guards.ParamGuard(params, module)
@@ -238,11 +245,78 @@ class ZeroOptimizer(StateDictMethods, torch.optim.Optimizer):
         return self._state.loss_scale.scale
 
     def get_grad_norm(self) -> float | None:
-        """The global norm of the true (unscaled) gradient of the last ``step``, before clipping.
+        """The global norm of the true (unscaled) gradient: the current one, else the last step's.
 
-        ``None`` before the first step; ``inf`` after a step skipped for a non-finite gradient.
+        Between ``backward`` and ``step``: the norm of the averaged gradients now held
+        (``p.grad`` at stage 1, as the user may have changed it; the shards at stage 2),
+        divided by the loss scale, so fp16 users see the true norm, as after
+        ``GradScaler.unscale_``. This is a **collective** (one all-reduce of three float64
+        scalars over the group; with gradients left from ``no_sync`` micro-steps, their
+        reduction first): call it on every rank. ``inf`` if an element is not finite.
+
+        Otherwise (after ``step`` or ``zero_grad``): the norm the last ``step`` applied
+        (before its clipping; ``inf`` after a step skipped for a non-finite gradient),
+        ``None`` before the first step; no communication.
         """
+        self.wait_params()
+        if self._reducer.holds_grads():
+            return self._current_grad_norm(self._norm_type)
         return None if self._last_info is None else self._last_info.grad_norm
+
+    def _current_grad_norm(self, norm_type: float) -> float:
+        """The norm of the gradients held now (a collective: one scalar all-reduce, after any pending reduction)."""
+        self._reducer.settle()
+        pieces, scale = self._reducer.norm_pieces()
+        return global_grad_norm(pieces, self._group, norm_type=norm_type, scale=scale, device=self._state.work_device)
+
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """Clip the current gradients by their global norm, as ``torch.nn.utils.clip_grad_norm_``.
+
+        Call it between ``backward`` and ``step``, on every rank, instead of
+        ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)``; it works at both
+        stages (at stage 2 ``p.grad`` holds no values). The total norm is computed over the
+        whole averaged gradient (every rank's shards, in float64), divided by the loss scale
+        (the true norm, as after ``GradScaler.unscale_``); every gradient is multiplied by
+        ``min(1, max_norm / (total_norm + 1e-6))`` (torch's factor): ``p.grad`` at stage 1
+        (so ``step`` and any later inspection see the clipped values), the shards at
+        stage 2. A non-finite norm leaves the gradients unchanged (``step`` then skips
+        them, or raises with ``nonfinite="raise"``).
+
+        Args:
+          max_norm: the threshold (>= 0).
+          norm_type: 2.0 or ``math.inf``.
+          error_if_nonfinite: raise ``RuntimeError`` (on every rank) when the norm is not finite.
+
+        Returns:
+          The total norm before clipping, a float32 0-d tensor on the params' device (as
+          torch's function returns it); 0 when no gradient is held.
+
+        Collectives: one all-reduce of three float64 scalars over the group (with gradients
+        left from ``no_sync`` micro-steps, their reduction first).
+        """
+        if not (isinstance(max_norm, (int, float)) and math.isfinite(max_norm) and max_norm >= 0):
+            raise ValueError(f"clip_grad_norm_: max_norm must be a finite number >= 0, got {max_norm!r}")
+        norm_type = float(norm_type)
+        if norm_type not in (2.0, math.inf):
+            raise ValueError(f"clip_grad_norm_: norm_type must be 2.0 or math.inf, got {norm_type!r}")
+        self.wait_params()
+        device = self._state.work_device
+        if not self._reducer.holds_grads():
+            return torch.zeros((), dtype=torch.float32, device=device)
+        total = self._current_grad_norm(norm_type)
+        if not math.isfinite(total):
+            if error_if_nonfinite:
+                raise RuntimeError(
+                    f"clip_grad_norm_: the total norm of order {norm_type} of the gradients is non-finite, so it "
+                    "cannot be clipped; set error_if_nonfinite=False to leave them unchanged (step then skips them)"
+                )
+        else:
+            coef = clip_coef(total, float(max_norm))
+            if coef < 1.0:
+                self._reducer.scale_grads_(coef)
+        return torch.tensor(total, dtype=torch.float32, device=device)
 
     @property
     def last_step_info(self) -> StepInfo | None:
@@ -261,8 +335,8 @@ class ZeroOptimizer(StateDictMethods, torch.optim.Optimizer):
 
         Not counted: the idle staging buffers kept for reuse between steps (:meth:`staging_bytes`).
         """
-        local = sum(p.grad.numel() * p.grad.element_size() for p in self._params.values() if p.grad is not None)
-        return local + self._reducer.grad_bytes()
+        held = [p.grad for p in self._params.values() if p.grad is not None and type(p.grad) is not ShardedGrad]
+        return sum(g.numel() * g.element_size() for g in held) + self._reducer.grad_bytes()
 
     def staging_bytes(self) -> int:
         """Bytes of the reusable bucket staging buffers held now, idle or in flight.
@@ -288,9 +362,20 @@ class ZeroOptimizer(StateDictMethods, torch.optim.Optimizer):
             self._reducer.require_sync = old
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
-        """Backward of the loss times the loss scale, then (outside ``no_sync``) reduce to shards.
+        """Backward of the loss times the loss scale; outside ``no_sync`` the gradients are then averaged.
 
-        Without loss scaling (scale 1.0) this is ``loss.backward()``.
+        Without loss scaling (scale 1.0) this is ``loss.backward()``, and a plain
+        ``loss.backward()`` does the same: the facade's hooks reduce the gradients while
+        autograd runs (or at its end without ``overlap_communication``). Afterwards, at
+        stage 1 each ``p.grad`` holds the averaged gradient divided by the loss scale, as
+        DDP (after ``GradScaler.unscale_``) leaves it; memory: full gradients, as DDP. At
+        stage 2 a rank keeps its shards and ``p.grad`` a placeholder that holds nothing
+        (torch's functions on it raise, naming :meth:`clip_grad_norm_`,
+        :meth:`get_grad_norm`, :meth:`get_param_grad`). A second backward before ``step``
+        adds its averaged gradient to the first's; the first backward after ``step``
+        starts from zero (``step`` consumes the gradients).
+
+        Collectives: per bucket one reduction, and one tiny rank-agreement all-gather.
         """
         self._guard.check_structure("ZeroOptimizer.backward")  # a moved/cast/replaced param: say what to do
         # Pending gathers here mean a forward ran outside the model's hooks and read old params: writing
@@ -299,44 +384,48 @@ class ZeroOptimizer(StateDictMethods, torch.optim.Optimizer):
         if self._state.loss_scale.scale != 1.0:
             loss = scale_loss(loss, self._state.loss_scale)
         loss.backward(retain_graph=retain_graph)
-        if self._reducer.require_sync:
-            self._reducer.reduce_local()
 
     def backward_by_grad(self, tensor: torch.Tensor, grad: torch.Tensor) -> None:
-        """``torch.autograd.backward(tensor, grad * loss scale)``, then reduce as ``backward``."""
+        """``torch.autograd.backward(tensor, grad * loss scale)``; the gradients are averaged as in ``backward``."""
         self._guard.check_structure("ZeroOptimizer.backward_by_grad")
         self.wait_params()  # as in backward
         if self._state.loss_scale.scale != 1.0:
             grad = scale_loss(grad, self._state.loss_scale)
         torch.autograd.backward(tensor, grad)
-        if self._reducer.require_sync:
-            self._reducer.reduce_local()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Forget all gradients: local ``p.grad`` and the reduced shards."""
+        """Forget all gradients: ``p.grad`` (set to ``None``, or zeroed), accumulators and shards.
+
+        With ``set_to_none=False`` a real ``p.grad`` is zeroed in place, as torch does, and
+        counts as a zero gradient from then on (the next backward accumulates into it, and a
+        param that gets nothing more steps with a zero gradient, as with torch.optim); a
+        stage-2 placeholder is removed.
+        """
         for p in self._params.values():
-            if p.grad is None:
+            g = p.grad
+            if g is None:
                 continue
-            if set_to_none:
+            if set_to_none or type(g) is ShardedGrad:
                 p.grad = None
             else:
-                p.grad.detach_()
-                p.grad.zero_()
+                g.detach_()
+                g.zero_()
         self._reducer.clear()
 
     def get_param_grad(self, param: torch.Tensor) -> torch.Tensor | None:
-        """The full reduced (mean) gradient of ``param`` since the last step, or None.
+        """The full averaged gradient of ``param`` since the last step, unscaled, or None.
 
-        As reduced: under fp16 loss scaling it still carries the loss scale (divide by
-        ``loss_scale`` for the true gradient), as the seed's working gradients do.
-
-        Collective: every rank of the group must call it for the same param (one gather
-        of the param's shards).
+        The true gradient (divided by the loss scale under fp16 loss scaling), what ``step``
+        would apply before clipping. Stage 1: a copy of ``p.grad`` as the user left it, no
+        communication. Stage 2: a **collective**: every rank of the group must call it for
+        the same param (one gather of the param's shards); in the shards' dtype (the
+        accumulation dtype after ``no_sync`` micro-steps).
         """
         name = self._name_of.get(id(param))
         if name is None:
             raise KeyError("get_param_grad: this tensor is not one of the optimizer's params")
         self.wait_params()
+        self._reducer.settle()
         return self._reducer.full_grad(name, self._gather_how)
 
     def close(self) -> None:
@@ -387,9 +476,12 @@ class ZeroOptimizer(StateDictMethods, torch.optim.Optimizer):
         raises :class:`~zerofn.precision.NonFiniteGradError`; either way the gradients
         of the step are dropped and the optimizer state is untouched.
 
-        ``step`` consumes the reduced gradients, as ZeRO implementations do: the next
-        ``backward`` starts from zero whether or not ``zero_grad`` is called (plain torch
-        would keep accumulating into ``p.grad``).
+        ``step`` applies the gradients the user left: stage 1, each ``p.grad`` (clipped,
+        edited, replaced; ``None`` leaves the param out, as torch.optim), cut into this
+        rank's shards; stage 2, the shards (a placeholder set to ``None`` drops its
+        param's). It consumes them, as ZeRO implementations do: the next ``backward``
+        starts from zero whether or not ``zero_grad`` is called (plain torch would keep
+        accumulating into ``p.grad``); until then ``p.grad`` keeps its values, as with DDP.
 
         Params are the user's: a param written outside the facade since its last write
         (``model.load_state_dict``, ``p.copy_``, in-place ops under ``no_grad``) is noticed here,
@@ -408,8 +500,8 @@ class ZeroOptimizer(StateDictMethods, torch.optim.Optimizer):
             raise ValueError("ZeroOptimizer.step does not take a closure")
         self.wait_params()  # the last step's gathers, if no forward has written them
         self._guard.check_structure("ZeroOptimizer.step")  # before reduce_local reads moved/cast grads
-        self._reducer.reduce_local()  # e.g. stage 1 after a plain loss.backward()
-        if not self._reducer.shards:
+        self._reducer.settle()  # local gradients left by no_sync() micro-steps, or set by hand
+        if not self._reducer.holds_grads():
             raise RuntimeError(
                 "ZeroOptimizer.step: no gradients since the last step or zero_grad(). Call "
                 "optimizer.backward(loss) (or loss.backward()) outside no_sync() before step()."
@@ -452,13 +544,13 @@ class ZeroOptimizer(StateDictMethods, torch.optim.Optimizer):
         :class:`~._guards.ParamsChangedError` with the gradients kept for a later ``step``.
         """
         state = self._state.replace(optimizer=self._current_optimizer())
-        shards = self._reducer.take_shards()
+        shards = self._reducer.take_step_grads()  # stage 1: p.grad as the user left it, cut into shards
         try:
             return step_shards(
                 state, shards, self._group, self._max_norm, norm_type=self._norm_type, donate=True, veto=veto
             )
         except StepVetoed as e:
-            self._reducer.shards = shards  # nothing was applied: they wait for the step that follows
+            self._reducer.give_back(shards)  # nothing was applied: they wait for the step that follows
             adopt = _guards.params_verdict(e.vetoes, self._state.layout.names)  # type: ignore[arg-type]
         # ``state`` carries the live hyperparameters (cached by _current_optimizer): keep it.
         self._state = _guards.adopt_params(state, self._params, adopt)
@@ -521,3 +613,13 @@ class ZeroOptimizer(StateDictMethods, torch.optim.Optimizer):
             f"ZeroOptimizer(stage={self._stage}, optimizer={self._state.optimizer.name}, params={len(layout)}, "
             f"world_size={layout.world_size}, bucket_numel={self._bucket_numel}, overlap={self._overlap})"
         )
+
+
+def _loss_scale_of(opt: weakref.ref[ZeroOptimizer]) -> Any:
+    """The loss scale of the facade's state now (for the reducer, without a reference cycle)."""
+
+    def scale() -> float:
+        me = opt()
+        return 1.0 if me is None else me._state.loss_scale.scale
+
+    return scale
