@@ -189,6 +189,42 @@ def pack_grads(
     plan = bucket_plan(layout, bucket)
     dst: list[torch.Tensor] = []
     src: list[torch.Tensor] = []
+    _pack_split_members(grads, plan, out, scale, dst, src)
+    if plan.split_width < bucket.shard_numel:
+        # Whole members: zero the region (other rows' padding, absent members), then
+        # write each present member into its owner's row.
+        out[:, plan.split_width :].zero_()
+        for name, s, _, _, col, owner in plan.whole_members:
+            t = grads.get(name)
+            if t is None:
+                continue
+            dst_part, part = out[owner, col : col + s], t.detach().reshape(-1)
+            if s >= FUSED_MIN_NUMEL:
+                torch.mul(part, scale, out=dst_part)
+            else:
+                dst.append(dst_part)
+                src.append(part)
+    if dst:
+        torch._foreach_copy_(dst, src)
+        # A 0-d tensor, not a Python float: _foreach_mul_ rounds a Python scalar to the
+        # list's dtype first (1/3 in fp16 or bf16), mul_ does not; the tensor keeps them equal.
+        # Its dtype is mul_'s compute dtype for a Python scalar: float32, float64 for float64.
+        factor = torch.tensor(scale, dtype=torch.promote_types(out.dtype, torch.float32), device=out.device)
+        torch._foreach_mul_(dst, factor)
+    return out
+
+
+def _pack_split_members(
+    grads: Mapping[str, torch.Tensor | None],
+    plan: BucketPlan,
+    out: torch.Tensor,
+    scale: float,
+    dst: list[torch.Tensor],
+    src: list[torch.Tensor],
+) -> None:
+    """:func:`pack_grads` for the split members: large ones copied and scaled in one pass
+    now, small ones appended to ``dst`` / ``src`` for the batched copy and scale."""
+    n = out.shape[0]
     blocks = out[:, : plan.split_width].split(plan.widths, dim=1) if plan.widths else ()
     for (name, s, whole, rest, _, _), block in zip(plan.split_members, blocks, strict=True):
         t = grads.get(name)
@@ -215,28 +251,6 @@ def pack_grads(
             else:
                 dst.append(dst_part)
                 src.append(part)
-    if plan.split_width < bucket.shard_numel:
-        # Whole members: zero the region (other rows' padding, absent members), then
-        # write each present member into its owner's row.
-        out[:, plan.split_width :].zero_()
-        for name, s, _, _, col, owner in plan.whole_members:
-            t = grads.get(name)
-            if t is None:
-                continue
-            dst_part, part = out[owner, col : col + s], t.detach().reshape(-1)
-            if s >= FUSED_MIN_NUMEL:
-                torch.mul(part, scale, out=dst_part)
-            else:
-                dst.append(dst_part)
-                src.append(part)
-    if dst:
-        torch._foreach_copy_(dst, src)
-        # A 0-d tensor, not a Python float: _foreach_mul_ rounds a Python scalar to the
-        # list's dtype first (1/3 in fp16 or bf16), mul_ does not; the tensor keeps them equal.
-        # Its dtype is mul_'s compute dtype for a Python scalar: float32, float64 for float64.
-        factor = torch.tensor(scale, dtype=torch.promote_types(out.dtype, torch.float32), device=out.device)
-        torch._foreach_mul_(dst, factor)
-    return out
 
 
 def wire_dtype(layout: ShardLayout, bucket: Bucket, comm_dtype: torch.dtype | None) -> torch.dtype:

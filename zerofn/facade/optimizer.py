@@ -200,13 +200,15 @@ class ZeroOptimizer(StateDictMethods, torch.optim.Optimizer):
         )
         # Params are the user's: writes made to them outside the facade are noticed at step.
         self._guard = _guards.ParamGuard(params, module)
-        self._prefetch: ParamPrefetcher | None = None
-        if overlap_allgather:
-            assert module is not None  # check_gather_module
-            buckets = layout.buckets(reduce_bucket_size)
-            self._prefetch = ParamPrefetcher(
-                params, layout, buckets, group=self._group, how=self._gather_how, module=module, guard=self._guard
-            )
+        self._prefetch = self._make_prefetch(module) if overlap_allgather else None
+
+    def _make_prefetch(self, module: torch.nn.Module | None) -> ParamPrefetcher:
+        """``overlap_allgather``'s prefetcher over the layout's buckets (``module`` owns every param)."""
+        assert module is not None  # _options.check_gather_module
+        layout = self._state.layout
+        buckets = layout.buckets(self._bucket_numel)
+        group, how, guard = self._group, self._gather_how, self._guard
+        return ParamPrefetcher(self._params, layout, buckets, group=group, how=how, module=module, guard=guard)
 
     def _torch_bookkeeping(self, defaults: Mapping[str, Any]) -> None:
         """torch.optim.Optimizer's attributes, without its per-param ``state`` dict (ours is a ZeroState)."""
