@@ -590,3 +590,38 @@ def test_stage1_p_grad_in_a_hybrid_layout_is_the_mean_over_all_ranks(worlds, ove
             assert step_diffs["unused.weight"] is None
             assert max(d for d in step_diffs.values() if d is not None) <= PARITY
         assert max_rel_diff(res["zero"], res["ref"]) <= PARITY
+
+
+# --------------------------------------------------------------------------- whole params
+
+
+def _whole_param_grads(stage: int) -> dict[str, Any]:
+    """Muon places every param whole on one owner: p.grad (stage 1), get_param_grad and the norm on every rank."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(7, 13, bias=False), nn.Tanh(), nn.Linear(13, 5, bias=False))
+    ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(model))
+    muon = zf.torch_optim.from_torch(torch.optim.Muon, lr=1e-2)
+    zopt = zf.ZeroOptimizer(model.named_parameters(), muon, partition_grad=stage == 2, reduce_bucket_size=64)
+    x, y = next(batches(dist.get_rank(), 1))
+    zopt.backward(_loss(model(x), y))
+    _loss(ddp(x), y).backward()
+    theirs = {n: q.grad for n, q in zip(("0.weight", "2.weight"), ddp.module.parameters(), strict=True)}
+    ours = {n: zopt.get_param_grad(p) for n, p in zip(theirs, model.parameters(), strict=True)}
+    return {
+        "owners": sorted(zopt.state.layout.owners.values()),
+        "param_grad": ours,
+        "p_grad": {n: p.grad for n, p in zip(theirs, model.parameters(), strict=True)} if stage == 1 else None,
+        "ref": theirs,
+        "norm": (zopt.get_grad_norm(), float(torch.nn.utils.clip_grad_norm_(ddp.parameters(), math.inf, 2.0))),
+    }
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_whole_params_show_their_averaged_gradients_on_every_rank(worlds, stage):
+    for res in worlds[2].run(_whole_param_grads, stage):
+        assert res["owners"] == [0, 1]  # one param on each rank
+        assert_trees_equal(res["param_grad"], res["ref"])
+        if stage == 1:
+            assert_trees_equal(res["p_grad"], res["ref"])
+        ours, theirs = res["norm"]
+        assert abs(ours - theirs) <= PARITY * theirs

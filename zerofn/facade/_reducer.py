@@ -340,17 +340,28 @@ class GradReducer:
     def full_grad(self, name: str, how: str) -> torch.Tensor | None:
         """The full averaged gradient of ``name``, unscaled (param shape), or None.
 
-        Stage 1: ``p.grad``'s values (a copy), no communication. Stage 2: the shard gathered
-        (``how``) on every rank of the group, in the shard's dtype, divided by the loss scale.
+        Stage 1: ``p.grad``'s values (a copy), no communication. Stage 2: the shards
+        gathered (``how``) on every rank of the group, divided by the loss scale; in the
+        shard's dtype for a split param, and in float32 (float64 for float64 params) for a
+        whole param, which only its owner holds (the other ranks send zeros in its place).
         """
         if self._stage == 1:
             g = self._params[name].grad if name in self._averaged else None
             return None if g is None else g.detach().clone()
-        shard = self.shards.get(name)
-        if shard is None:
+        if name not in self._placed:  # no gradient since the last step (alike on every rank)
             return None
-        alone = Bucket((name,), (0,), self._layout[name].shard_numel)  # this param's shard is the row
-        rows = launch_gather(shard.contiguous(), self._group, how).wait()
+        spec = self._layout[name]
+        shard = self.shards.get(name)
+        if spec.is_whole:
+            wide = torch.promote_types(spec.dtype, torch.float32)  # the same dtype on every rank
+            row = torch.zeros(spec.numel, dtype=wide, device=self._params[name].device)
+            if shard is not None:
+                row.copy_(shard.reshape(-1))
+            alone = Bucket((name,), (0,), spec.numel)  # the owner's row holds it
+        else:
+            assert shard is not None  # split: every rank holds its shard of a placed param
+            row, alone = shard.contiguous(), Bucket((name,), (0,), spec.shard_numel)
+        rows = launch_gather(row, self._group, how).wait()
         full = unpack_rows(rows, self._layout, alone)[name]
         scale = self._loss_scale()
         if scale != 1.0:
