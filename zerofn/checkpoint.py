@@ -365,11 +365,8 @@ def _optimizer_for(
             optimizer = factories[info["name"]]()
         else:
             optimizer = torch_optim.from_torch(getattr(torch.optim, info["torch_class"]))
-    elif zmeta is not None and zmeta["optimizer"]["name"] != optimizer.name:
-        raise CheckpointError(
-            f"the checkpoint holds {zmeta['optimizer']['name']} state, but the optimizer is {optimizer.name}; "
-            "load it with the optimizer that saved it"
-        )
+    else:
+        _check_same_optimizer(zmeta, optimizer)
     known = set(optimizer.defaults)
     # JSON (the sharded checkpoint's metadata) turns tuples such as betas into lists.
     groups = [
@@ -425,6 +422,15 @@ def _layout_and_masters(
     layout = make_layout(like, n, placement=placement)
     rank = comm.group_rank(group)
     return layout, {s.name: cut_shard(like[s.name].to(master_dtype), s, rank) for s in layout.params if s.holds(rank)}
+
+
+def _check_same_optimizer(zmeta: Mapping[str, Any] | None, optimizer: optim.Optimizer) -> None:
+    """A zerofn state dict names the optimizer that saved it: it must be ``optimizer``'s kind."""
+    if zmeta is not None and zmeta["optimizer"]["name"] != optimizer.name:
+        raise CheckpointError(
+            f"the checkpoint holds {zmeta['optimizer']['name']} state, but the optimizer is {optimizer.name}; "
+            "load it with the optimizer that saved it"
+        )
 
 
 def _check_version(zmeta: Mapping[str, Any]) -> None:
@@ -602,6 +608,7 @@ def _load_one(
         order = list(checked.names)
     # Everything is checked before anything is built: a failed load changes nothing.
     checker = optimizer or _saved_optimizer(zmeta)
+    _check_same_optimizer(zmeta, checker)  # the plainest cause first, before the state's details
     if checker.torch_class.__name__ in _MATRIX_ONLY:
         problem = _matrix_only_problem(full, checked, order, checker)
     else:
