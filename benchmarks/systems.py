@@ -702,7 +702,7 @@ def parts(reps: int, bucket_numel: int = 2**20) -> list[tuple[str, float, float]
     gshards = zf.reduce_grads(grads, layout)
     timed(
         "zerofn step: global norm, float64 per param + scalar all_reduce",
-        lambda: stages._global_norm(gshards, 2.0, None, device),
+        lambda: stages.global_grad_norm(gshards, None, device=device),
         True,
     )
     st = {"s": state}

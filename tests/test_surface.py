@@ -22,6 +22,7 @@ PUBLIC = [
     "NoLossScaling",
     "NonFiniteGradError",
     "ParamSpec",
+    "ParamsChangedError",
     "PrecisionPolicy",
     "RankMismatchError",
     "ShardLayout",

@@ -12,7 +12,7 @@ from zerofn._checks import RankMismatchError, check_ranks_agree
 from zerofn._comm import CommCounter, CommPolicy, count_bytes
 from zerofn._tree import FrozenDict
 from zerofn.checkpoint import CheckpointError
-from zerofn.facade import ZeroOptimizer
+from zerofn.facade import ParamsChangedError, ZeroOptimizer
 from zerofn.layout import Bucket, ParamSpec, ShardLayout, make_layout
 from zerofn.precision import (
     DynamicLossScaler,
@@ -41,6 +41,7 @@ __all__ = [
     "NoLossScaling",
     "NonFiniteGradError",
     "ParamSpec",
+    "ParamsChangedError",
     "PrecisionPolicy",
     "RankMismatchError",
     "ShardLayout",

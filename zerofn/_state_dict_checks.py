@@ -131,14 +131,16 @@ def required_hyperparams(cls: type[torch.optim.Optimizer]) -> frozenset[str]:
     ``maximize``, ...); every other key of the class's defaults must be in the state dict,
     or torch's own ``step`` fails with a ``KeyError`` after the load.
     """
-    probe = torch.zeros(1, requires_grad=True)
+    probe = torch.zeros(2, 2, requires_grad=True)  # a matrix: some classes (Muon) take nothing else
     try:
         instance = cls([probe])
     except TypeError:  # no default learning rate (SGD before torch 2.x, ...)
         instance = cls([probe], lr=1e-3)
     group: dict[str, Any] = {"params": []}
     instance.__setstate__({"state": {}, "param_groups": [group]})
-    return frozenset(set(instance.defaults) - set(group))
+    # Kernel switches are never needed to step (torch's own Adafactor state dicts omit
+    # ``differentiable``): only the arithmetic's hyperparameters are required.
+    return frozenset(set(instance.defaults) - set(group) - _KERNEL_KEYS)
 
 
 def _likely_cause(found: tuple[int, ...], spec: ParamSpec) -> str:
@@ -245,9 +247,12 @@ def state_dict_problem(
                 "(was the state dict saved from another optimizer?)"
             )
         hyperparams = {k: v for k, v in group.items() if k != "params"}
+        # torch's own validation of the values, on a probe shaped like the group's first param
+        # (a matrix-only class such as Muon refuses anything else).
+        first = layout[name_of[group["params"][0]]].shape if group["params"] else (2,)
         try:
             optim._check_hyperparams(optimizer.name, hyperparams)
-            declared_state(cls, hyperparams, (2,))  # torch's own validation of the values
+            declared_state(cls, hyperparams, first)
         except (ValueError, TypeError, RuntimeError) as e:
             return f"param group {g}: invalid hyperparameters for {cls.__name__} ({e})"
         for index in group["params"]:

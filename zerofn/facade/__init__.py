@@ -10,6 +10,10 @@ One file per concern (as FSDP2's ``_fully_shard/``):
                        which staging buffer it uses, accumulation, replica sums
 ``_prefetch.py``       ``overlap_allgather``: gathers launched by ``step``, written by the
                        next forward's hooks
+``_state_dicts.py``    state dicts and checkpoints (a mixin of ``ZeroOptimizer``)
+``_guards.py``         the params are the user's: writes made outside the facade, what the
+                       masters do with them, porting mistakes refused
+``_param_methods.py``  ``check_params`` / ``update_master_params`` and the step's veto (a mixin)
 =====================  ======================================================================
 
 The facade owns no math and no bucket code: every bucket goes through
@@ -17,6 +21,7 @@ The facade owns no math and no bucket code: every bucket goes through
 functional path give the same bits.
 """
 
+from zerofn.facade._guards import ParamsChangedError
 from zerofn.facade.optimizer import ZeroOptimizer
 
-__all__ = ["ZeroOptimizer"]
+__all__ = ["ParamsChangedError", "ZeroOptimizer"]
