@@ -14,6 +14,7 @@ One file per concern (as FSDP2's ``_fully_shard/``):
 ``_guards.py``         the params are the user's: writes made outside the facade, what the
                        masters do with them, porting mistakes refused
 ``_param_methods.py``  ``check_params`` / ``update_master_params`` and the step's veto (a mixin)
+``_grad_methods.py``   ``get_grad_norm`` / ``clip_grad_norm_`` / ``get_param_grad``, byte counts (a mixin)
 =====================  ======================================================================
 
 The facade owns no math and no bucket code: every bucket goes through
