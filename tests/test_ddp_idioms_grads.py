@@ -625,3 +625,36 @@ def test_whole_params_show_their_averaged_gradients_on_every_rank(worlds, stage)
             assert_trees_equal(res["p_grad"], res["ref"])
         ours, theirs = res["norm"]
         assert abs(ours - theirs) <= PARITY * theirs
+
+
+def _backwards_before_step_stage1(overlap: bool) -> dict[str, Any]:
+    """Stage 1: synced, no_sync, synced backward before one step; p.grad then holds the sum of the means.
+
+    No ``zopt.zero_grad()``: ``step`` consumes the gradients, so the next backward starts from zero.
+    """
+    model, zopt, topt, ddp = _pair(1, overlap)
+    data = batches(dist.get_rank(), 3 * STEPS)
+    worst = 0.0
+    for step in range(STEPS):
+        for micro in range(3):
+            x, y = next(data)
+            sync = micro != 1
+            with contextlib.nullcontext() if sync else zopt.no_sync():
+                zopt.backward(_loss(model(x, gate_used(step)), y))
+            with contextlib.nullcontext() if sync else ddp.no_sync():
+                _loss(ddp(x, gate_used(step)), y).backward()
+        diffs = _grad_diffs(model, ddp)
+        worst = max([worst, *(d for d in diffs.values() if d is not None)])
+        zopt.step()
+        topt.step()
+        topt.zero_grad()
+    return {"zero": _named(model), "ref": _named(ddp.module), "worst_grad": worst}
+
+
+def test_stage1_backwards_before_one_step_sum_their_means_in_p_grad(worlds):
+    """As for the placeholder: DDP averages the summed local gradients, the facade sums the means (1e-6)."""
+    for n in (2, 3):
+        for overlap in (False, True):
+            for res in worlds[n].run(_backwards_before_step_stage1, overlap):
+                assert res["worst_grad"] <= PARITY
+                assert max_rel_diff(res["zero"], res["ref"]) <= PARITY
