@@ -9,11 +9,11 @@ CPU time is what a step costs; the wall time adds waiting and other tenants' loa
 
     python -m benchmarks.phases                                  # transformer, N=2
     python -m benchmarks.phases --systems ddp-fused zerofn-s2-overlap-ag --rounds 6
-    python -m benchmarks.phases --baseline /tmp/old_facade.py    # + the same facade systems from another facade.py
 
-``--baseline FILE`` loads ``ZeroOptimizer`` from another version of ``zerofn/facade.py``
-(e.g. ``git show REV:zerofn/facade.py > FILE``) and adds ``base-<system>`` rows, so a
-change to the facade is measured before and after in the same processes.
+To compare two revisions, run it in a worktree of each (``git worktree add /tmp/old REV``,
+then ``cd /tmp/old && python -m benchmarks.phases``), one after the other on a quiet
+machine: the facade is a package now, so one revision's ``ZeroOptimizer`` cannot be loaded
+beside another's in the same processes.
 """
 
 from __future__ import annotations
@@ -27,18 +27,7 @@ SYSTEMS = ("ddp-fused", "ddp-foreach", "zerofn-s2", "zerofn-s2-overlap", "zerofn
 _BUILT: dict[str, Any] = {}
 
 
-def _load_baseline(path: str) -> Any:
-    """``ZeroOptimizer`` from another version of ``zerofn/facade.py``."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("zerofn._baseline_facade", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.ZeroOptimizer
-
-
-def _setup(model_name: str, names: list[str], baseline: str | None) -> None:
+def _setup(model_name: str, names: list[str]) -> None:
     import torch
     import torch.distributed as dist
 
@@ -50,7 +39,6 @@ def _setup(model_name: str, names: list[str], baseline: str | None) -> None:
     device = torch.device("cpu")
     batches = models.make_batches(cfg, 0, dist.get_rank(), 8, device)
     loss_fn = models.loss_fn(cfg)
-    base_cls = _load_baseline(baseline) if baseline else None
 
     def clock() -> tuple[float, float]:
         return time.perf_counter(), time.process_time()
@@ -75,17 +63,15 @@ def _setup(model_name: str, names: list[str], baseline: str | None) -> None:
 
             _BUILT[name] = (step, batches, None)
             continue
-        system = name.removeprefix("base-")
         topt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, fused=True)
         kwargs: dict[str, Any] = {
-            "partition_grad": system.startswith("zerofn-s2"),
-            "overlap_communication": "overlap" in system,
+            "partition_grad": name.startswith("zerofn-s2"),
+            "overlap_communication": "overlap" in name,
             "module": model,
         }
-        if system.endswith("-ag"):
+        if name.endswith("-ag"):
             kwargs["overlap_allgather"] = True
-        cls = base_cls if name.startswith("base-") else zf.ZeroOptimizer
-        zopt = cls(topt, **kwargs)
+        zopt = zf.ZeroOptimizer(topt, **kwargs)
 
         def zstep(x: Any, y: Any, model: Any = model, opt: Any = zopt) -> list[tuple[float, float]]:
             marks = [clock()]
@@ -121,25 +107,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default="transformer", choices=("transformer", "mlp-small", "mlp-large"))
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
-    p.add_argument("--baseline", default=None, help="another zerofn/facade.py: adds base-<system> rows")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--steps", type=int, default=4)
     args = p.parse_args(argv)
     names = list(args.systems)
-    if args.baseline:
-        import inspect
-
-        known = inspect.signature(_load_baseline(args.baseline)).parameters
-        names += [
-            f"base-{s}"
-            for s in args.systems
-            if s.startswith("zerofn") and (not s.endswith("-ag") or "overlap_allgather" in known)
-        ]
     with open("/proc/loadavg") as f:
         load0 = f.read().split()[:3]
     steps: dict[str, list[list[list[tuple[float, float]]]]] = {n: [] for n in names}
     with World(args.world_size, threads=1, timeout=120.0) as pool:
-        pool.run(phases._setup, args.model, names, args.baseline)
+        pool.run(phases._setup, args.model, names)
         for name in names:
             pool.run(phases._block, name, 1)
         for r in range(args.rounds):
