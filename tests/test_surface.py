@@ -26,6 +26,7 @@ PUBLIC = [
     "PrecisionPolicy",
     "RankMismatchError",
     "ShardLayout",
+    "ShardedGradError",
     "StaticLossScaler",
     "StepInfo",
     "ZeroOptimizer",

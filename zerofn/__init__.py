@@ -12,7 +12,7 @@ from zerofn._checks import RankMismatchError, check_ranks_agree
 from zerofn._comm import CommCounter, CommPolicy, count_bytes
 from zerofn._tree import FrozenDict
 from zerofn.checkpoint import CheckpointError
-from zerofn.facade import ParamsChangedError, ZeroOptimizer
+from zerofn.facade import ParamsChangedError, ShardedGradError, ZeroOptimizer
 from zerofn.layout import Bucket, ParamSpec, ShardLayout, make_layout
 from zerofn.precision import (
     DynamicLossScaler,
@@ -45,6 +45,7 @@ __all__ = [
     "PrecisionPolicy",
     "RankMismatchError",
     "ShardLayout",
+    "ShardedGradError",
     "StaticLossScaler",
     "StepInfo",
     "ZeroOptimizer",

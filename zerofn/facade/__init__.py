@@ -23,6 +23,7 @@ functional path give the same bits.
 """
 
 from zerofn.facade._guards import ParamsChangedError
+from zerofn.facade._reducer import ShardedGradError
 from zerofn.facade.optimizer import ZeroOptimizer
 
-__all__ = ["ParamsChangedError", "ZeroOptimizer"]
+__all__ = ["ParamsChangedError", "ShardedGradError", "ZeroOptimizer"]
