@@ -7,11 +7,15 @@ and check them after a stage function ran.
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import functools
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
@@ -26,8 +30,12 @@ __all__ = [
     "assert_trees_equal",
     "batches",
     "bits",
+    "clip_in_float64",
+    "ddp_reference",
+    "functional_reference",
     "gate_used",
     "max_rel_diff",
+    "mse",
     "tensor_rel_diff",
 ]
 
@@ -194,3 +202,212 @@ class Wide(nn.Module):
         if use_gate:
             h = h + self.top(h) * self.extra[:257]
         return self.b(h)
+
+
+# --------------------------------------------------------------------------- reference loops
+#
+# What every parity test compares against: the plain data-parallel training loop, written
+# once. ``ddp_reference`` is DistributedDataParallel + torch.optim (the user's script
+# zerofn replaces); ``functional_reference`` is the same loop with torch.func.grad and an
+# all-reduce mean in place of DDP's hooks. Both take the same options and return the same
+# dict, so a test can check one against the other.
+
+Optimizers = torch.optim.Optimizer | Sequence[torch.optim.Optimizer]
+
+
+def mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The parity tests' loss: ``((out - y) ** 2).mean()``."""
+    return ((out - y) ** 2).mean()
+
+
+def clip_in_float64(params: Iterable[torch.Tensor], max_norm: float) -> float:
+    """Clip ``p.grad`` in place with zerofn's arithmetic and return the norm.
+
+    The norm in float64 (per tensor, then over tensors) and the coefficient
+    ``1 / max(1, (norm + 1e-6) / max_norm)`` in Python floats, as ``zf.step_shards`` does;
+    ``torch.nn.utils.clip_grad_norm_`` rounds both in the grads' dtype (float32), so its
+    coefficient can differ in the last bit.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]))
+    coef = 1.0 / max(1.0, (float(norm) + 1e-6) / max_norm)
+    if coef != 1.0:
+        for g in grads:
+            g.mul_(coef)
+    return float(norm)
+
+
+def _result(module: nn.Module, losses: list, norms: list) -> dict[str, Any]:
+    return {"params": {n: p.detach().clone() for n, p in module.named_parameters()}, "losses": losses, "norms": norms}
+
+
+def _as_list(opts: Optimizers) -> list[torch.optim.Optimizer]:
+    return [opts] if isinstance(opts, torch.optim.Optimizer) else list(opts)
+
+
+def _forward(module: Callable[..., torch.Tensor], x: torch.Tensor, use_gate: Callable[[int], bool] | None, step: int):
+    return module(x) if use_gate is None else module(x, use_gate(step))
+
+
+def _finish_step(
+    module: nn.Module,
+    opts: list[torch.optim.Optimizer],
+    scheds: list[Any],
+    *,
+    clip: float | None,
+    clip_dtype: torch.dtype,
+    grad_edit: Callable[[nn.Module], None] | None,
+) -> float | None:
+    """The part of a step after the gradients are in ``p.grad``: edit, clip, step, schedule."""
+    if grad_edit is not None:
+        grad_edit(module)
+    norm = None
+    if clip:
+        if clip_dtype == torch.float64:
+            norm = clip_in_float64(module.parameters(), clip)
+        else:
+            assert clip_dtype == torch.float32, clip_dtype
+            norm = float(torch.nn.utils.clip_grad_norm_(module.parameters(), clip))
+    for o in opts:
+        o.step()
+    for s in scheds:
+        s.step()
+    return norm
+
+
+def ddp_reference(
+    model: nn.Module,
+    make_optimizer: Callable[[nn.Module], Optimizers],
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    *,
+    steps: int,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = mse,
+    use_gate: Callable[[int], bool] | None = gate_used,
+    accumulate: int = 1,
+    clip: float | None = None,
+    clip_dtype: torch.dtype = torch.float32,
+    grad_edit: Callable[[nn.Module], None] | None = None,
+    scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+    group: Any = None,
+    bucket_cap_mb: float | None = None,
+) -> dict[str, Any]:
+    """Train a copy of ``model`` with DistributedDataParallel + torch.optim, the user's DDP script.
+
+    Each step: ``zero_grad(set_to_none=True)``; ``accumulate`` micro-batches taken in turn
+    from ``batches``, the first ``accumulate - 1`` backward inside ``ddp.no_sync()`` (DDP's
+    gradient accumulation: one all-reduce of the summed local gradients, divided by N);
+    then ``grad_edit``, clipping, ``opt.step()`` and ``scheduler.step()``.
+
+    Args:
+      model: copied (``copy.deepcopy``) before wrapping, so the caller's model is untouched
+        and can start the loop under test from the same values.
+      make_optimizer: builds the torch optimizer (or a list of them, each stepped) over the
+        copy's params; gets the unwrapped module, so param groups can be chosen by name.
+      batches: ``(x, y)`` micro-batches; ``steps * accumulate`` of them are used.
+      loss_fn: ``loss_fn(output, y)``, by default ``mse``.
+      use_gate: the layer-drop schedule (``gate_used``): the forward is
+        ``module(x, use_gate(step))``, so on the steps it says False DDP sees ``gate``
+        unused (``find_unused_parameters=True``) and its grads stay None. ``None``: the
+        forward is ``module(x)``.
+      accumulate: micro-batches per step, all but the last under ``no_sync``.
+      clip: max norm; ``None`` or 0 clips nothing.
+      clip_dtype: ``torch.float32`` clips with ``torch.nn.utils.clip_grad_norm_``;
+        ``torch.float64`` with zerofn's arithmetic (``clip_in_float64``).
+      grad_edit: called with the module after the gradients are reduced, before clipping
+        (e.g. to perturb their last bits).
+      scheduler: builds an LR scheduler on each optimizer, stepped after every step.
+      group: DDP's ``process_group`` (default: the whole world).
+      bucket_cap_mb: DDP's bucket size (default: DDP's own).
+
+    Returns:
+      ``{"params": name -> final param (a clone), "losses": per step the loss of each
+      micro-batch (floats), "norms": per step the pre-clip gradient norm (when clipping)}``.
+    """
+    kw: dict[str, Any] = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
+    ddp = nn.parallel.DistributedDataParallel(
+        copy.deepcopy(model), process_group=group, find_unused_parameters=True, **kw
+    )
+    opts = _as_list(make_optimizer(ddp.module))
+    scheds = [scheduler(o) for o in opts] if scheduler is not None else []
+    data = iter(batches)
+    losses, norms = [], []
+    for step in range(steps):
+        for o in opts:
+            o.zero_grad(set_to_none=True)
+        step_losses = []
+        for micro in range(accumulate):
+            x, y = next(data)
+            with ddp.no_sync() if micro < accumulate - 1 else contextlib.nullcontext():
+                loss = loss_fn(_forward(ddp, x, use_gate, step), y)
+                loss.backward()
+            step_losses.append(float(loss))
+        losses.append(step_losses)
+        norm = _finish_step(ddp.module, opts, scheds, clip=clip, clip_dtype=clip_dtype, grad_edit=grad_edit)
+        if norm is not None:
+            norms.append(norm)
+    return _result(ddp.module, losses, norms)
+
+
+def functional_reference(
+    model: nn.Module,
+    make_optimizer: Callable[[nn.Module], Optimizers],
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    *,
+    steps: int,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = mse,
+    use_gate: Callable[[int], bool] | None = gate_used,
+    accumulate: int = 1,
+    clip: float | None = None,
+    clip_dtype: torch.dtype = torch.float32,
+    grad_edit: Callable[[nn.Module], None] | None = None,
+    scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+    group: Any = None,
+    no_grad: Callable[[int], Iterable[str]] = lambda step: (),
+) -> dict[str, Any]:
+    """``ddp_reference``'s loop with ``torch.func.grad`` and an all-reduce mean in place of DDP.
+
+    Each micro-batch's gradient is ``torch.func.grad`` of ``loss_fn`` over
+    ``functional_call(module, params, ...)``; the step's local sum is divided by the group
+    size and all-reduced (SUM), as DDP pre-divides before its all-reduce; the mean goes to
+    ``p.grad`` of a copy of ``model`` and the same clipping / torch optimizer / scheduler as
+    in ``ddp_reference`` follow. Same arguments and return value as ``ddp_reference``, and:
+
+    Args:
+      no_grad: ``no_grad(step)`` names the params that get no gradient that step (their
+        ``p.grad`` stays None, as DDP leaves an unused param's): ``torch.func.grad`` gives
+        zeros for them and cannot tell.
+    """
+    module = copy.deepcopy(model)
+    opts = _as_list(make_optimizer(module))
+    scheds = [scheduler(o) for o in opts] if scheduler is not None else []
+    world = dist.get_world_size(group)
+    data = iter(batches)
+    losses, norms = [], []
+
+    def loss_of(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, step: int) -> torch.Tensor:
+        call = functools.partial(torch.func.functional_call, module, params)
+        return loss_fn(call((x,)) if use_gate is None else call((x, use_gate(step))), y)
+
+    for step in range(steps):
+        for o in opts:
+            o.zero_grad(set_to_none=True)
+        params = {n: p.detach() for n, p in module.named_parameters()}
+        total: dict[str, torch.Tensor] = {}
+        step_losses = []
+        for _ in range(accumulate):
+            x, y = next(data)
+            grads, loss = torch.func.grad_and_value(loss_of)(params, x, y, step)
+            total = {n: total[n] + g if n in total else g for n, g in grads.items()}
+            step_losses.append(float(loss))
+        losses.append(step_losses)
+        skip = set(no_grad(step))
+        for n, p in module.named_parameters():
+            if n in skip:
+                continue
+            g = total[n] / world
+            dist.all_reduce(g, group=group)
+            p.grad = g
+        norm = _finish_step(module, opts, scheds, clip=clip, clip_dtype=clip_dtype, grad_edit=grad_edit)
+        if norm is not None:
+            norms.append(norm)
+    return _result(module, losses, norms)

@@ -32,15 +32,22 @@ Tolerances (fp32), with ``max_rel_diff`` = max over tensors of ``max|a-b| / max|
 
 from __future__ import annotations
 
-import copy
 import functools
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 from conftest import get_world
-from helpers import Net, assert_trees_close, assert_trees_equal, batches, gate_used, max_rel_diff
+from helpers import (
+    Net,
+    assert_trees_close,
+    assert_trees_equal,
+    batches,
+    ddp_reference,
+    functional_reference,
+    gate_used,
+    max_rel_diff,
+)
 from torch.func import functional_call, grad
 
 import zerofn as zf
@@ -103,21 +110,13 @@ def _train_zero(model, opt, stage, clip, policy):
     return params, clipped
 
 
-def _train_ddp(model, opt_name, clip):
-    rank = dist.get_rank()
-    ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(model), find_unused_parameters=True)
-    _, topt = _optimizers(opt_name, ddp.module.named_parameters())
-    for step, (x, y) in enumerate(batches(rank, STEPS)):
-        topt.zero_grad(set_to_none=True)
-        ((ddp(x, use_gate=gate_used(step)) - y) ** 2).mean().backward()
-        if clip:
-            nn.utils.clip_grad_norm_(ddp.parameters(), MAX_NORM)
-        topt.step()
-    return {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
+def _no_grad(step):
+    """The params without a gradient at ``step``: ``unused`` always, ``gate`` when dropped."""
+    return ["unused.weight", "unused.bias", *([] if gate_used(step) else ["gate.weight", "gate.bias"])]
 
 
 def _train_both(opt_name, clip, policy_name):
-    """On every rank: zerofn stage 1, zerofn stage 2 and DDP from the same initial model."""
+    """On every rank: zerofn stage 1, zerofn stage 2, DDP and the torch.func reference from the same model."""
     torch.manual_seed(0)
     model = Net()
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -125,7 +124,15 @@ def _train_both(opt_name, clip, policy_name):
     for stage in (1, 2):
         opt, _ = _optimizers(opt_name, [("x", torch.zeros(1, requires_grad=True))])
         out[stage], out["clipped"][stage] = _train_zero(model, opt, stage, clip, POLICIES[policy_name])
-    out["ddp"] = _train_ddp(model, opt_name, clip)
+    reference = dict(
+        make_optimizer=lambda m: _optimizers(opt_name, m.named_parameters())[1],
+        steps=STEPS,
+        clip=MAX_NORM if clip else None,
+    )
+    out["ddp"] = ddp_reference(model, batches=batches(dist.get_rank(), STEPS), **reference)["params"]
+    out["func"] = functional_reference(model, batches=batches(dist.get_rank(), STEPS), no_grad=_no_grad, **reference)[
+        "params"
+    ]
     return out
 
 
@@ -204,3 +211,12 @@ def test_param_groups_match_ddp_with_torch_param_groups(world):
     # The groups changed the result: it differs from plain AdamW.
     plain = _results(world.world_size, "adamw", False)[0][2]
     assert max_rel_diff(results[0][2], plain) > 1e-3
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
+@pytest.mark.parametrize("n", [1, 2], ids=["N1", "N2"])
+def test_the_torch_func_reference_is_bitwise_equal_to_ddp_at_one_and_two_ranks(n, opt_name):
+    # The two references of ``helpers`` are one loop: grad + all-reduce mean is what DDP does.
+    for clip in (False, True):
+        for r in _results(n, opt_name, clip):
+            assert_trees_equal(r["func"], r["ddp"])
