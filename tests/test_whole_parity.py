@@ -35,7 +35,6 @@ Tolerances (fp32), ``max_rel_diff`` = max over tensors of ``max|a-b| / max|b|``:
 
 from __future__ import annotations
 
-import copy
 import functools
 
 import pytest
@@ -43,7 +42,16 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from conftest import get_world
-from helpers import IN_FEATURES, OUT_FEATURES, Net, assert_trees_equal, batches, gate_used, max_rel_diff
+from helpers import (
+    IN_FEATURES,
+    OUT_FEATURES,
+    Net,
+    assert_trees_equal,
+    batches,
+    ddp_reference,
+    gate_used,
+    max_rel_diff,
+)
 from torch.func import functional_call, grad
 
 import zerofn as zf
@@ -141,42 +149,26 @@ def _train_zero(recipe, stage, clip, accumulate):
     return params, clipped, dict(state.layout.owners)
 
 
-def _clip_as_zerofn(params, max_norm):
-    """Clip with zerofn's arithmetic: the norm in float64, ``1 / max(1, (norm + 1e-6) / max_norm)``."""
-    grads = [p.grad for p in params if p.grad is not None]
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]))
-    coef = 1.0 / max(1.0, (float(norm) + 1e-6) / max_norm)
-    if coef != 1.0:
-        for g in grads:
-            g.mul_(coef)
+def _jitter(module):
+    """The last-bit noise of another summation order: ``(g * 3) / 3`` rounds twice."""
+    for p in module.parameters():
+        if p.grad is not None:
+            p.grad.copy_(p.grad * 3.0 / 3.0)
 
 
 def _train_ddp(recipe, clip, accumulate, bucket_cap_mb=None, clip64=False, jitter=False):
-    rank = dist.get_rank()
-    kw = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
-    ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(_model(recipe)), find_unused_parameters=True, **kw)
-    opts = _torch_optimizers(recipe, list(ddp.module.named_parameters()))
-    for step, (x, y) in enumerate(batches(rank, STEPS)):
-        for o in opts:
-            o.zero_grad(set_to_none=True)
-        micro = _micro(x, y, accumulate)
-        for i, (xm, ym) in enumerate(micro):
-            if i < len(micro) - 1:
-                with ddp.no_sync():
-                    ((ddp(xm, use_gate=gate_used(step)) - ym) ** 2).mean().backward()
-            else:
-                ((ddp(xm, use_gate=gate_used(step)) - ym) ** 2).mean().backward()
-        if jitter:  # the last-bit noise of another summation order: (g * 3) / 3 rounds twice
-            for p in ddp.parameters():
-                if p.grad is not None:
-                    p.grad.copy_(p.grad * 3.0 / 3.0)
-        if clip and clip64:
-            _clip_as_zerofn(list(ddp.parameters()), MAX_NORM)
-        elif clip:
-            nn.utils.clip_grad_norm_(ddp.parameters(), MAX_NORM)
-        for o in opts:
-            o.step()
-    return {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
+    micro = (m for x, y in batches(dist.get_rank(), STEPS) for m in _micro(x, y, accumulate))
+    return ddp_reference(
+        _model(recipe),
+        lambda m: _torch_optimizers(recipe, list(m.named_parameters())),
+        micro,
+        steps=STEPS,
+        accumulate=2 if accumulate else 1,
+        clip=MAX_NORM if clip else None,
+        clip_dtype=torch.float64 if clip64 else torch.float32,
+        grad_edit=_jitter if jitter else None,
+        bucket_cap_mb=bucket_cap_mb,
+    )["params"]
 
 
 def _train_all(recipe, clip, accumulate):
