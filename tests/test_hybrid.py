@@ -10,15 +10,13 @@ four ranks (fp32; the two-level sum adds in another order than DDP's ring).
 
 from __future__ import annotations
 
-import copy
 import os
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn as nn
-from helpers import Net, batches, max_rel_diff
+from helpers import Net, batches, ddp_reference, max_rel_diff
 
 import zerofn as zf
 from zerofn import checkpoint as ck
@@ -48,11 +46,17 @@ def _hybrid_vs_ddp(arrangement: str, kind: str, clip: float, stage: int) -> dict
     shard, replicate = _groups(arrangement)
     torch.manual_seed(0)
     model = Net()
-    ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(model), find_unused_parameters=True)
-    topt = (
-        torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.1)
-        if kind == "adamw"
-        else torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    ref = ddp_reference(
+        model,
+        lambda m: (
+            torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
+            if kind == "adamw"
+            else torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+        ),
+        batches(dist.get_rank(), 12),
+        steps=12,
+        use_gate=None,
+        clip=clip or None,
     )
     fopt = zf.optim.adamw(lr=1e-2, weight_decay=0.1) if kind == "adamw" else zf.optim.sgd(lr=0.05, momentum=0.9)
     params = {n: p.detach() for n, p in model.named_parameters()}
@@ -68,13 +72,9 @@ def _hybrid_vs_ddp(arrangement: str, kind: str, clip: float, stage: int) -> dict
         state, info = zf.step_shards(state, shards, shard, clip or None)
         params = zf.gather_params(state, shard)
         norms.append(info.grad_norm)
-        topt.zero_grad()
-        ((ddp(x) - y) ** 2).mean().backward()
-        if clip:
-            norms[-1] = (norms[-1], float(torch.nn.utils.clip_grad_norm_(ddp.parameters(), clip)))
-        topt.step()
-    ref = {n: p.detach() for n, p in ddp.module.named_parameters()}
-    return {"diff": max_rel_diff(params, ref), "norms": norms, "params": params}
+    if clip:  # (ours, DDP's) per step
+        norms = list(zip(norms, ref["norms"], strict=True))
+    return {"diff": max_rel_diff(params, ref["params"]), "norms": norms, "params": params}
 
 
 @pytest.mark.parametrize("arrangement", ["contiguous", "strided"])
@@ -128,8 +128,14 @@ def test_a_hybrid_checkpoint_loads_at_other_layouts(worlds, tmp_path):
 def _facade_hybrid_vs_ddp(how: str, overlap: bool) -> float:
     torch.manual_seed(0)
     model = Net()
-    ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(model), find_unused_parameters=True)
-    topt = torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.1)
+    ref = ddp_reference(
+        model,
+        lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1),
+        batches(dist.get_rank(), 10),
+        steps=10,
+        use_gate=None,
+        clip=0.05,
+    )
     if how == "sub_dp_size":  # the seed's option: ranks {0,1} and {2,3} shard, {0,2} and {1,3} replicate
         groups: dict[str, Any] = {"sub_dp_size": 2}
     else:
@@ -148,12 +154,8 @@ def _facade_hybrid_vs_ddp(how: str, overlap: bool) -> float:
     for x, y in batches(dist.get_rank(), 10):
         zopt.backward(((model(x) - y) ** 2).mean())
         zopt.step()
-        topt.zero_grad()
-        ((ddp(x) - y) ** 2).mean().backward()
-        torch.nn.utils.clip_grad_norm_(ddp.parameters(), 0.05)
-        topt.step()
     mine = {n: p.detach() for n, p in model.named_parameters()}
-    return max_rel_diff(mine, {n: p.detach() for n, p in ddp.module.named_parameters()})
+    return max_rel_diff(mine, ref["params"])
 
 
 @pytest.mark.parametrize("how", ["sub_dp_size", "replicate_group"])
