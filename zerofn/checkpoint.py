@@ -739,6 +739,89 @@ def _file_digest(path: str) -> str:
     return h.hexdigest()
 
 
+def _rank_entries(
+    state: ZeroState, rank: int, mesh: Any
+) -> tuple[dict[str, Any], dict[str, dict[str, str]], dict[str, str]]:
+    """What this rank writes: (DCP state dict, per-param state kinds, master dtypes).
+
+    Split params: the master and every per-element state field as DTensor shards over the
+    unpadded flat param; scalars as plain tensors (or JSON in the kinds). Whole params:
+    written by their owner only, full-shaped.
+    """
+    layout = state.layout
+    entries = _per_param(state.opt_state, layout.names)
+    sd: dict[str, Any] = {}
+    kinds: dict[str, dict[str, str]] = {}
+    master_dtypes: dict[str, str] = {}
+    for spec in layout.params:
+        if spec.is_whole:
+            if spec.holds(rank):  # the owner writes the whole param and its state, full-shaped
+                kinds[spec.name], master_dtypes[spec.name] = _save_whole(sd, state, spec, entries.get(spec.name, {}))
+            continue
+        master_dtypes[spec.name] = str(state.master[spec.name].dtype).removeprefix("torch.")
+        sd[f"master/{spec.name}"] = _dtensor(state.master[spec.name], spec, rank, mesh)
+        kinds[spec.name] = {}
+        for key, value in entries.get(spec.name, {}).items():
+            if _is_sharded(value):
+                sd[f"optim/{spec.name}/{key}"] = _dtensor(value, spec, rank, mesh)
+                kinds[spec.name][key] = f"shard:{str(value.dtype).removeprefix('torch.')}"
+            elif isinstance(value, torch.Tensor):
+                sd[f"optim/{spec.name}/{key}"] = value
+                kinds[spec.name][key] = f"scalar:{str(value.dtype).removeprefix('torch.')}:{value.device.type}"
+            else:
+                kinds[spec.name][key] = "json:" + json.dumps(value)
+    return sd, kinds, master_dtypes
+
+
+def _write_meta(
+    target: str,
+    state: ZeroState,
+    kinds: Mapping[str, Any],
+    master_dtypes: Mapping[str, str],
+    model: list[str] | None,
+) -> None:
+    """Rank 0: ``zerofn.json`` in ``target``, with every file's size and SHA-256, fsynced."""
+    layout = state.layout
+    plan = _group_plan(state.optimizer, layout.names)
+    files = sorted(f for f in os.listdir(target) if not f.startswith("."))
+    meta = {
+        "version": FORMAT_VERSION,
+        "names": list(layout.names),
+        "shapes": [list(p.shape) for p in layout.params],
+        "dtypes": [str(p.dtype).removeprefix("torch.") for p in layout.params],
+        "master_dtypes": [master_dtypes[n] for n in layout.names],
+        "placements": [p.placement for p in layout.params],
+        "state_kinds": kinds,
+        "param_groups": [{**hp, "params": names} for names, hp in plan],
+        "optimizer": {"name": state.optimizer.name, "torch_class": state.optimizer.torch_class.__name__},
+        "step": state.step,
+        "loss_scale": _loss_scale_to_dict(state),
+        "saved_world_size": layout.world_size,
+        "model": model,
+        "files": {
+            f: {"bytes": os.path.getsize(os.path.join(target, f)), "sha256": _file_digest(os.path.join(target, f))}
+            for f in [*files, ".metadata"]
+        },
+    }
+    meta_path = os.path.join(target, META_FILE)
+    with open(meta_path, "w") as f:
+        json.dump(meta, f, indent=1, default=str)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(target)
+
+
+def _commit(path: str, target: str) -> None:
+    """Rank 0: point the symlink ``path`` at ``target`` atomically, then drop the previous target."""
+    previous = os.path.realpath(path) if os.path.islink(path) else None
+    link = f"{target}.link"
+    os.symlink(os.path.basename(target), link)
+    os.replace(link, path)  # the commit: atomic on POSIX
+    _fsync_dir(os.path.dirname(path))
+    if previous and previous != target and os.path.isdir(previous):
+        shutil.rmtree(previous, ignore_errors=True)
+
+
 def save(
     path: str | os.PathLike[str],
     state: ZeroState,
@@ -782,29 +865,7 @@ def save(
     rank = comm.group_rank(group)
     token = comm.broadcast_object(uuid.uuid4().hex[:12] if rank == 0 else None, group)
     target = f"{path}.{token}"
-    device = state.state_device
-    mesh = comm.device_mesh(group, device.type)
-    entries = _per_param(state.opt_state, layout.names)
-    sd: dict[str, Any] = {}
-    kinds: dict[str, dict[str, str]] = {}
-    master_dtypes: dict[str, str] = {}
-    for spec in layout.params:
-        if spec.is_whole:
-            if spec.holds(rank):  # the owner writes the whole param and its state, full-shaped
-                kinds[spec.name], master_dtypes[spec.name] = _save_whole(sd, state, spec, entries.get(spec.name, {}))
-            continue
-        master_dtypes[spec.name] = str(state.master[spec.name].dtype).removeprefix("torch.")
-        sd[f"master/{spec.name}"] = _dtensor(state.master[spec.name], spec, rank, mesh)
-        kinds[spec.name] = {}
-        for key, value in entries.get(spec.name, {}).items():
-            if _is_sharded(value):
-                sd[f"optim/{spec.name}/{key}"] = _dtensor(value, spec, rank, mesh)
-                kinds[spec.name][key] = f"shard:{str(value.dtype).removeprefix('torch.')}"
-            elif isinstance(value, torch.Tensor):
-                sd[f"optim/{spec.name}/{key}"] = value
-                kinds[spec.name][key] = f"scalar:{str(value.dtype).removeprefix('torch.')}:{value.device.type}"
-            else:
-                kinds[spec.name][key] = "json:" + json.dumps(value)
+    sd, kinds, master_dtypes = _rank_entries(state, rank, comm.device_mesh(group, state.state_device.type))
     if params is not None:
         for name, t in params.items():
             sd[f"model/{name}"] = t.detach()
@@ -815,44 +876,12 @@ def save(
                 kinds[n], master_dtypes[n] = k, d
     comm.dcp_save(sd, target, group)
     if rank == 0:
-        plan = _group_plan(state.optimizer, layout.names)
-        files = sorted(f for f in os.listdir(target) if not f.startswith("."))
-        meta = {
-            "version": FORMAT_VERSION,
-            "names": list(layout.names),
-            "shapes": [list(p.shape) for p in layout.params],
-            "dtypes": [str(p.dtype).removeprefix("torch.") for p in layout.params],
-            "master_dtypes": [master_dtypes[n] for n in layout.names],
-            "placements": [p.placement for p in layout.params],
-            "state_kinds": kinds,
-            "param_groups": [{**hp, "params": names} for names, hp in plan],
-            "optimizer": {"name": state.optimizer.name, "torch_class": state.optimizer.torch_class.__name__},
-            "step": state.step,
-            "loss_scale": _loss_scale_to_dict(state),
-            "saved_world_size": layout.world_size,
-            "model": sorted(params) if params is not None else None,
-            "files": {
-                f: {"bytes": os.path.getsize(os.path.join(target, f)), "sha256": _file_digest(os.path.join(target, f))}
-                for f in [*files, ".metadata"]
-            },
-        }
-        meta_path = os.path.join(target, META_FILE)
-        with open(meta_path, "w") as f:
-            json.dump(meta, f, indent=1, default=str)
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(target)
+        _write_meta(target, state, kinds, master_dtypes, sorted(params) if params is not None else None)
     comm.barrier(group)
     if _before_commit is not None:
         _before_commit()
     if rank == 0:
-        previous = os.path.realpath(path) if os.path.islink(path) else None
-        link = f"{target}.link"
-        os.symlink(os.path.basename(target), link)
-        os.replace(link, path)  # the commit: atomic on POSIX
-        _fsync_dir(os.path.dirname(path))
-        if previous and previous != target and os.path.isdir(previous):
-            shutil.rmtree(previous, ignore_errors=True)
+        _commit(path, target)
     comm.barrier(group)
     if replicate_group is not None:
         comm.broadcast_object(target, replicate_group)  # release the replicas: the checkpoint is committed
@@ -924,6 +953,74 @@ def _read_meta(path: str, verify: bool) -> dict[str, Any]:
     return meta
 
 
+def _checked_meta(
+    path: str,
+    like: ShardLayout | Mapping[str, torch.Tensor],
+    group: Group,
+    optimizer: optim.Optimizer | None,
+    verify: bool,
+    wants_model: bool,
+) -> tuple[dict[str, Any], ShardLayout, optim.Optimizer]:
+    """Everything :func:`load` checks before reading a tensor: (metadata, layout here, optimizer).
+
+    Raises ``CheckpointError`` (or the ``KeyError``/``TypeError``/``ValueError`` of
+    unreadable metadata) naming what does not fit. No collectives.
+    """
+    meta = _read_meta(path, verify)
+    placed_by = optimizer or _saved_optimizer({"optimizer": meta["optimizer"]})
+    layout, _ = _layout_and_masters(like, group, torch.float32, placed_by)
+    _check_fits({k: meta[k] for k in ("names", "shapes", "dtypes")}, layout)
+    _check_placements(meta, layout)
+    if wants_model and meta["model"] is None:
+        raise CheckpointError(f"{path} holds no model weights (saved without params=)")
+    names_of = {n: [n] for n in layout.names}
+    fopt = _optimizer_for(
+        [{**g, "params": g["params"]} for g in meta["param_groups"]],
+        lambda names: [m for n in names for m in names_of[n]],
+        {"optimizer": meta["optimizer"]},
+        optimizer,
+    )
+    return meta, layout, fopt
+
+
+def _receiving_buffers(
+    meta: Mapping[str, Any], layout: ShardLayout, rank: int, device: torch.device, mesh: Any
+) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
+    """The tensors DCP reads this rank's pieces into: (DCP state dict, masters, per-param state).
+
+    Split params: zero ``(shard_numel,)`` masters and per-element state as DTensor shards
+    over the unpadded flat param, 0-d scalars, JSON values decoded here. Whole params: on
+    their owner only, full-shaped.
+    """
+    master_dtypes = dict(zip(meta["names"], meta["master_dtypes"], strict=True))
+    sd: dict[str, Any] = {}
+    master: dict[str, torch.Tensor] = {}
+    entries: dict[str, dict[str, Any]] = {}
+    for spec in layout.params:
+        if spec.is_whole:
+            if spec.holds(rank):
+                entries[spec.name] = _load_whole(
+                    sd, master, spec, meta["state_kinds"][spec.name], master_dtypes, device
+                )
+            continue
+        master[spec.name] = torch.zeros(spec.shard_numel, dtype=getattr(torch, master_dtypes[spec.name]), device=device)
+        sd[f"master/{spec.name}"] = _dtensor(master[spec.name], spec, rank, mesh)
+        entries[spec.name] = {}
+        for key, kind in meta["state_kinds"][spec.name].items():
+            what, _, rest = kind.partition(":")
+            if what == "shard":
+                value = torch.zeros(spec.shard_numel, dtype=getattr(torch, rest), device=device)
+                sd[f"optim/{spec.name}/{key}"] = _dtensor(value, spec, rank, mesh)
+            elif what == "scalar":
+                dtype, _, dev = rest.partition(":")
+                value = torch.zeros((), dtype=getattr(torch, dtype), device=device if dev != "cpu" else "cpu")
+                sd[f"optim/{spec.name}/{key}"] = value
+            else:
+                value = json.loads(rest)
+            entries[spec.name][key] = value
+    return sd, master, entries
+
+
 def load(
     path: str | os.PathLike[str],
     like: ShardLayout | Mapping[str, torch.Tensor],
@@ -958,20 +1055,7 @@ def load(
     # Everything that can be checked before reading a tensor is, and every rank learns every
     # rank's verdict before DCP's collectives start: a rank that cannot load makes all raise.
     try:
-        meta = _read_meta(path, verify)
-        placed_by = optimizer or _saved_optimizer({"optimizer": meta["optimizer"]})
-        layout, _ = _layout_and_masters(like, group, torch.float32, placed_by)
-        _check_fits({k: meta[k] for k in ("names", "shapes", "dtypes")}, layout)
-        _check_placements(meta, layout)
-        if params_out is not None and meta["model"] is None:
-            raise CheckpointError(f"{path} holds no model weights (saved without params=)")
-        names_of = {n: [n] for n in layout.names}
-        fopt = _optimizer_for(
-            [{**g, "params": g["params"]} for g in meta["param_groups"]],
-            lambda names: [m for n in names for m in names_of[n]],
-            {"optimizer": meta["optimizer"]},
-            optimizer,
-        )
+        meta, layout, fopt = _checked_meta(path, like, group, optimizer, verify, params_out is not None)
         failure: Exception | None = None
     except (CheckpointError, KeyError, TypeError, ValueError) as e:
         failure = e if isinstance(e, CheckpointError) else CheckpointError(f"{path}: unreadable metadata ({e!r})")
@@ -979,32 +1063,7 @@ def load(
     rank = comm.group_rank(group)
     device = next(iter(like.values())).device if isinstance(like, Mapping) else torch.device("cpu")
     mesh = comm.device_mesh(group, device.type)
-    master_dtypes = dict(zip(meta["names"], meta["master_dtypes"], strict=True))
-    sd: dict[str, Any] = {}
-    master: dict[str, torch.Tensor] = {}
-    entries: dict[str, dict[str, Any]] = {}
-    for spec in layout.params:
-        if spec.is_whole:
-            if spec.holds(rank):
-                entries[spec.name] = _load_whole(
-                    sd, master, spec, meta["state_kinds"][spec.name], master_dtypes, device
-                )
-            continue
-        master[spec.name] = torch.zeros(spec.shard_numel, dtype=getattr(torch, master_dtypes[spec.name]), device=device)
-        sd[f"master/{spec.name}"] = _dtensor(master[spec.name], spec, rank, mesh)
-        entries[spec.name] = {}
-        for key, kind in meta["state_kinds"][spec.name].items():
-            what, _, rest = kind.partition(":")
-            if what == "shard":
-                value = torch.zeros(spec.shard_numel, dtype=getattr(torch, rest), device=device)
-                sd[f"optim/{spec.name}/{key}"] = _dtensor(value, spec, rank, mesh)
-            elif what == "scalar":
-                dtype, _, dev = rest.partition(":")
-                value = torch.zeros((), dtype=getattr(torch, dtype), device=device if dev != "cpu" else "cpu")
-                sd[f"optim/{spec.name}/{key}"] = value
-            else:
-                value = json.loads(rest)
-            entries[spec.name][key] = value
+    sd, master, entries = _receiving_buffers(meta, layout, rank, device, mesh)
     # The model's weights are read into new tensors and copied into ``params_out`` only once
     # every rank has read and checked everything: a failed load leaves the model as it was
     # (the cost: one more copy of the model's weights for the duration of the load).
