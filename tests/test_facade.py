@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import gc
 import math
 import weakref
@@ -20,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from helpers import Net, assert_trees_equal, batches, gate_used, max_rel_diff
+from helpers import Net, assert_trees_equal, batches, ddp_reference, gate_used, max_rel_diff
 
 import zerofn as zf
 from zerofn.facade._reducer import ShardedGrad
@@ -63,12 +64,23 @@ def _train_pair(
     steps: int = STEPS,
     bucket: int = 64,
 ) -> dict[str, Any]:
-    """Train the same Net under the facade and under DDP on this rank's batches."""
+    """Train the same Net under the facade and under DDP (``helpers.ddp_reference``) on this rank's batches."""
     torch.manual_seed(0)
     model = Net()
-    ref = copy.deepcopy(model)
-    ddp = nn.parallel.DistributedDataParallel(ref, find_unused_parameters=True)
-    topt = _torch_optimizer(kind, ddp.module)
+    make_scheduler = None
+    if scheduler == "step":
+        make_scheduler = functools.partial(torch.optim.lr_scheduler.StepLR, step_size=4, gamma=0.5)
+    elif scheduler == "onecycle":
+        make_scheduler = functools.partial(torch.optim.lr_scheduler.OneCycleLR, max_lr=2e-2, total_steps=steps)
+    ref = ddp_reference(
+        model,
+        functools.partial(_torch_optimizer, kind),
+        batches(dist.get_rank(), steps * accumulate),
+        steps=steps,
+        accumulate=accumulate,
+        clip=clip or None,
+        scheduler=make_scheduler,
+    )
     zopt = zf.ZeroOptimizer(
         _torch_optimizer(kind, model),
         partition_grad=stage == 2,
@@ -77,11 +89,7 @@ def _train_pair(
         reduce_bucket_size=bucket,
         module=model,
     )
-    scheds = []
-    if scheduler == "step":
-        scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=4, gamma=0.5) for o in (topt, zopt)]
-    elif scheduler == "onecycle":
-        scheds = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=2e-2, total_steps=steps) for o in (topt, zopt)]
+    scheds = [make_scheduler(zopt)] if make_scheduler is not None else []
     data = batches(dist.get_rank(), steps * accumulate)
     no_sync_bytes = 0
     for step in range(steps):
@@ -93,17 +101,11 @@ def _train_pair(
                 zopt.backward(((model(x, use_gate) - y) ** 2).mean())
             if not last:
                 no_sync_bytes += counter.bytes_sent
-            with ddp.no_sync() if not last else contextlib.nullcontext():
-                ((ddp(x, use_gate) - y) ** 2).mean().backward()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(ddp.parameters(), clip)
-        topt.step()
-        topt.zero_grad()
         zopt.step()
         zopt.zero_grad()
         for s in scheds:
             s.step()
-    return {"zero": _named(model), "ref": _named(ref), "no_sync_bytes": no_sync_bytes}
+    return {"zero": _named(model), "ref": ref["params"], "no_sync_bytes": no_sync_bytes}
 
 
 def _train_matrix(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
