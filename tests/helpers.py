@@ -288,12 +288,13 @@ def ddp_reference(
     clip_dtype: torch.dtype = torch.float32,
     grad_edit: Callable[[nn.Module], None] | None = None,
     scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+    before_step: Callable[[nn.Module, int], None] | None = None,
     group: Any = None,
     bucket_cap_mb: float | None = None,
 ) -> dict[str, Any]:
     """Train a copy of ``model`` with DistributedDataParallel + torch.optim, the user's DDP script.
 
-    Each step: ``zero_grad(set_to_none=True)``; ``accumulate`` micro-batches taken in turn
+    Each step: ``before_step``; ``zero_grad(set_to_none=True)``; ``accumulate`` micro-batches taken in turn
     from ``batches``, the first ``accumulate - 1`` backward inside ``ddp.no_sync()`` (DDP's
     gradient accumulation: one all-reduce of the summed local gradients, divided by N);
     then ``grad_edit``, clipping, ``opt.step()`` and ``scheduler.step()``.
@@ -316,6 +317,8 @@ def ddp_reference(
       grad_edit: called with the module after the gradients are reduced, before clipping
         (e.g. to perturb their last bits).
       scheduler: builds an LR scheduler on each optimizer, stepped after every step.
+      before_step: ``before_step(module, step)`` runs first in every step: the user
+        writing params between steps (``load_state_dict``, ``copy_``, ``p.data``).
       group: DDP's ``process_group`` (default: the whole world).
       bucket_cap_mb: DDP's bucket size (default: DDP's own).
 
@@ -332,6 +335,8 @@ def ddp_reference(
     data = iter(batches)
     losses, norms = [], []
     for step in range(steps):
+        if before_step is not None:
+            before_step(ddp.module, step)
         for o in opts:
             o.zero_grad(set_to_none=True)
         step_losses = []
@@ -361,6 +366,7 @@ def functional_reference(
     clip_dtype: torch.dtype = torch.float32,
     grad_edit: Callable[[nn.Module], None] | None = None,
     scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+    before_step: Callable[[nn.Module, int], None] | None = None,
     group: Any = None,
     no_grad: Callable[[int], Iterable[str]] = lambda step: (),
 ) -> dict[str, Any]:
@@ -389,6 +395,8 @@ def functional_reference(
         return loss_fn(call((x,)) if use_gate is None else call((x, use_gate(step))), y)
 
     for step in range(steps):
+        if before_step is not None:
+            before_step(module, step)
         for o in opts:
             o.zero_grad(set_to_none=True)
         params = {n: p.detach() for n, p in module.named_parameters()}

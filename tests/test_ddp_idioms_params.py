@@ -11,14 +11,13 @@ relative (gloo's ring sums three contributions in another order than DDP's bucke
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from helpers import Net, assert_trees_equal, batches, max_rel_diff
+from helpers import Net, assert_trees_equal, batches, ddp_reference, max_rel_diff
 
 import zerofn as zf
 from zerofn.facade._guards import ParamsChangedError
@@ -48,26 +47,30 @@ def _named(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _pair(cfg: dict[str, Any], **extra: Any) -> tuple[nn.Module, zf.ZeroOptimizer, nn.Module, Any]:
+def _torch_adamw(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def _pair(cfg: dict[str, Any], **extra: Any) -> tuple[nn.Module, zf.ZeroOptimizer]:
+    """Net (seed 0) under the facade; ``helpers.ddp_reference`` of a seed-0 Net is its DDP twin."""
     torch.manual_seed(0)
     model = Net()
-    ref = copy.deepcopy(model)
-    ddp = nn.parallel.DistributedDataParallel(ref, find_unused_parameters=True)
-    topt = torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.1)
     zopt = zf.ZeroOptimizer(
-        torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1),
+        _torch_adamw(model),
         partition_grad=cfg["stage"] == 2,
         overlap_allgather=cfg["overlap_allgather"],
         reduce_bucket_size=64,
         module=model,
         **extra,
     )
-    return model, zopt, ddp, topt
+    return model, zopt
 
 
 def _edit_and_train(cfg: dict[str, Any], edit: str) -> dict[str, Any]:
     """Train both; before step 0 and after step 2, ``edit`` the params of both models alike."""
-    model, zopt, ddp, topt = _pair(cfg)
+    torch.manual_seed(0)
+    initial = Net()
+    model, zopt = _pair(cfg)
     found: list[list[str]] = []
 
     def apply(m: nn.Module, is_zero: bool) -> None:
@@ -82,19 +85,23 @@ def _edit_and_train(cfg: dict[str, Any], edit: str) -> dict[str, Any]:
             if is_zero:
                 found.append(zopt.check_params())
 
+    ref = ddp_reference(
+        initial,
+        _torch_adamw,
+        batches(dist.get_rank(), STEPS),
+        steps=STEPS,
+        use_gate=None,
+        before_step=lambda m, step: apply(m, False) if step in (0, 3) else None,
+    )
     for step, (x, y) in enumerate(batches(dist.get_rank(), STEPS)):
         if step in (0, 3):
             if edit != "load":  # model.load_state_dict completes pending gathers by itself (its pre-hook)
                 zopt.wait_params()  # overlap_allgather: params are current after it (the documented rule)
             apply(model, True)
-            apply(ddp.module, False)
         zopt.backward(_loss(model, x, y))
         zopt.step()
-        topt.zero_grad()
-        _loss(ddp, x, y).backward()
-        topt.step()
     zopt.wait_params()
-    return {"zero": _named(model), "ref": _named(ddp.module), "found": found}
+    return {"zero": _named(model), "ref": ref["params"], "found": found}
 
 
 def _edit_matrix(edit: str) -> list[dict[str, Any]]:
@@ -192,7 +199,7 @@ def test_bf16_params_with_fp32_masters_adopt_written_values_and_keep_the_rest(wo
 
 
 def _disagree(how: str) -> dict[str, Any]:
-    model, zopt, _, _ = _pair(CONFIGS[1])
+    model, zopt = _pair(CONFIGS[1])
     x, y = next(batches(dist.get_rank(), 1))
     zopt.backward(_loss(model, x, y))
     zopt.step()
@@ -231,7 +238,7 @@ def test_ranks_that_change_params_differently_all_raise_the_same_error(worlds, n
 
 
 def _write_while_pending() -> dict[str, Any]:
-    model, zopt, _, _ = _pair(CONFIGS[3])
+    model, zopt = _pair(CONFIGS[3])
     x, y = next(batches(dist.get_rank(), 1))
     zopt.backward(_loss(model, x, y))
     zopt.step()  # gathers launched, written by the next forward
