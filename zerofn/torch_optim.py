@@ -35,7 +35,15 @@ import torch
 from zerofn import optim
 from zerofn._tree import FrozenDict
 
-__all__ = ["ELEMENTWISE", "WHOLE_TENSOR", "TorchOptimState", "from_torch", "from_torch_optimizer", "torch_class"]
+__all__ = [
+    "ELEMENTWISE",
+    "WHOLE_TENSOR",
+    "TorchOptimState",
+    "from_torch",
+    "from_torch_optimizer",
+    "from_torch_optimizers",
+    "torch_class",
+]
 
 # Classes whose update of each element depends only on that element's grad and state.
 ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
@@ -143,24 +151,23 @@ _FAST_KEYS = {
 
 
 def check_shardable(cls: type[torch.optim.Optimizer]) -> None:
-    """Raise ``TypeError`` unless ``cls`` updates every element independently (the facade's rule).
+    """Raise ``TypeError`` unless zerofn can drive a constructed ``cls`` (the facade's rule).
 
-    The facade wraps element-wise classes; the whole-tensor classes (``WHOLE_TENSOR``) run
-    through the functional API (:func:`from_torch`) until the facade places them too.
+    The element-wise classes (``ELEMENTWISE``) run on 1-D shards; the known whole-tensor
+    classes of ``torch.optim`` (``WHOLE_TENSOR``: Muon, Adafactor) run on whole params on
+    their owners. Anything else is refused, naming what to do instead.
     """
-    if cls in ELEMENTWISE:
+    if cls in ELEMENTWISE or (cls.__name__ in WHOLE_TENSOR and cls.__module__.startswith("torch.optim")):
         return
-    why = _REFUSED_WHY.get(cls.__name__, "zerofn only knows how to shard element-wise optimizers")
-    if cls.__name__ in WHOLE_TENSOR:
+    why = _REFUSED_WHY.get(cls.__name__)
+    if why is None:
         why = (
-            "it reads whole tensors; ZeroOptimizer does not place whole params yet, the functional API does: "
-            f"zf.torch_optim.from_torch(torch.optim.{cls.__name__}, ...) with zf.shard_params"
+            "zerofn cannot tell whether its update reads only each element's gradient and state. Declare it "
+            f"with the functional API: zf.torch_optim.from_torch({cls.__name__}, placement='split' | 'whole', ...) "
+            "and ZeroOptimizer(model.named_parameters(), <that optimizer>)"
         )
-    names = ", ".join(c.__name__ for c in ELEMENTWISE)
-    raise TypeError(
-        f"zerofn cannot shard {cls.__name__}: {why}. Each rank only holds a 1/N slice of every "
-        f"parameter. Supported torch optimizers: {names}."
-    )
+    names = ", ".join(c.__name__ for c in (*ELEMENTWISE,)) + ", " + ", ".join(WHOLE_TENSOR)
+    raise TypeError(f"zerofn cannot shard {cls.__name__}: {why}. Supported torch optimizers: {names}.")
 
 
 class TorchOptimState(NamedTuple):
@@ -279,8 +286,9 @@ def from_torch_optimizer(torch_opt: torch.optim.Optimizer, group_names: Sequence
       group_names: for each of its param groups, the names of its params.
 
     Returns:
-      SGD/Adam/AdamW on the fast path, other element-wise classes on the generic path;
-      each torch param group becomes a zerofn param group with its hyperparameters.
+      SGD/Adam/AdamW on the fast path, other element-wise classes on the generic path,
+      Muon/Adafactor on the generic path with their params placed whole; each torch
+      param group becomes a zerofn param group with its hyperparameters.
     """
     check_shardable(type(torch_opt))
     for g in torch_opt.param_groups:
@@ -296,6 +304,44 @@ def from_torch_optimizer(torch_opt: torch.optim.Optimizer, group_names: Sequence
     if fast:
         return fast[1](param_groups=groups)
     return from_torch(type(torch_opt), param_groups=groups)
+
+
+def from_torch_optimizers(
+    torch_opts: Sequence[torch.optim.Optimizer], group_names: Sequence[Sequence[Sequence[str]]]
+) -> optim.Optimizer:
+    """One functional optimizer over several constructed torch optimizers: a partition.
+
+    The usual Muon recipe, ``[torch.optim.Muon(matrices), torch.optim.AdamW(rest)]``,
+    becomes ``zf.optim.partition([(names of Muon's params, muon), (AdamW's, adamw)])``, so
+    one layout, one gradient reduction and one global norm serve all of them.
+
+    Args:
+      torch_opts: the torch optimizers, in order; each param in exactly one of them.
+      group_names: for each optimizer, for each of its param groups, the names of its
+        params (as for :func:`from_torch_optimizer`).
+
+    Returns:
+      A :func:`zerofn.optim.partition` whose part ``k`` is
+      ``from_torch_optimizer(torch_opts[k], group_names[k])``, selecting exactly its names.
+
+    Raises:
+      ValueError: a name appears in two optimizers (naming it and both positions).
+    """
+    seen: dict[str, int] = {}
+    for k, groups in enumerate(group_names):
+        for name in (n for g in groups for n in g):
+            if name in seen:
+                raise ValueError(
+                    f"zerofn: param {name!r} is in optimizers[{seen[name]}] and optimizers[{k}]; each param "
+                    "must be in exactly one of the wrapped optimizers: take it out of one of them"
+                )
+            seen[name] = k
+    return optim.partition(
+        [
+            (frozenset(n for g in groups for n in g), from_torch_optimizer(o, groups))
+            for o, groups in zip(torch_opts, group_names, strict=True)
+        ]
+    )
 
 
 def group_hyperparams(opt: optim.Optimizer, torch_group: Mapping[str, Any]) -> dict[str, Any]:
@@ -315,14 +361,32 @@ def with_live_hyperparams(
     """``opt`` with the hyperparameters now in ``torch_groups`` (an LR scheduler may have changed them).
 
     Group ``i`` of ``torch_groups`` updates ``opt``'s group ``i`` (a trailing group without
-    its own entry in ``opt.groups`` updates the defaults). Returns the optimizer and a
-    key of the hyperparameters read; when it equals ``known`` (the key of the last call),
-    ``opt`` itself is returned unchanged, so an unchanged schedule costs no rebuild.
+    its own entry in ``opt.groups`` updates the defaults). For a :func:`zerofn.optim.partition`
+    built by :func:`from_torch_optimizers`, ``torch_groups`` are the wrapped optimizers'
+    groups one after the other: part ``k`` takes as many as it has groups. Returns the
+    optimizer and a key of the hyperparameters read; when it equals ``known`` (the key of
+    the last call), ``opt`` itself is returned unchanged, so an unchanged schedule costs no
+    rebuild.
     """
-    per_group = [group_hyperparams(opt, g) for g in torch_groups]
-    key = tuple(tuple(sorted(hp.items(), key=lambda kv: kv[0])) for hp in per_group)
+    if opt.parts:
+        spans, start = [], 0
+        for _, part in opt.parts:
+            spans.append((part, torch_groups[start : start + len(part.groups)]))
+            start += len(part.groups)
+        per_part = [[group_hyperparams(part, g) for g in groups] for part, groups in spans]
+    else:
+        per_part = [[group_hyperparams(opt, g) for g in torch_groups]]
+    key = tuple(tuple(tuple(sorted(hp.items(), key=lambda kv: kv[0])) for hp in part) for part in per_part)
     if key == known:
         return opt, key
+    if not opt.parts:
+        return _with_group_hyperparams(opt, per_part[0]), key
+    for k, ((_, part), hps) in enumerate(zip(opt.parts, per_part, strict=True)):
+        opt = opt.with_part(k, _with_group_hyperparams(part, hps))
+    return opt, key
+
+
+def _with_group_hyperparams(opt: optim.Optimizer, per_group: Sequence[Mapping[str, Any]]) -> optim.Optimizer:
     for i, hp in enumerate(per_group):
         opt = opt.with_hyperparams(i if i < len(opt.groups) else None, **hp)
-    return opt, key
+    return opt

@@ -52,6 +52,7 @@ __all__ = [
     "check_gather_module",
     "check_settings",
     "hybrid_groups",
+    "is_optimizer_list",
     "precision_policy",
     "resolve_params",
 ]
@@ -190,19 +191,92 @@ def hybrid_groups(
     return comm.grid_groups(dp_group, sub_dp_size)
 
 
+def _torch_named_groups(
+    torch_opt: torch.optim.Optimizer, names: Mapping[int, str], prefix: str
+) -> list[list[tuple[str, torch.Tensor]]]:
+    """``torch_opt``'s param groups as (name, param) lists, requires_grad params only.
+
+    Names come from ``module.named_parameters()`` (``names``: id -> name), else
+    ``"{prefix}group{g}.param{i}"``.
+    """
+    return [
+        [(names.get(id(p), f"{prefix}group{g}.param{i}"), p) for i, p in enumerate(group["params"]) if p.requires_grad]
+        for g, group in enumerate(torch_opt.param_groups)
+    ]
+
+
+def is_optimizer_list(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is a non-empty list/tuple of torch optimizers (``ZeroOptimizer([muon, adamw])``)."""
+    return (
+        isinstance(optimizer, (list, tuple))
+        and len(optimizer) > 0
+        and all(isinstance(o, torch.optim.Optimizer) for o in optimizer)
+    )
+
+
+def _resolve_list(
+    torch_opts: list[torch.optim.Optimizer] | tuple[torch.optim.Optimizer, ...], module: torch.nn.Module | None
+) -> tuple[list[list[tuple[str, torch.Tensor]]], optim.Optimizer, list[dict[str, Any]]]:
+    """Several torch optimizers as one :func:`zerofn.optim.partition` (see :func:`resolve_params`).
+
+    Every param must be in exactly one of them; with ``module=`` every trainable param of
+    the module must be in one (a param no optimizer updates would silently not train).
+    Raises before anything is changed, naming the param.
+    """
+    for o in torch_opts:
+        torch_optim.check_shardable(type(o))
+    names = {id(p): n for n, p in module.named_parameters()} if module is not None else {}
+    where: dict[int, int] = {}
+    for k, o in enumerate(torch_opts):
+        for g in o.param_groups:
+            for p in g["params"]:
+                if id(p) in where and where[id(p)] != k:
+                    what = repr(names[id(p)]) if id(p) in names else f"of shape {tuple(p.shape)}"
+                    raise ValueError(
+                        f"ZeroOptimizer: param {what} is in optimizers[{where[id(p)]}] and optimizers[{k}]; each "
+                        "param must be in exactly one of the wrapped optimizers: take it out of one of them"
+                    )
+                where[id(p)] = k
+    if module is not None:
+        missing = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in where]
+        if missing:
+            shown = ", ".join(repr(n) for n in missing[:5]) + (", ..." if len(missing) > 5 else "")
+            raise ValueError(
+                f"ZeroOptimizer: {len(missing)} trainable param(s) of module= are in none of the wrapped optimizers "
+                f"({shown}); each param must be in exactly one of them: add it to one (e.g. the AdamW for "
+                "everything that is not a hidden matrix), or set requires_grad=False"
+            )
+    per_opt = [_torch_named_groups(o, names, f"opt{k}.") for k, o in enumerate(torch_opts)]
+    fopt = torch_optim.from_torch_optimizers(torch_opts, [[[n for n, _ in g] for g in groups] for groups in per_opt])
+    named_groups = [g for groups in per_opt for g in groups]
+    # The wrapped optimizers' own group dicts, in order: live for their LR schedulers.
+    return named_groups, fopt, [g for o in torch_opts for g in o.param_groups]
+
+
 def resolve_params(
     optimizer: Any, functional: optim.Optimizer | None, module: torch.nn.Module | None
 ) -> tuple[list[list[tuple[str, torch.Tensor]]], optim.Optimizer, list[dict[str, Any]]]:
-    """Named param groups (requires_grad only), the functional optimizer, live torch groups."""
-    if isinstance(optimizer, torch.optim.Optimizer):
+    """Named param groups (requires_grad only), the functional optimizer, live torch groups.
+
+    ``optimizer`` is a torch optimizer (its own groups stay live), a list of torch
+    optimizers (a :func:`zerofn.optim.partition` with one part per optimizer, their groups
+    one after the other) or named params with ``functional``.
+    """
+    if isinstance(optimizer, torch.optim.Optimizer) or is_optimizer_list(optimizer):
         if functional is not None:
             raise TypeError("ZeroOptimizer: give a torch optimizer or named params + a zerofn optimizer, not both")
+    if is_optimizer_list(optimizer):
+        return _resolve_list(optimizer, module)
+    if isinstance(optimizer, (list, tuple)) and any(isinstance(o, torch.optim.Optimizer) for o in optimizer):
+        others = sorted({type(o).__name__ for o in optimizer if not isinstance(o, torch.optim.Optimizer)})
+        raise TypeError(
+            f"ZeroOptimizer: a list of optimizers must hold torch.optim.Optimizer instances only, found "
+            f"{', '.join(others)}: ZeroOptimizer([muon, adamw], ...)"
+        )
+    if isinstance(optimizer, torch.optim.Optimizer):
         torch_optim.check_shardable(type(optimizer))
         names = {id(p): n for n, p in module.named_parameters()} if module is not None else {}
-        named_groups = [
-            [(names.get(id(p), f"group{g}.param{i}"), p) for i, p in enumerate(group["params"]) if p.requires_grad]
-            for g, group in enumerate(optimizer.param_groups)
-        ]
+        named_groups = _torch_named_groups(optimizer, names, "")
         fopt = torch_optim.from_torch_optimizer(optimizer, [[n for n, _ in g] for g in named_groups])
         return named_groups, fopt, optimizer.param_groups
     if functional is None:

@@ -49,8 +49,13 @@ class _Host(Protocol):
 class StateDictMethods:
     """``state_dict`` / ``load_state_dict`` / ``state_dict_shard`` / ``save_checkpoint`` / ``load_checkpoint``."""
 
-    def state_dict(self: _Host) -> dict[str, Any]:  # type: ignore[override]
+    def state_dict(self: _Host) -> dict[str, Any] | list[dict[str, Any]]:  # type: ignore[override]
         """The whole optimizer state in ``torch.optim`` format (see ``zerofn.checkpoint``).
+
+        Over a list of torch optimizers (``ZeroOptimizer([muon, adamw], ...)``): a list of
+        such dicts, one per wrapped optimizer in order, each numbering only its params, so
+        ``muon.load_state_dict(sd[0])`` works on a plain ``torch.optim.Muon`` over the same
+        params.
 
         Collective: every rank gathers the full state (all ranks must call it).
         """
@@ -58,12 +63,15 @@ class StateDictMethods:
         self._state = self._state.replace(optimizer=self._current_optimizer())
         return checkpoint.full_state_dict(self._state, self._group, bucket_numel=self._bucket_numel)
 
-    def load_state_dict(self: _Host, state_dict: Mapping[str, Any]) -> None:  # type: ignore[override]
+    def load_state_dict(self: _Host, state_dict: Mapping[str, Any] | list[Mapping[str, Any]]) -> None:  # type: ignore[override]
         """Load a state dict from ``state_dict()`` (any world size) or from a torch optimizer.
 
         As in torch, the saved hyperparameters replace those in ``param_groups``. Master
         weights come from the state dict's ``zerofn`` entry when present, else from the
-        model's current params.
+        model's current params. Over a list of torch optimizers it takes a list of state
+        dicts, one per wrapped optimizer in order (from ``state_dict()``, or each from the
+        matching plain torch optimizer), and each wrapped optimizer's ``param_groups`` take
+        its dict's hyperparameters.
 
         Everything is validated before anything changes (per-param state keys, shapes and
         dtypes against what the optimizer declares, param counts per group, hyperparameters:
@@ -77,13 +85,14 @@ class StateDictMethods:
         """
         self.wait_params()  # master weights may come from the params, and a late gather would overwrite them
         try:
+            sizes = _check_list_shape(self, state_dict)
             new = checkpoint.shard_state_dict(
                 state_dict,
                 self._params,
                 self._group,
                 optimizer=self._state.optimizer,
                 master_dtype=self._master_dtype(),
-                group_sizes=[len(names) for names in self._group_names],
+                group_sizes=sizes,
             )
             failure: Exception | None = None
         except (checkpoint.CheckpointError, KeyError, TypeError, ValueError) as e:
@@ -91,8 +100,11 @@ class StateDictMethods:
         replicas = () if self._replicate is None else (self._replicate,)
         checkpoint.raise_alike(failure, (self._group, *replicas), "ZeroOptimizer.load_state_dict")
         self._adopt(new)
-        for group, saved in zip(self.param_groups, state_dict["param_groups"], strict=True):
-            group.update({k: v for k, v in saved.items() if k != "params"})
+        dicts = state_dict if isinstance(state_dict, (list, tuple)) else [state_dict]
+        saved_groups = [g for d in dicts for g in d["param_groups"]]
+        if len(saved_groups) == len(self.param_groups):  # a functional partition has one group of all params
+            for group, saved in zip(self.param_groups, saved_groups, strict=True):
+                group.update({k: v for k, v in saved.items() if k != "params"})
 
     def _master_dtype(self: _Host) -> torch.dtype:
         """The masters' dtype (a rank holding no master shard: the policy's for the first param)."""
@@ -108,17 +120,23 @@ class StateDictMethods:
         self._hp_cache = None
         self._reducer.shards = {}
 
-    def state_dict_shard(self: _Host, max_shard_size: int = 1024) -> Iterator[tuple[dict[int, dict[str, Any]], int]]:
+    def state_dict_shard(self: _Host, max_shard_size: int = 1024) -> Iterator[tuple[dict[Any, dict[str, Any]], int]]:
         """Yield ``(block, numel)``: the torch-format ``state`` entries in size-bounded blocks.
 
         ``max_shard_size`` counts tensor elements per block (a param larger than it forms a
         block of its own). Params without optimizer state yet are simply absent, as in
-        torch. Collective: every rank must iterate it to the end.
+        torch. Keys are the torch indices; over a list of torch optimizers they are
+        ``(position of the optimizer, index in its state dict)``. Collective: every rank
+        must iterate it to the end.
         """
-        full = self.state_dict()["state"]
-        block: dict[int, dict[str, Any]] = {}
+        full = self.state_dict()
+        if isinstance(full, list):
+            entries = [((k, index), e) for k, d in enumerate(full) for index, e in d["state"].items()]
+        else:
+            entries = list(full["state"].items())
+        block: dict[Any, dict[str, Any]] = {}
         size = 0
-        for index, entry in full.items():
+        for index, entry in entries:
             numel = sum(v.numel() for v in entry.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
             if block and size + numel > max_shard_size:
                 yield block, size
@@ -155,4 +173,51 @@ class StateDictMethods:
         for i, group in enumerate(self.param_groups):
             names = self._group_names[i]
             if names:
-                group.update(torch_optim.group_hyperparams(new.optimizer, new.optimizer.hyperparams(names[0])))
+                # A partition (a list of torch optimizers): the part that updates the group's params.
+                opt = new.optimizer
+                if opt.parts:
+                    opt = opt.parts[opt.part_index(names[0])][1]
+                group.update(torch_optim.group_hyperparams(opt, opt.hyperparams(names[0])))
+
+
+def _check_list_shape(host: _Host, state_dict: Any) -> list[int] | None:
+    """The group sizes a single state dict must have; for a partition, the list checked here.
+
+    A facade over ``k`` torch optimizers takes a list of ``k`` dicts, dict ``i`` with the
+    param counts of optimizer ``i``'s groups (groups without trainable params aside, as
+    :func:`zerofn.checkpoint.full_state_dict` leaves them out). Raises ``CheckpointError``
+    naming the position; returns ``None`` (nothing left to check here) for a partition.
+    """
+    parts = host._state.optimizer.parts
+    if not parts:
+        if isinstance(state_dict, (list, tuple)):
+            raise checkpoint.CheckpointError(
+                f"got a list of {len(state_dict)} state dicts, but this ZeroOptimizer wraps one optimizer: pass "
+                "the one dict its state_dict() returns"
+            )
+        return [len(names) for names in host._group_names]
+    if not isinstance(state_dict, (list, tuple)) or len(state_dict) != len(parts):
+        got = f"a list of {len(state_dict)}" if isinstance(state_dict, (list, tuple)) else "one dict"
+        raise checkpoint.CheckpointError(
+            f"this ZeroOptimizer wraps {len(parts)} optimizers: load_state_dict takes a list of {len(parts)} state "
+            f"dicts, one per wrapped optimizer in order (as its state_dict() returns); got {got}"
+        )
+    spans = [len(part.groups) for _, part in parts]
+    if sum(spans) != len(host._group_names):
+        return None  # a functional partition: its parts' groups are not the facade's param_groups
+    start = 0
+    for i, (span, full) in enumerate(zip(spans, state_dict, strict=True)):
+        want = [len(names) for names in host._group_names[start : start + span] if names]
+        start += span
+        groups = full.get("param_groups") if isinstance(full, Mapping) else None
+        if not isinstance(groups, (list, tuple)):
+            raise checkpoint.CheckpointError(
+                f"state dict [{i}] has no 'param_groups' list (from optimizer.state_dict())"
+            )
+        found = [len(g["params"]) for g in groups if len(g.get("params", ()))]
+        if found != want:
+            raise checkpoint.CheckpointError(
+                f"state dict [{i}] has param groups of {found} params, but wrapped optimizer [{i}] has groups of "
+                f"{want} trainable params: it was saved from another optimizer"
+            )
+    return None

@@ -55,14 +55,16 @@ log = logging.getLogger("zerofn")
 class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Optimizer):
     """ZeRO stage 1/2 as a drop-in optimizer; every number it holds is a ``ZeroState``.
 
-    Two ways to build it::
+    Three ways to build it::
 
         ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), partition_grad=True)
+        ZeroOptimizer([torch.optim.Muon(matrices, lr=0.02), torch.optim.AdamW(rest)], module=model)
         ZeroOptimizer(model.named_parameters(), zf.optim.adamw(lr=1e-3), partition_grad=True)
 
     It is a ``torch.optim.Optimizer`` so torch LR schedulers drive it: ``param_groups``
-    are live (for a wrapped torch optimizer they are that optimizer's groups), and their
-    hyperparameters are read at every ``step``.
+    are live (for a wrapped torch optimizer they are that optimizer's groups; over a list,
+    the wrapped optimizers' groups one after the other, so an LR scheduler on one wrapped
+    optimizer drives its own groups), and their hyperparameters are read at every ``step``.
 
     The params are the user's, as with DDP: weights loaded into the model after building
     the optimizer (``model.load_state_dict``, ``p.copy_``, in-place ops under ``no_grad``)
@@ -74,9 +76,13 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
 
     Args:
       optimizer: a torch optimizer over the model's params (SGD/Adam/AdamW run on the
-        fast functional path, other element-wise ones on the generic path, whole-tensor
-        ones such as LBFGS are refused), or an iterable of ``(name, param)`` /
-        mapping ``name -> param`` when ``functional_optimizer`` is given.
+        fast functional path, other element-wise ones on the generic path, Muon and
+        Adafactor on whole params on their owner ranks, LBFGS and SparseAdam are
+        refused); a list of torch optimizers, each param in exactly one of them (one
+        :func:`zerofn.optim.partition`: one backward, one gradient reduction, one global
+        norm over every param; ``state_dict()`` is a list of torch-format dicts, one per
+        optimizer in order); or an iterable of ``(name, param)`` / mapping
+        ``name -> param`` when ``functional_optimizer`` is given.
       functional_optimizer: a :mod:`zerofn.optim` optimizer, with named params.
       partition_grad: ZeRO stage 2 (gradients sharded, reduced from hooks) if True,
         else stage 1.
@@ -124,7 +130,10 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
 
     def __init__(
         self,
-        optimizer: torch.optim.Optimizer | Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+        optimizer: torch.optim.Optimizer
+        | list[torch.optim.Optimizer]
+        | Iterable[tuple[str, torch.Tensor]]
+        | Mapping[str, torch.Tensor],
         functional_optimizer: optim.Optimizer | None = None,
         *,
         initial_scale: float = 2**16,
@@ -172,6 +181,10 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
         self._comm_policy = comm_policy or CommPolicy()
         self._verbose = verbose
         self._torch_bookkeeping(optimizer.defaults if isinstance(optimizer, torch.optim.Optimizer) else fopt.defaults)
+        # The wrapped torch optimizers (one, several, or none for a functional optimizer).
+        self._wrapped = list(optimizer) if _options.is_optimizer_list(optimizer) else []
+        if isinstance(optimizer, torch.optim.Optimizer):
+            self._wrapped = [optimizer]
         self.param_groups = torch_groups
         self._group_names = [[n for n, _ in g] for g in named_groups]
         self._params = params
@@ -355,6 +368,10 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
 
     def _current_optimizer(self) -> optim.Optimizer:
         """The functional optimizer with the hyperparameters now in ``param_groups``."""
+        # What the wrapped optimizers' own step would do for an LR scheduler built on one of them:
+        # the scheduler then knows its optimizer stepped (torch warns otherwise, by this attribute).
+        for wrapped in self._wrapped:
+            wrapped._opt_called = True  # type: ignore[attr-defined]
         fopt, self._hp_cache = torch_optim.with_live_hyperparams(
             self._state.optimizer, self.param_groups, self._hp_cache
         )

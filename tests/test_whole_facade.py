@@ -1,0 +1,286 @@
+"""``ZeroOptimizer`` over torch.optim.Muon, torch.optim.Adafactor and ``[Muon, AdamW]``,
+against DistributedDataParallel + the same torch optimizers, on real gloo ranks.
+
+The facade maps the wrapped optimizers onto the functional path of
+``tests/test_whole_parity.py`` (Muon and Adafactor place their params whole, a list is a
+``zf.optim.partition``), so the same models, data and tolerances apply:
+
+* at 1 and 2 ranks, bitwise: stage 1 and 2, overlap on and off, ``no_sync``
+  accumulation against DDP's ``no_sync``, clipping (``clip_grad_norm=`` and
+  ``opt.clip_grad_norm_``) against DDP clipping with zerofn's float64 coefficient, and an
+  LR scheduler on the wrapped Muon against the same scheduler on DDP's Muon;
+* at 3 ranks, within the DDP-against-DDP noise floor measured in the test for the same
+  optimizer (DDP with one bucket per param, DDP with gradients rounded twice), which
+  stays under ``FLOOR`` of ``tests/test_whole_parity.py``.
+
+The state dicts are torch's: each dict of ``state_dict()`` equals, bitwise, the state of
+the plain torch optimizer that trained next to DDP, and loads into it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from conftest import get_world
+from helpers import IN_FEATURES, OUT_FEATURES, Net, assert_trees_equal, batches, gate_used, max_rel_diff
+
+import zerofn as zf
+
+STEPS = 9  # three layer drops
+RECIPES = ("muon", "adafactor", "muon_adamw")
+BUCKET = 64  # small: several buckets, split and whole
+MAX_NORM = 0.05  # below every step's gradient norm here: clipping acts
+MUON = dict(lr=0.02, momentum=0.95, weight_decay=0.01)
+ADAFACTOR = dict(lr=0.01, weight_decay=0.01)
+ADAMW = dict(lr=1e-2, weight_decay=0.1)
+# The DDP-against-DDP noise floor recorded in tests/test_whole_parity.py (24 steps, N = 3
+# and 4): the floor measured here (9 steps, N = 3) must stay under it.
+FLOOR = {"muon": 1.4e-2, "adafactor": 1.7e-7, "muon_adamw": 6.0e-3}
+
+
+class Mats(nn.Module):
+    """Net without biases: every param a 2-D matrix, so Muon alone can train it all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(IN_FEATURES, 13, bias=False)
+        self.gate = nn.Linear(13, 13, bias=False)
+        self.b = nn.Linear(13, OUT_FEATURES, bias=False)
+        self.unused = nn.Linear(OUT_FEATURES, 3, bias=False)
+
+    def forward(self, x: torch.Tensor, use_gate: bool = True) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        if use_gate:
+            h = h + torch.tanh(self.gate(h))
+        return self.b(h)
+
+
+def _model(recipe: str) -> nn.Module:
+    torch.manual_seed(0)
+    return Mats() if recipe == "muon" else Net()
+
+
+def _is_matrix(name: str) -> bool:
+    return name.endswith("weight")
+
+
+def _torch_optimizers(recipe: str, named: list[tuple[str, nn.Parameter]]) -> list[torch.optim.Optimizer]:
+    if recipe == "muon":
+        return [torch.optim.Muon([p for _, p in named], **MUON)]
+    if recipe == "adafactor":
+        return [torch.optim.Adafactor([p for _, p in named], **ADAFACTOR)]
+    return [
+        torch.optim.Muon([p for n, p in named if _is_matrix(n)], **MUON),
+        torch.optim.AdamW([p for n, p in named if not _is_matrix(n)], **ADAMW),
+    ]
+
+
+def _micro(x: torch.Tensor, y: torch.Tensor, accumulate: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(x[:4], y[:4]), (x[4:], y[4:])] if accumulate else [(x, y)]
+
+
+def _clip_as_zerofn(params: list[nn.Parameter], max_norm: float) -> None:
+    """Clip with zerofn's arithmetic: the norm in float64, ``1 / max(1, (norm + 1e-6) / max_norm)``."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]))
+    coef = 1.0 / max(1.0, (float(norm) + 1e-6) / max_norm)
+    if coef != 1.0:
+        for g in grads:
+            g.mul_(coef)
+
+
+def _decay(step: int) -> float:
+    return 0.8**step
+
+
+def _wrapped(recipe: str, model: nn.Module, schedule: bool) -> tuple[list[torch.optim.Optimizer], list]:
+    opts = _torch_optimizers(recipe, list(model.named_parameters()))
+    scheds = [torch.optim.lr_scheduler.LambdaLR(opts[0], _decay)] if schedule else []
+    return opts, scheds
+
+
+def _train_facade(recipe, stage, *, overlap=False, accumulate=False, clip=None, schedule=False):
+    """Train with ZeroOptimizer over the torch optimizers; ``clip``: None, "option" or "method"."""
+    model = _model(recipe)
+    opts, scheds = _wrapped(recipe, model, schedule)
+    zo = zf.ZeroOptimizer(
+        opts if len(opts) > 1 else opts[0],
+        partition_grad=stage == 2,
+        overlap_communication=overlap,
+        reduce_bucket_size=BUCKET,
+        clip_grad_norm=MAX_NORM if clip == "option" else 0.0,
+        module=model,
+    )
+    for step, (x, y) in enumerate(batches(dist.get_rank(), STEPS)):
+        micro = _micro(x, y, accumulate)
+        for i, (xm, ym) in enumerate(micro):
+            with zo.no_sync() if i < len(micro) - 1 else contextlib.nullcontext():
+                zo.backward(((model(xm, use_gate=gate_used(step)) - ym) ** 2).mean())
+        if clip == "method":
+            zo.clip_grad_norm_(MAX_NORM)
+        zo.step()
+        zo.zero_grad()
+        for s in scheds:
+            s.step()
+    state = zo.state_dict()
+    zo.close()
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return params, state if isinstance(state, list) else [state], [g["lr"] for o in opts for g in o.param_groups]
+
+
+def _train_ddp(recipe, *, accumulate=False, clip64=False, schedule=False, bucket_cap_mb=None, jitter=False):
+    """DDP + the torch optimizers: params, the optimizers' state dicts, their lrs."""
+    kw = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
+    ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(_model(recipe)), find_unused_parameters=True, **kw)
+    opts, scheds = _wrapped(recipe, ddp.module, schedule)
+    for step, (x, y) in enumerate(batches(dist.get_rank(), STEPS)):
+        for o in opts:
+            o.zero_grad(set_to_none=True)
+        micro = _micro(x, y, accumulate)
+        for i, (xm, ym) in enumerate(micro):
+            with ddp.no_sync() if i < len(micro) - 1 else contextlib.nullcontext():
+                ((ddp(xm, use_gate=gate_used(step)) - ym) ** 2).mean().backward()
+        if jitter:  # the last-bit noise of another summation order
+            for p in ddp.parameters():
+                if p.grad is not None:
+                    p.grad.copy_(p.grad * 3.0 / 3.0)
+        if clip64:
+            _clip_as_zerofn(list(ddp.parameters()), MAX_NORM)
+        for o in opts:
+            o.step()
+        for s in scheds:
+            s.step()
+    params = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
+    return params, [o.state_dict() for o in opts], [g["lr"] for o in opts for g in o.param_groups]
+
+
+# (name, facade options, DDP options): every facade run next to the DDP run it must equal.
+CONFIGS = [
+    ("stage1", dict(stage=1), {}),
+    ("stage2_overlap", dict(stage=2, overlap=True), {}),
+    ("stage1_overlap_no_sync", dict(stage=1, overlap=True, accumulate=True), dict(accumulate=True)),
+    ("stage2_no_sync", dict(stage=2, accumulate=True), dict(accumulate=True)),
+    ("stage1_clip_option", dict(stage=1, clip="option"), dict(clip64=True)),
+    ("stage2_overlap_clip_method", dict(stage=2, overlap=True, clip="method"), dict(clip64=True)),
+    ("stage2_scheduler", dict(stage=2, schedule=True), dict(schedule=True)),
+]
+
+
+def _run_bitwise(recipe):
+    out = {}
+    for name, zkw, dkw in CONFIGS:
+        out[name] = _train_facade(recipe, **zkw), _train_ddp(recipe, **dkw)
+    return out
+
+
+def _states_equal(ours: list[dict], theirs: list[dict]) -> None:
+    assert len(ours) == len(theirs)
+    for mine, plain in zip(ours, theirs, strict=True):
+        assert set(mine["state"]) == set(plain["state"])
+        for index, entry in plain["state"].items():
+            assert_trees_equal(mine["state"][index], entry)
+        assert [g["params"] for g in mine["param_groups"]] == [g["params"] for g in plain["param_groups"]]
+        assert [g["lr"] for g in mine["param_groups"]] == [g["lr"] for g in plain["param_groups"]]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("n", [1, 2], ids=["N1", "N2"])
+def test_bitwise_equal_to_ddp_with_the_same_torch_optimizers_at_one_and_two_ranks(n, recipe):
+    for rank_result in get_world(n).run(_run_bitwise, recipe):
+        for name, ((params, state, lrs), (ddp_params, ddp_state, ddp_lrs)) in rank_result.items():
+            assert not torch.equal(params["a.weight"], _model(recipe).a.weight.detach()), name
+            assert_trees_equal(params, ddp_params)
+            _states_equal(state, ddp_state)  # torch's format, torch's values
+            assert lrs == ddp_lrs, name
+        sched_lrs = rank_result["stage2_scheduler"][0][2]  # the scheduler drove its own optimizer's groups only
+        first = ADAFACTOR if recipe == "adafactor" else MUON
+        assert sched_lrs[0] == pytest.approx(first["lr"] * _decay(STEPS))
+        if recipe == "muon_adamw":
+            assert sched_lrs[-1] == ADAMW["lr"]
+
+
+def _run_three(recipe):
+    facade = {stage: _train_facade(recipe, stage, overlap=stage == 2)[0] for stage in (1, 2)}
+    ddp = _train_ddp(recipe)[0]
+    other_buckets = _train_ddp(recipe, bucket_cap_mb=1e-9)[0]
+    jittered = _train_ddp(recipe, jitter=True)[0]
+    floor = max(max_rel_diff(other_buckets, ddp), max_rel_diff(jittered, ddp))
+    return facade, ddp, floor
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_within_the_ddp_noise_floor_at_three_ranks(recipe):
+    results = get_world(3).run(_run_three, recipe)
+    facade, ddp, floor = results[0]
+    assert floor <= FLOOR[recipe]
+    for stage in (1, 2):
+        for other in results[1:]:
+            assert_trees_equal(other[0][stage], facade[stage])  # identical on every rank
+        diff = max_rel_diff(facade[stage], ddp)
+        assert diff <= floor, f"stage {stage}: {diff:.3g} against DDP, DDP against DDP {floor:.3g}"
+
+
+def _round_trip():
+    """state_dict() into plain torch optimizers and back, for [Muon, AdamW] at stage 2."""
+    model = _model("muon_adamw")
+    opts, _ = _wrapped("muon_adamw", model, False)
+    zo = zf.ZeroOptimizer(opts, partition_grad=True, reduce_bucket_size=BUCKET, module=model)
+    for step, (x, y) in enumerate(batches(dist.get_rank(), 4)):
+        zo.backward(((model(x, use_gate=gate_used(step)) - y) ** 2).mean())
+        zo.step()
+    saved = zo.state_dict()
+    blocks = {key: entry for block, _ in zo.state_dict_shard(max_shard_size=100) for key, entry in block.items()}
+    assert blocks.keys() == {(k, i) for k, sd in enumerate(saved) for i in sd["state"]}
+    # Plain torch optimizers over the same params in the same order take each dict.
+    plain = _torch_optimizers(
+        "muon_adamw", [(n, nn.Parameter(p.detach().clone())) for n, p in model.named_parameters()]
+    )
+    for o, sd in zip(plain, saved, strict=True):
+        o.load_state_dict(sd)
+    plain_dicts = [o.state_dict() for o in plain]
+    # A fresh facade loads the plain torch dicts (no zerofn entry: masters from the params).
+    opts2, _ = _wrapped("muon_adamw", model, False)
+    opts2[1].param_groups[0]["lr"] = 0.5  # the saved hyperparameters win, as in torch
+    zo2 = zf.ZeroOptimizer(opts2, partition_grad=True, reduce_bucket_size=BUCKET, module=model)
+    zo2.load_state_dict(plain_dicts)
+    again = zo2.state_dict()
+    errors = []
+    short = {**plain_dicts[1], "param_groups": [{**plain_dicts[1]["param_groups"][0], "params": [0, 1]}]}
+    for wrong in (saved[0], saved[:1], [saved[1], saved[0]], [plain_dicts[0], short]):
+        try:
+            zo2.load_state_dict(wrong)
+        except zf.CheckpointError as e:
+            errors.append(str(e))
+    zo.close()
+    zo2.close()
+    return saved, again, opts2[1].param_groups[0]["lr"], errors
+
+
+def test_state_dict_is_a_list_of_torch_dicts_that_load_into_plain_optimizers_and_back():
+    for saved, again, lr, errors in get_world(2).run(_round_trip):
+        assert len(saved) == 2 and lr == ADAMW["lr"]
+        _states_equal(again, saved)
+        for mine, before in zip(again, saved, strict=True):
+            assert_trees_equal(mine["zerofn"]["master"], before["zerofn"]["master"])
+        assert len(errors) == 4
+        assert "wraps 2 optimizers: load_state_dict takes a list of 2 state dicts" in errors[0]
+        assert "got a list of 1" in errors[1]
+        assert "no param 'a.weight'" in errors[2]  # swapped: the zerofn entry names the first misfit
+        assert "state dict [1] has param groups of [2] params, but wrapped optimizer [1] has groups of [4]" in errors[3]
+
+
+def test_each_param_in_exactly_one_wrapped_optimizer():
+    model = _model("muon_adamw")
+    w, b = model.a.weight, model.a.bias
+    rest = [p for n, p in model.named_parameters() if n not in ("a.weight", "a.bias")]
+    with pytest.raises(ValueError, match=r"param 'a.weight' is in optimizers\[0\] and optimizers\[1\]"):
+        zf.ZeroOptimizer([torch.optim.Muon([w]), torch.optim.AdamW([w, b, *rest])], module=model)
+    with pytest.raises(ValueError, match=r"\('a.bias'\); each param must be in exactly one of them"):
+        zf.ZeroOptimizer([torch.optim.Muon([w]), torch.optim.AdamW(rest)], module=model)
+    with pytest.raises(TypeError, match=r"torch\.optim\.Optimizer instances only, found str"):
+        zf.ZeroOptimizer([torch.optim.Muon([w]), "adamw"], module=model)
