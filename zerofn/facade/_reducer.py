@@ -338,7 +338,8 @@ class GradReducer:
 
     def holds_grads(self) -> bool:
         """Whether any gradient arrived since the last step or ``zero_grad`` (reduced or local)."""
-        return bool(self.shards or self._averaged or self._aside or self._local or self._foreign())
+        # _placed: stage 2, alike on every rank (a rank whose whole params got no gradient holds no shard)
+        return bool(self.shards or self._placed or self._averaged or self._aside or self._local or self._foreign())
 
     def full_grad(self, name: str, how: str) -> torch.Tensor | None:
         """The full averaged gradient of ``name``, unscaled (param shape), or None.
