@@ -55,6 +55,7 @@ __all__ = [
     "is_optimizer_list",
     "precision_policy",
     "resolve_params",
+    "torch_bookkeeping",
 ]
 
 # The seed's precision keywords and their defaults (ZeroOptimizer's signature); with
@@ -297,3 +298,15 @@ def resolve_params(
         hp = functional.groups[i].hyperparams if i < len(functional.groups) else {}
         torch_groups.append({"params": [p for _, p in members], **functional.defaults, **hp})
     return buckets, functional, torch_groups
+
+
+def torch_bookkeeping(opt: torch.optim.Optimizer, defaults: Mapping[str, Any]) -> None:
+    """``torch.optim.Optimizer``'s attributes on ``opt`` (its hooks' registries, ``defaults``),
+    without its per-param ``state`` dict: the facade's state is a ZeroState."""
+    opt.defaults = dict(defaults)
+    opt._optimizer_step_pre_hooks = {}
+    opt._optimizer_step_post_hooks = {}
+    opt._optimizer_state_dict_pre_hooks = {}
+    opt._optimizer_state_dict_post_hooks = {}
+    opt._optimizer_load_state_dict_pre_hooks = {}
+    opt._optimizer_load_state_dict_post_hooks = {}

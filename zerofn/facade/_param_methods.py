@@ -43,7 +43,8 @@ class _Host(Protocol):
 
 
 class ParamMethods:
-    """``check_params`` / ``update_master_params``, and the step's veto when params were written."""
+    """``check_params`` / ``update_master_params``, the step's veto when params were written, and
+    the seed's maps between model params and master shards."""
 
     def _step_shards(self: _Host, veto: dict[str, Any] | None) -> tuple[ZeroState, StepInfo]:
         """``step_shards`` on the reduced shards, with this rank's report of changed params as its veto.
@@ -115,3 +116,15 @@ class ParamMethods:
         """
         del model  # the facade already holds the model's param tensors
         self.check_params()
+
+    def get_working_to_master_map(self: _Host) -> dict[int, torch.Tensor]:
+        """``id(model param) -> this rank's master`` for the params this rank holds a master of
+        (1-D shards of split params, full-shaped whole params it owns; fp32 unless
+        ``master_weights=False``)."""
+        master = self._state.master
+        return {id(p): master[n] for n, p in self._params.items() if n in master}
+
+    def get_master_to_working_map(self: _Host) -> dict[int, torch.Tensor]:
+        """``id(master) -> model param``, for the masters this rank holds."""
+        master = self._state.master
+        return {id(master[n]): p for n, p in self._params.items() if n in master}

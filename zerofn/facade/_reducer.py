@@ -459,9 +459,12 @@ class GradReducer:
         cleared drops its shard. Call :meth:`settle` first. :meth:`give_back` undoes it.
         """
         self._drop_cleared()
-        self._taken = (dict(self._averaged), set(self._edited), dict(self.shards), dict(self._used))
+        self._taken = (dict(self._averaged), set(self._edited), dict(self.shards), dict(self._used), set(self._placed))
         if self._stage == 2:
-            shards, self.shards = self.shards, {}
+            # Consumed: the placeholders left in p.grad are stale from here on (the next
+            # backward or zero_grad clears them), and holds_grads() is False again, alike on
+            # every rank.
+            shards, self.shards, self._placed = self.shards, {}, set()
             return shards
         scale = self._loss_scale()
         out: dict[str, torch.Tensor] = {}
@@ -494,7 +497,7 @@ class GradReducer:
         """
         if self._taken is None:
             raise RuntimeError("GradReducer.give_back: nothing was taken")
-        self._averaged, self._edited, held, self._used = self._taken
+        self._averaged, self._edited, held, self._used, self._placed = self._taken
         self._taken = None
         if self._stage == 2:
             held = dict(shards)

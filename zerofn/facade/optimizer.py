@@ -66,12 +66,9 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
     the wrapped optimizers' groups one after the other, so an LR scheduler on one wrapped
     optimizer drives its own groups), and their hyperparameters are read at every ``step``.
 
-    The params are the user's, as with DDP: weights loaded into the model after building
-    the optimizer (``model.load_state_dict``, ``p.copy_``, in-place ops under ``no_grad``)
-    are trained, not reverted: ``step`` finds them by the params' version counters and
-    the masters follow (:mod:`zerofn.facade._guards`; bf16/fp16 params: the master's
-    extra precision is dropped for the written elements). Writes through ``p.data`` move
-    no version counter: call :meth:`check_params` after them. ``optimizer.state`` is a
+    The params are the user's, as with DDP: weights written into the model after building
+    the optimizer are trained, not reverted (:mod:`zerofn.facade._guards`; after writes
+    through ``p.data``, call :meth:`check_params`). ``optimizer.state`` is a
     :class:`~zerofn.state.ZeroState`; ``optimizer.state[p]`` raises and says where to look.
 
     Args:
@@ -90,15 +87,11 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
       overlap_communication: launch each bucket's reduction asynchronously as soon as
         its gradients are ready during backward.
       overlap_allgather: hide the parameter gather behind the next forward (the seed's
-        option; needs ``module=``, which must own every param; see
-        :mod:`zerofn.facade._prefetch`). ``step`` launches the gathers and returns; each
-        module's forward pre-hook writes its params' buckets (the same bits as without
-        it). Until then ``p.data`` holds the *previous* values: read params outside the
-        model's forward only after :meth:`wait_params`. A forward that reads a param
-        before its owner's ``forward`` runs (``F.linear(x, self.proj.weight)`` without
-        calling ``self.proj``) raises when autograd is on. The facade's own readers and
-        the model's ``state_dict`` / ``load_state_dict`` wait by themselves. Memory: the
-        gathered ``(N, S)`` buckets, Ψ·b bytes, from ``step`` until the forward.
+        option; needs ``module=``, which must own every param). ``step`` launches the
+        gathers; each module's forward pre-hook writes its params (the same bits). Until
+        then ``p.data`` holds the *previous* values: read params outside the model's
+        forward only after :meth:`wait_params`. Details, limits and memory:
+        :mod:`zerofn.facade._prefetch`.
       clip_grad_norm: clip by the global gradient norm when > 0.
       norm_type: 2.0 or ``math.inf`` for clipping and ``get_grad_norm``.
       dp_process_group: the data-parallel group; ``None`` for the default. Shards live
@@ -180,7 +173,8 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
         self._norm_type = float(norm_type)
         self._comm_policy = comm_policy or CommPolicy()
         self._verbose = verbose
-        self._torch_bookkeeping(optimizer.defaults if isinstance(optimizer, torch.optim.Optimizer) else fopt.defaults)
+        defaults = optimizer.defaults if isinstance(optimizer, torch.optim.Optimizer) else fopt.defaults
+        _options.torch_bookkeeping(self, defaults)
         # The wrapped torch optimizers (one, several, or none for a functional optimizer).
         self._wrapped = list(optimizer) if _options.is_optimizer_list(optimizer) else []
         if isinstance(optimizer, torch.optim.Optimizer):
@@ -223,16 +217,6 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
         group, how, guard = self._group, self._gather_how, self._guard
         return ParamPrefetcher(self._params, layout, buckets, group=group, how=how, module=module, guard=guard)
 
-    def _torch_bookkeeping(self, defaults: Mapping[str, Any]) -> None:
-        """torch.optim.Optimizer's attributes, without its per-param ``state`` dict (ours is a ZeroState)."""
-        self.defaults = dict(defaults)
-        self._optimizer_step_pre_hooks: dict[int, Any] = {}
-        self._optimizer_step_post_hooks: dict[int, Any] = {}
-        self._optimizer_state_dict_pre_hooks: dict[int, Any] = {}
-        self._optimizer_state_dict_post_hooks: dict[int, Any] = {}
-        self._optimizer_load_state_dict_pre_hooks: dict[int, Any] = {}
-        self._optimizer_load_state_dict_post_hooks: dict[int, Any] = {}
-
     # ------------------------------------------------------------------ public state
 
     @property
@@ -262,14 +246,6 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
     @property
     def last_step_info(self) -> StepInfo | None:
         return self._last_info
-
-    def get_working_to_master_map(self) -> dict[int, torch.Tensor]:
-        """``id(model param) -> this rank's master shard`` (1-D; fp32 unless ``master_weights=False``)."""
-        return {id(p): self._state.master[n] for n, p in self._params.items()}
-
-    def get_master_to_working_map(self) -> dict[int, torch.Tensor]:
-        """``id(master shard) -> model param``."""
-        return {id(self._state.master[n]): p for n, p in self._params.items()}
 
     # ------------------------------------------------------------------ gradients
 
