@@ -124,7 +124,7 @@ def shard_params(
       policy used.
 
     Collectives: none. Ranks' layouts are compared by the first ``reduce_grads`` /
-    ``gather_params`` (or call :func:`zerofn.checks.check_ranks_agree` yourself).
+    ``gather_params`` (or call :func:`zerofn.check_ranks_agree` yourself).
     """
     precision = renamed("shard_params", "policy", "precision", policy, precision)
     checks.validate_params(params, "shard_params")
