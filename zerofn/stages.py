@@ -36,6 +36,7 @@ from zerofn import _comm as comm
 from zerofn import _placement
 from zerofn._comm import CommPolicy, Group
 from zerofn._deprecation import UNSET, renamed
+from zerofn._norm import local_norm_term
 from zerofn._tree import FrozenDict
 from zerofn.buckets import cut_shard, launch_gather, launch_reduce, pack_grads, pack_shards, split_row, unpack_rows
 from zerofn.layout import ShardLayout, make_layout
@@ -355,7 +356,7 @@ def _global_norm(
     *,
     rejected: bool = False,
 ) -> tuple[float, bool]:
-    """Global ``norm_type`` norm of the mean gradient over the group, in float64.
+    """Global ``norm_type`` norm of the mean gradient over the group, accumulated in float64.
 
     Padding is zero, so summing over padded shards equals the norm of the full grads.
     The norm is ``inf`` if any rank holds a non-finite gradient element: the second value
@@ -364,16 +365,7 @@ def _global_norm(
     whether any rank did.
     Collectives: one ``all_reduce`` of three float64 values, on ``device``.
     """
-    if norm_type == 2.0:
-        local = sum(
-            (torch.linalg.vector_norm(g, 2, dtype=torch.float64).to(device) ** 2 for g in grad_shards.values()),
-            torch.zeros((), dtype=torch.float64, device=device),
-        )
-    else:
-        local = torch.zeros((), dtype=torch.float64, device=device)
-        for g in grad_shards.values():
-            if g.numel():
-                local = torch.maximum(local, g.detach().abs().max().to(device, torch.float64))
+    local = local_norm_term(grad_shards.values(), norm_type, device)
     finite = bool(torch.isfinite(local))
     packed = torch.stack(
         [

@@ -1,0 +1,104 @@
+"""This rank's term of the global gradient norm, in float64, without a float64 copy of any gradient.
+
+The global norm (:func:`zerofn.stages.global_grad_norm`, and the first thing
+:func:`zerofn.stages.step_shards` computes) sums every rank's local term in one scalar
+all-reduce. The local term is the sum of squares (2-norm) or the largest absolute value
+(inf-norm) of this rank's gradient pieces. zerofn accumulates the squares in float64, as
+the seed does, so that the reported norm and the clipping coefficient do not depend on how
+the gradients are split into shards beyond float64 rounding.
+
+``torch.linalg.vector_norm(g, dtype=torch.float64)`` does that on the CPU by first
+converting all of ``g`` to a new float64 tensor: a copy of twice the gradient's size on
+every step (on the benchmark MLP at N=2, 6.8 ms of a 70 ms step; the shards are 2.1M
+elements). Here the pieces stream through one small float64 buffer instead: a chunk of
+elements is converted into it (cache resident), squared and summed with ``torch.dot``, and
+the next chunk overwrites it; small pieces share a chunk, so a model of hundreds of
+little tensors costs a few calls, not hundreds. Same float64 accumulation, a different
+summation order (relative differences of order 1e-16 per element; the sum's rounding).
+On CUDA, ``torch._foreach_norm`` with ``dtype=torch.float64`` reads the pieces in their
+own dtype and accumulates in float64 in one fused launch, so it is used there.
+The inf-norm is exact in any dtype (a maximum rounds nothing): no conversion at all.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+
+#: Elements per float64 chunk: 512 KiB, inside a core's L2 cache. Measured on the CPU over
+#: 2**12..2**18 (8 shards of 525,312 float32 elements): 2**16 was fastest (2.6 ms against
+#: 6.8 ms for vector_norm with dtype=float64; 3.4 ms at 2**14, 4.3 ms at 2**18).
+CHUNK_NUMEL = 2**16
+
+
+def local_norm_term(pieces: Iterable[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
+    """This rank's share of the global ``norm_type`` norm, a 0-d float64 tensor on ``device``.
+
+    Args:
+      pieces: this rank's gradient pieces (shards, or views of owned ranges), any shapes,
+        any floating dtypes; each on its own device (CPU offload may put them elsewhere).
+      norm_type: 2.0 (returns the sum of squares) or ``math.inf`` (the largest absolute value).
+      device: where the result goes (the params' device, where the all-reduce runs).
+
+    Returns:
+      A 0-d float64 tensor: ``sum(x**2)`` accumulated in float64, or ``max(|x|)``; 0 with
+      no elements; ``inf``/``nan`` if an element is not finite.
+
+    Collectives: none.
+    """
+    tensors = [t.detach() for t in pieces if t.numel()]
+    if not tensors:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    if norm_type == math.inf:
+        maxima = torch._foreach_norm(tensors, math.inf)
+        return torch.stack([m.to(device, torch.float64) for m in maxima]).max()
+    if all(t.is_cuda for t in tensors):
+        norms = torch._foreach_norm(tensors, 2.0, dtype=torch.float64)
+        return torch.stack([n.to(device) for n in norms]).square().sum()
+    return _streamed_sum_of_squares(tensors).to(device)
+
+
+def _streamed_sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``sum(x**2)`` over ``tensors`` in float64, through one float64 buffer per device."""
+    total = torch.zeros((), dtype=torch.float64)
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_device.setdefault(t.device, []).append(t.reshape(-1))
+    for device, flats in by_device.items():
+        total += _sum_of_squares_on(flats, device).cpu()
+    return total
+
+
+def _sum_of_squares_on(flats: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Stream ``flats`` (1-D, one device) through a chunk buffer: copy in, ``dot`` with itself, add."""
+    size = min(CHUNK_NUMEL, sum(f.numel() for f in flats))
+    buf = torch.empty(size, dtype=torch.float64, device=device)
+    acc = torch.zeros((), dtype=torch.float64, device=device)
+    dst: list[torch.Tensor] = []
+    src: list[torch.Tensor] = []
+    fill = 0
+
+    def flush() -> None:
+        nonlocal fill
+        torch._foreach_copy_(dst, src)  # the float32 -> float64 conversion, chunk by chunk
+        used = buf[:fill]
+        acc.add_(torch.dot(used, used))
+        dst.clear()
+        src.clear()
+        fill = 0
+
+    for flat in flats:
+        start = 0
+        while start < flat.numel():
+            take = min(size - fill, flat.numel() - start)
+            dst.append(buf[fill : fill + take])
+            src.append(flat[start : start + take])
+            fill += take
+            start += take
+            if fill == size:
+                flush()
+    if fill:
+        flush()
+    return acc
