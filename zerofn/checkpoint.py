@@ -367,7 +367,7 @@ def _optimizer_for(
             optimizer = torch_optim.from_torch(getattr(torch.optim, info["torch_class"]))
     else:
         _check_same_optimizer(zmeta, optimizer)
-    known = set(optimizer.defaults)
+    known = _hyperparam_keys(optimizer)
     # JSON (the sharded checkpoint's metadata) turns tuples such as betas into lists.
     groups = [
         {
@@ -377,6 +377,49 @@ def _optimizer_for(
         for g in saved_groups
     ]
     return dataclasses.replace(optimizer, groups=optim._make_groups(optimizer.name, groups))
+
+
+def _hyperparam_keys(optimizer: optim.Optimizer) -> set[str]:
+    """The hyperparameters a saved param group may set on ``optimizer``.
+
+    zerofn's own optimizers name them all in ``defaults``; a torch class driven by
+    :func:`zerofn.torch_optim.from_torch` (Muon, Adafactor, RMSprop, ... wrapped by the
+    facade: hyperparameters in the groups, ``defaults`` often empty) takes every keyword
+    of its torch class.
+    """
+    keys = set(optimizer.defaults).union(*(g.hyperparams for g in optimizer.groups))
+    if optimizer._init is torch_optim._generic_init:
+        keys |= set(_torch_defaults(optimizer.torch_class, ())) - {"params", "differentiable", "capturable"}
+    return keys
+
+
+def _part_groups(optimizer: optim.Optimizer, names: tuple[str, ...]) -> list[dict[str, Any]]:
+    """A partition's parts for the sharded checkpoint's metadata: each part's name and its
+    non-empty param groups (names, hyperparameters), in part order."""
+    names_of: list[list[str]] = [[] for _ in optimizer.parts]
+    for n in names:
+        names_of[optimizer.part_index(n)].append(n)
+    return [
+        {"optimizer": part.name, "param_groups": [{**hp, "params": ns} for ns, hp in _group_plan(part, tuple(ns))]}
+        for (_, part), ns in zip(optimizer.parts, names_of, strict=True)
+    ]
+
+
+def _with_part_groups(optimizer: optim.Optimizer, saved: list[Mapping[str, Any]]) -> optim.Optimizer:
+    """``optimizer`` (a partition) with each part's saved hyperparameters (``_part_groups``)."""
+    if len(saved) != len(optimizer.parts):
+        raise CheckpointError(
+            f"the checkpoint was saved from a partition of {len(saved)} optimizers, but the optimizer is a partition "
+            f"of {len(optimizer.parts)}; load it with the partition that saved it"
+        )
+    for k, (entry, (_, part)) in enumerate(zip(saved, optimizer.parts, strict=True)):
+        if entry["optimizer"] != part.name:
+            raise CheckpointError(
+                f"part {k} of the checkpoint's partition holds {entry['optimizer']} state, but part {k} of the "
+                f"optimizer is {part.name}; load it with the partition that saved it"
+            )
+        optimizer = optimizer.with_part(k, _optimizer_for(list(entry["param_groups"]), list, None, part))
+    return optimizer
 
 
 def _check_fits(zmeta: Mapping[str, Any], layout: ShardLayout) -> None:
@@ -793,6 +836,8 @@ def _write_meta(
         "placements": [p.placement for p in layout.params],
         "state_kinds": kinds,
         "param_groups": [{**hp, "params": names} for names, hp in plan],
+        # A partition's hyperparameters live in its parts (a list of torch optimizers in the facade).
+        "part_groups": _part_groups(state.optimizer, layout.names) if state.optimizer.parts else None,
         "optimizer": {"name": state.optimizer.name, "torch_class": state.optimizer.torch_class.__name__},
         "step": state.step,
         "loss_scale": _loss_scale_to_dict(state),
@@ -980,6 +1025,8 @@ def _checked_meta(
         {"optimizer": meta["optimizer"]},
         optimizer,
     )
+    if fopt.parts and meta.get("part_groups"):  # checkpoints written before part_groups keep the given ones
+        fopt = _with_part_groups(fopt, meta["part_groups"])
     return meta, layout, fopt
 
 

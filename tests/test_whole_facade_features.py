@@ -1,0 +1,467 @@
+"""``ZeroOptimizer`` over torch.optim.Muon, Adafactor and ``[Muon, AdamW]`` (whole params)
+through the facade's other features, on real gloo ranks:
+
+* **fp16 with dynamic loss scaling** (fp32 masters) and **bf16**, stage 1 and 2, with and
+  without **CPU offload**: bitwise equal, at 1 and 2 ranks, to a reference built from
+  independent parts, as in ``tests/test_precision_parity.py``: a DDP model in the working
+  dtype whose communication hook reduces as zerofn does (scale by 1/N in the gradient
+  dtype, sum, cast back), the same torch optimizers over fp32 copies of the params
+  (masters), a step skipped when the averaged gradient is not finite, the seed's scaler
+  rules (``ReferenceScaler``), and the working params set to the rounded masters after
+  each step. Bitwise is what the arithmetic allows there: a sum of two addends does not
+  depend on the order, 1/N and 1/S are powers of two, and Muon / Adafactor run their
+  own torch code on the whole fp32 master on its owner rank. The fp16 runs overflow and
+  skip steps (the scaler grows every 3 good steps from 2^15), so skipping is exercised.
+* **hybrid groups** (4 ranks as 2 shard groups x 2 replicas; ``sub_dp_size=2`` and an
+  explicit ``replicate_group``): bitwise equal to DDP over all four ranks when both sides
+  sum in float64 on the wire (``communication_dtype=torch.float64``, and a DDP hook that
+  does the same): four float32 addends then sum exactly, so the order (DDP's ring, or
+  zerofn's shard group then replicas) cannot show; each whole param is held by exactly
+  one rank of each shard group.
+* **sharded DCP checkpoints** (``save_checkpoint`` / ``load_checkpoint``) of a facade over
+  ``[Muon, AdamW]``: the loaded state dict equals the saved one bitwise (torch format,
+  masters, step), at the same and at another world size (owners move), and the steps
+  after the load are bitwise those of an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from conftest import get_world
+from helpers import IN_FEATURES, OUT_FEATURES, Net, assert_trees_equal, batches, gate_used
+from test_precision import ReferenceScaler
+
+import zerofn as zf
+
+STEPS = 9
+BUCKET = 64  # several buckets, split and whole
+MUON = dict(lr=0.02, momentum=0.95, weight_decay=0.01)
+ADAFACTOR = dict(lr=0.01, weight_decay=0.01)
+ADAMW = dict(lr=1e-2, weight_decay=0.1, eps=1e-3)  # eps: see tests/test_precision_parity.py
+RECIPES = ("muon", "adafactor", "muon_adamw")
+# Grows every 3 good steps from 2^15 to 2^16, where fp16 losses of about 1 overflow: skipped steps.
+SCALER = dict(
+    initial_scale=2.0**15,
+    min_scale=1.0,
+    growth_factor=2.0,
+    backoff_factor=0.5,
+    growth_interval=3,
+    hysteresis=2,
+    max_scale=2.0**24,
+)
+
+
+class Mats(nn.Module):
+    """Net without biases: every param a 2-D matrix, so Muon alone trains it all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(IN_FEATURES, 13, bias=False)
+        self.gate = nn.Linear(13, 13, bias=False)
+        self.b = nn.Linear(13, OUT_FEATURES, bias=False)
+        self.unused = nn.Linear(OUT_FEATURES, 3, bias=False)
+
+    def forward(self, x: torch.Tensor, use_gate: bool = True) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        if use_gate:
+            h = h + torch.tanh(self.gate(h))
+        return self.b(h)
+
+
+def _model(recipe: str) -> nn.Module:
+    torch.manual_seed(0)
+    return Mats() if recipe == "muon" else Net()
+
+
+def _torch_optimizers(recipe: str, named: list[tuple[str, torch.Tensor]]) -> list[torch.optim.Optimizer]:
+    if recipe == "muon":
+        return [torch.optim.Muon([p for _, p in named], **MUON)]
+    if recipe == "adafactor":
+        return [torch.optim.Adafactor([p for _, p in named], **ADAFACTOR)]
+    return [
+        torch.optim.Muon([p for n, p in named if n.endswith("weight")], **MUON),
+        torch.optim.AdamW([p for n, p in named if not n.endswith("weight")], **ADAMW),
+    ]
+
+
+def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((out - y) ** 2).mean()
+
+
+def _wrap(opts: list[torch.optim.Optimizer]) -> Any:
+    return opts if len(opts) > 1 else opts[0]
+
+
+def _masters(state_dict: Any, order: list[str]) -> dict[str, torch.Tensor]:
+    """name -> full fp32 master (in ``order``), from the facade's (list of) torch-format state dicts."""
+    out: dict[str, torch.Tensor] = {}
+    for part in state_dict if isinstance(state_dict, list) else [state_dict]:
+        out.update(part["zerofn"]["master"])
+    assert sorted(out) == sorted(order)
+    return {n: out[n] for n in order}
+
+
+# --------------------------------------------------------------------------- the reference
+
+
+def cast_hook(comm_dtype, bucket):  # unannotated on purpose: DDP checks the annotations' objects
+    """DDP communication hook: scale by 1/N in the gradient dtype, cast to ``comm_dtype``, sum, cast back."""
+    buf = bucket.buffer()
+    wire = buf.mul(1.0 / dist.get_world_size())
+    if comm_dtype is not None:
+        wire = wire.to(comm_dtype)
+    fut = dist.all_reduce(wire, async_op=True).get_future()
+
+    def back(f):
+        return f.value()[0].to(buf.dtype)
+
+    return fut.then(back)
+
+
+def _reference(recipe: str, dtype: torch.dtype, comm: torch.dtype | None = None, steps: int = STEPS) -> dict:
+    """DDP in the working dtype + the torch optimizers over fp32 masters, skipping non-finite steps."""
+    model = copy.deepcopy(_model(recipe)).to(dtype)
+    ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+    ddp.register_comm_hook(comm, cast_hook)
+    master = {n: p.detach().float().clone().requires_grad_(True) for n, p in model.named_parameters()}
+    opts = _torch_optimizers(recipe, list(master.items()))
+    scaler = ReferenceScaler(**SCALER) if dtype == torch.float16 else None
+    trace = []
+    for step, (x, y) in enumerate(batches(dist.get_rank(), steps)):
+        s = scaler.scale if scaler else 1.0
+        loss = _loss(ddp(x.to(dtype), gate_used(step)), y.to(dtype))
+        (loss * s if s != 1.0 else loss).backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        found = any(not bool(torch.isfinite(g).all()) for g in grads.values())
+        if scaler:
+            scaler.update(found)
+        trace.append((s, found))
+        if not found:
+            for n, g in grads.items():
+                master[n].grad = g.float() / s if s != 1.0 else g.float()
+            for o in opts:
+                o.step()
+                o.zero_grad(set_to_none=True)
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    p.copy_(master[n])
+        model.zero_grad(set_to_none=True)
+    return {
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "master": {n: m.detach().clone() for n, m in master.items()},
+        "trace": trace,
+        "scale": scaler.scale if scaler else 1.0,
+    }
+
+
+# --------------------------------------------------------------------------- mixed precision and offload
+
+
+def _facade_mixed(recipe: str, dtype: torch.dtype, stage: int, offload: bool) -> dict:
+    model = _model(recipe)  # fp32: forced_dtype casts it
+    opts = _torch_optimizers(recipe, list(model.named_parameters()))
+    zo = zf.ZeroOptimizer(
+        _wrap(opts),
+        forced_dtype=dtype,
+        cpu_offload=offload,
+        partition_grad=stage == 2,
+        overlap_communication=stage == 2,
+        reduce_bucket_size=BUCKET,
+        module=model,
+        **SCALER,
+    )
+    trace, devices = [], set()
+    for step, (x, y) in enumerate(batches(dist.get_rank(), STEPS)):
+        scale = zo.loss_scale
+        zo.backward(_loss(model(x.to(dtype), gate_used(step)), y.to(dtype)))
+        zo.step()
+        zo.zero_grad()
+        trace.append((scale, bool(zo.last_step_info.skipped)))
+        held = [*zo.state.master.values(), *(t for t in _tensors(zo.state.opt_state))]
+        devices |= {str(t.device) for t in held}
+    whole_held = {n: tuple(t.shape) for n, t in zo.state.master.items() if zo.state.layout[n].placement == "whole"}
+    full = zo.state_dict()
+    zo.close()
+    return {
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "master": _masters(full, [n for n, _ in model.named_parameters()]),
+        "trace": trace,
+        "scale": zo.loss_scale,
+        "devices": devices,
+        "offload": zo.precision.cpu_offload,
+        "whole_held": whole_held,
+    }
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [t for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+MIXED = [
+    (dtype, stage, offload)
+    for dtype in (torch.float16, torch.bfloat16)
+    for stage, offload in ((1, False), (2, False), (1, True), (2, True))
+]
+
+
+def _mixed_all(recipe: str) -> list[tuple[dict, dict]]:
+    refs = {dtype: _reference(recipe, dtype, comm=dtype) for dtype in (torch.float16, torch.bfloat16)}
+    return [(_facade_mixed(recipe, dtype, stage, offload), refs[dtype]) for dtype, stage, offload in MIXED]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("n", [1, 2], ids=["N1", "N2"])
+def test_fp16_loss_scaling_bf16_and_cpu_offload_bitwise_equal_to_the_ddp_fp32_master_reference(n, recipe):
+    results = get_world(n).run(_mixed_all, recipe)
+    for rank_results in results:
+        for (dtype, stage, offload), (ours, ref) in zip(MIXED, rank_results, strict=True):
+            label = f"N={n} {recipe} {dtype} stage{stage} offload={offload}"
+            assert all(p.dtype == dtype for p in ours["params"].values()), label
+            assert_trees_equal(ours["params"], ref["params"])
+            assert_trees_equal(ours["master"], ref["master"])  # fp32, torch's updates on the whole masters
+            assert all(t.dtype == torch.float32 for t in ours["master"].values()), label
+            assert ours["trace"] == ref["trace"], label  # same scales, same skipped steps
+            assert ours["scale"] == ref["scale"], label
+            skipped = sum(s for _, s in ours["trace"])
+            if dtype == torch.float16:
+                assert skipped >= 1 and ours["scale"] < SCALER["max_scale"], label  # the scaler did overflow
+            else:
+                assert skipped == 0 and ours["scale"] == 1.0, label
+            assert ours["offload"] == offload, label
+            assert ours["devices"] == {"cpu"}, label
+            # Whole masters are full-shaped on their owner.
+            for name, shape in ours["whole_held"].items():
+                assert shape == tuple(ref["master"][name].shape), (label, name)
+    # Each whole param is held by exactly one rank.
+    for i in range(len(MIXED)):
+        held = [name for r in results for name in r[i][0]["whole_held"]]
+        assert len(held) == len(set(held)) > 0
+
+
+# --------------------------------------------------------------------------- hybrid groups
+
+_GROUPS: dict[str, tuple[Any, Any]] = {}
+
+
+def _strided_groups() -> tuple[Any, Any]:
+    """Shard groups {0,2} {1,3}, replicas {0,1} {2,3} (as tests/test_hybrid.py), built once."""
+    if "strided" not in _GROUPS:
+        shards = [[0, 2], [1, 3]]
+        replicas = [list(r) for r in zip(*shards, strict=True)]
+        made = {tuple(r): dist.new_group(r) for r in [*shards, *replicas]}  # same order on every rank
+        me = dist.get_rank()
+        shard = next(made[tuple(r)] for r in shards if me in r)
+        replicate = next(made[tuple(r)] for r in replicas if me in r)
+        _GROUPS["strided"] = (shard, replicate)
+    return _GROUPS["strided"]
+
+
+def _facade_hybrid(recipe: str, how: str, stage: int) -> dict:
+    model = _model(recipe)
+    opts = _torch_optimizers(recipe, list(model.named_parameters()))
+    if how == "sub_dp_size":  # shard groups {0,1} {2,3}, replicas {0,2} {1,3}
+        groups: dict[str, Any] = {"sub_dp_size": 2}
+    else:
+        shard, replicate = _strided_groups()
+        groups = {"dp_process_group": shard, "replicate_group": replicate}
+    zo = zf.ZeroOptimizer(
+        _wrap(opts),
+        partition_grad=stage == 2,
+        overlap_communication=stage == 2,
+        communication_dtype=torch.float64,
+        reduce_bucket_size=BUCKET,
+        module=model,
+        **groups,
+    )
+    assert zo.state.layout.world_size == 2
+    for step, (x, y) in enumerate(batches(dist.get_rank(), STEPS)):
+        zo.backward(_loss(model(x, gate_used(step)), y))
+        zo.step()
+    whole = sorted(n for n in zo.state.master if zo.state.layout[n].placement == "whole")
+    zo.close()
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "whole": whole}
+
+
+def _hybrid_all(recipe: str) -> tuple[list[tuple[str, int, dict]], dict]:
+    ref = _reference(recipe, torch.float32, comm=torch.float64)
+    ours = [(how, stage, _facade_hybrid(recipe, how, stage)) for how, stage in (("sub_dp_size", 2), ("groups", 1))]
+    return ours, ref
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_hybrid_groups_bitwise_equal_to_ddp_over_all_four_ranks_with_a_float64_wire(recipe):
+    results = get_world(4).run(_hybrid_all, recipe)
+    for ours, ref in results:
+        assert ref["trace"] == [(1.0, False)] * STEPS
+        for how, stage, got in ours:
+            assert not torch.equal(got["params"]["a.weight"], _model(recipe).a.weight), (how, stage)
+            assert_trees_equal(got["params"], ref["params"])
+    # Each whole param is held by one rank of each shard group, so twice in all.
+    shard_groups = {"sub_dp_size": [[0, 1], [2, 3]], "groups": [[0, 2], [1, 3]]}
+    for k, (how, _, _) in enumerate(results[0][0]):
+        for members in shard_groups[how]:
+            held = [n for r in members for n in results[r][0][k][2]["whole"]]
+            assert len(held) == len(set(held)) > 0, (how, held)
+            assert set(held) == {n for n, p in _model(recipe).named_parameters() if _is_whole(recipe, n, p)}
+
+
+def _is_whole(recipe: str, name: str, p: torch.Tensor) -> bool:
+    return recipe != "muon_adamw" or name.endswith("weight")
+
+
+# --------------------------------------------------------------------------- sharded checkpoints
+
+CKPT_AT = 4  # steps before the save
+AFTER = 3  # steps after it
+
+
+def _ckpt_facade(seed_shift: int = 0) -> tuple[nn.Module, zf.ZeroOptimizer]:
+    model = _model("muon_adamw")
+    if seed_shift:  # another starting point: the load must bring every value
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.5)
+    opts = _torch_optimizers("muon_adamw", list(model.named_parameters()))
+    opts[0].param_groups[0]["lr"] = 0.5  # the saved hyperparameters win
+    zo = zf.ZeroOptimizer(
+        opts, partition_grad=True, overlap_communication=True, reduce_bucket_size=BUCKET, module=model
+    )
+    return model, zo
+
+
+def _train_steps(model: nn.Module, zo: zf.ZeroOptimizer, first: int, count: int) -> None:
+    data = list(batches(dist.get_rank(), first + count))
+    for step in range(first, first + count):
+        x, y = data[step]
+        zo.backward(_loss(model(x, gate_used(step)), y))
+        zo.step()
+        zo.zero_grad()
+
+
+def _params(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _save_and_continue(path: str) -> dict:
+    """Uninterrupted: CKPT_AT steps, save, AFTER more steps (the save changes nothing)."""
+    model, zo = _ckpt_facade()
+    zo.param_groups[0]["lr"] = MUON["lr"]
+    _train_steps(model, zo, 0, CKPT_AT)
+    saved = zo.state_dict()
+    written = zo.save_checkpoint(path)
+    _train_steps(model, zo, CKPT_AT, AFTER)
+    out = {"saved": saved, "written": written, "final": _params(model), "final_state": zo.state_dict()}
+    zo.close()
+    return out
+
+
+def _load_and_continue(path: str) -> dict:
+    model, zo = _ckpt_facade(seed_shift=1)
+    zo.load_checkpoint(path)
+    loaded = zo.state_dict()
+    lrs = [g["lr"] for g in zo.param_groups]
+    loaded_params = _params(model)
+    _train_steps(model, zo, CKPT_AT, AFTER)
+    out = {"loaded": loaded, "lrs": lrs, "loaded_params": loaded_params, "final": _params(model)}
+    out["final_state"] = zo.state_dict()
+    zo.close()
+    return out
+
+
+def _params_at_save() -> dict[str, torch.Tensor]:
+    model, zo = _ckpt_facade()
+    zo.param_groups[0]["lr"] = MUON["lr"]
+    _train_steps(model, zo, 0, CKPT_AT)
+    zo.close()
+    return _params(model)
+
+
+def _assert_dicts_equal(a: list[dict], b: list[dict], step: int) -> None:
+    assert len(a) == len(b) == 2
+    for pa, pb in zip(a, b, strict=True):
+        assert pa["param_groups"] == pb["param_groups"]
+        assert sorted(pa["state"]) == sorted(pb["state"]) and pa["state"]
+        for i in pa["state"]:
+            assert_trees_equal(dict(pa["state"][i]), dict(pb["state"][i]))
+        assert_trees_equal(pa["zerofn"]["master"], pb["zerofn"]["master"])
+        assert pa["zerofn"]["step"] == pb["zerofn"]["step"] == step
+
+
+@pytest.mark.parametrize("m", [2, 3], ids=["to2", "to3"])
+def test_dcp_checkpoint_of_muon_adamw_round_trips_bitwise_and_continues_as_uninterrupted(tmp_path, m):
+    path = str(tmp_path / "ckpt")
+    uninterrupted = get_world(2).run(_save_and_continue, path)
+    at_save = get_world(2).run(_params_at_save)[0]
+    resumed = get_world(m).run(_load_and_continue, path)
+    first = uninterrupted[0]
+    assert [u["written"] for u in uninterrupted] == [first["written"]] * 2
+    assert first["saved"][0]["zerofn"]["step"] == CKPT_AT
+    # Momentum buffers and AdamW moments exist: the round trip carries real state.
+    assert {"momentum_buffer"} == set(next(iter(first["saved"][0]["state"].values())))
+    assert {"exp_avg", "exp_avg_sq", "step"} == set(next(iter(first["saved"][1]["state"].values())))
+    for r in resumed:
+        _assert_dicts_equal(r["loaded"], first["saved"], CKPT_AT)  # bitwise: torch format, masters, step
+        assert r["lrs"] == [MUON["lr"], ADAMW["lr"]]  # the saved hyperparameters replaced 0.5
+        assert_trees_equal(r["loaded_params"], at_save)  # the model weights came with it
+        if m == 2:  # the same ranks and data: the steps after it are the same bits
+            assert_trees_equal(r["final"], first["final"])
+            _assert_dicts_equal(r["final_state"], first["final_state"], CKPT_AT + AFTER)
+    assert not torch.equal(first["final"]["a.weight"], at_save["a.weight"])
+
+
+def test_fp16_loss_scale_of_whole_params_survives_a_dcp_checkpoint(tmp_path):
+    path = str(tmp_path / "fp16")
+    uninterrupted, resumed = get_world(2).run(_fp16_checkpoint, path)[0]
+    assert uninterrupted["scale"] == resumed["scale"] and uninterrupted["scale"] != SCALER["initial_scale"]
+    assert_trees_equal(resumed["params"], uninterrupted["params"])
+    assert_trees_equal(resumed["master"], uninterrupted["master"])
+
+
+def _fp16_facade(shift: bool) -> tuple[nn.Module, zf.ZeroOptimizer]:
+    model = _model("muon_adamw")
+    if shift:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.25)
+    opts = _torch_optimizers("muon_adamw", list(model.named_parameters()))
+    zo = zf.ZeroOptimizer(
+        opts, forced_dtype=torch.float16, partition_grad=True, reduce_bucket_size=BUCKET, module=model, **SCALER
+    )
+    return model, zo
+
+
+def _fp16_run(model: nn.Module, zo: zf.ZeroOptimizer, first: int, count: int) -> None:
+    data = list(batches(dist.get_rank(), first + count))
+    for step in range(first, first + count):
+        x, y = data[step]
+        zo.backward(_loss(model(x.half(), gate_used(step)), y.half()))
+        zo.step()
+        zo.zero_grad()
+
+
+def _fp16_result(model: nn.Module, zo: zf.ZeroOptimizer) -> dict:
+    params = _params(model)
+    return {"params": params, "master": _masters(zo.state_dict(), list(params)), "scale": zo.loss_scale}
+
+
+def _fp16_checkpoint(path: str) -> tuple[dict, dict]:
+    model, zo = _fp16_facade(False)
+    _fp16_run(model, zo, 0, 6)
+    zo.save_checkpoint(path)
+    _fp16_run(model, zo, 6, 3)
+    uninterrupted = _fp16_result(model, zo)
+    zo.close()
+    model2, zo2 = _fp16_facade(True)
+    zo2.load_checkpoint(path)
+    _fp16_run(model2, zo2, 6, 3)
+    resumed = _fp16_result(model2, zo2)
+    zo2.close()
+    assert math.isfinite(resumed["scale"])
+    return uninterrupted, resumed
