@@ -82,6 +82,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="fused",
         help="AdamW kernel of every system except ddp-foreach (default fused)",
     )
+    p.add_argument(
+        "--bucket-numel",
+        type=int,
+        default=None,
+        help="zerofn's bucket size in elements, every zerofn system (default: zerofn's own default)",
+    )
     p.add_argument("--memory", choices=("isolated", "off"), default=None, help="peak-RSS phase (default isolated)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--seed", type=int, default=0)
@@ -253,7 +259,7 @@ def _bench_one(model: str, n: int, backend: str, args: argparse.Namespace) -> di
     out = run["systems"]
     ds_note = systems.deepspeed_available()
     with _world(n, backend, args) as world:
-        info = world.run(systems.setup, cfg, args.seed, n_batches, args.kernel)[0]
+        info = world.run(systems.setup, cfg, args.seed, n_batches, args.kernel, args.bucket_numel)[0]
         run.update(psi=info["psi"], n_params=info["n_params"], device=info["device"])
         _log(f"== {model} (Ψ={info['psi']:,} in {info['n_params']} tensors), N={n}, {backend} on {info['device']}")
         built: list[str] = []
@@ -356,7 +362,7 @@ def _memory_one(name: str, cfg: models.ModelConfig, n: int, backend: str, args: 
 
     try:
         with _world(n, backend, args) as world:
-            world.run(systems.setup, cfg, args.seed, 8, args.kernel)
+            world.run(systems.setup, cfg, args.seed, 8, args.kernel, args.bucket_numel)
             base = world.run(systems.memory)
             world.run(systems.build, name)
             world.run(systems.run_block, name, args.steps, args.warmup)
@@ -388,7 +394,7 @@ def _profile(args: argparse.Namespace, out_prefix: Path) -> list[Path]:
                 continue
             for name in args.profile:
                 with _world(n, backend, args) as world:
-                    world.run(systems.setup, cfg, args.seed, 8, args.kernel)
+                    world.run(systems.setup, cfg, args.seed, 8, args.kernel, args.bucket_numel)
                     world.run(systems.build, name)
                     res = world.run(systems.profile, name, args.profile_steps, max(args.warmup, 1))[0]
                 path = out_prefix.with_name(f"{out_prefix.name}-profile-{name}-{model}-n{n}.txt")
@@ -410,7 +416,7 @@ def _profile(args: argparse.Namespace, out_prefix: Path) -> list[Path]:
                 written.append(path)
             try:
                 with _world(n, backend, args) as world:
-                    world.run(systems.setup, cfg, args.seed, 8, args.kernel)
+                    world.run(systems.setup, cfg, args.seed, 8, args.kernel, args.bucket_numel)
                     per_rank = world.run(systems.parts, max(2 * args.profile_steps, 3))
             except WorldError as exc:  # it reaches into zerofn's private bucket helpers
                 if args.strict:

@@ -112,6 +112,11 @@ class Context:
     world: int
     batches: list[tuple[torch.Tensor, torch.Tensor]]
     kernel: str  # "fused" or "foreach": the AdamW kernel of every system but ddp-foreach
+    bucket_numel: int | None = None  # zerofn's bucket size (None: its default)
+
+    def bucket_kwargs(self, name: str) -> dict[str, int]:
+        """``{name: bucket_numel}`` when a bucket size was asked for, else nothing (zerofn's default)."""
+        return {} if self.bucket_numel is None else {name: self.bucket_numel}
 
 
 _CTX: Context | None = None
@@ -334,12 +339,13 @@ class ZerofnFunctional(System):
         with _phase("forward+backward"):
             grads, loss = self.grad_fn(self.params, x, y)
         with _phase("reduce_grads"):
-            gshards = zf.reduce_grads(grads, self.state.layout, stage=2)
+            gshards = zf.reduce_grads(grads, self.state.layout, stage=2, **self.ctx.bucket_kwargs("bucket_numel"))
             del grads
         with _phase("step_shards"):
             self.state, _ = zf.step_shards(self.state, gshards, donate=self.donate)
         with _phase("gather_params"):
-            self.params = zf.gather_params(self.state, out=self.params if self.donate else None)
+            out = self.params if self.donate else None
+            self.params = zf.gather_params(self.state, out=out, **self.ctx.bucket_kwargs("bucket_numel"))
         return loss.detach()
 
     def state_bytes(self) -> dict[str, int | None]:
@@ -376,6 +382,7 @@ class ZerofnFacade(System):
             overlap_allgather=allgather,
             module=self.model,
             comm_policy=zf.CommPolicy.byte_optimal() if byte_optimal else None,
+            **ctx.bucket_kwargs("reduce_bucket_size"),
         )
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -451,13 +458,15 @@ def _proc_status() -> dict[str, int]:
     return out
 
 
-def setup(cfg: models.ModelConfig, seed: int, n_batches: int, kernel: str) -> dict[str, Any]:
-    """Make this rank's context: device, batches. Returns the model's size."""
+def setup(
+    cfg: models.ModelConfig, seed: int, n_batches: int, kernel: str, bucket_numel: int | None = None
+) -> dict[str, Any]:
+    """Make this rank's context: device, batches, zerofn's bucket size. Returns the model's size."""
     global _CTX
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     batches = models.make_batches(cfg, seed, rank, n_batches, device)
-    _CTX = Context(cfg, seed, device, rank, world, batches, kernel)
+    _CTX = Context(cfg, seed, device, rank, world, batches, kernel, bucket_numel)
     probe = models.build_model(cfg, seed, torch.device("cpu"))
     psi, n_params = models.param_count(probe)
     del probe

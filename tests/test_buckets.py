@@ -181,3 +181,50 @@ def test_a_whole_reduced_bucket_unpacks_into_the_full_mean_gradients(world, dtyp
         rel = {"float32": 1e-6, "bfloat16": 2e-2}[wire or dtype]
         assert_trees_close(res["full"], res["mean"], rel=rel)
         assert "whole=True" in res["refused"]
+
+
+def _gathers_into_given_buffers(dtype_name: str) -> dict[str, object]:
+    dtype = getattr(torch, dtype_name)
+    n, rank = dist.get_world_size(), dist.get_rank()
+    shapes = {k: v for k, v in SHAPES.items() if k not in ("big", "bigpad")}
+    gen = torch.Generator().manual_seed(7)
+    full = {k: torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for k, s in shapes.items()}
+    layout = make_layout(full, n)
+    shards = {k: buckets.cut_shard(full[k], layout[k], rank) for k in full}
+    fresh, given, in_place, refused = {}, {}, {}, []
+    for bucket in layout.buckets(40):
+        if not bucket.shard_numel:
+            continue
+        s = bucket.shard_numel
+        row = buckets.pack_shards(shards, layout, bucket, dtype=dtype)
+        for how, out in (("broadcast", fresh), ("all_gather", fresh)):
+            out[f"{bucket.names[0]}/{how}"] = buckets.launch_gather(row, None, how).wait().clone()
+        recv = torch.full((n, s), float("nan"), dtype=dtype)  # stale contents must not leak through
+        got = buckets.launch_gather(row, None, "broadcast", async_op=True, out=recv).wait()
+        assert got.data_ptr() == recv.data_ptr()
+        given[f"{bucket.names[0]}/broadcast"] = got.clone()
+        # This rank's row packed straight into the receive buffer: no separate row.
+        recv = torch.full((n, s), float("nan"), dtype=dtype)
+        mine = buckets.pack_shards(shards, layout, bucket, dtype=dtype, out=recv[rank])
+        in_place[f"{bucket.names[0]}/broadcast"] = buckets.launch_gather(mine, None, "broadcast", out=recv).wait()
+        if mine.data_ptr() == recv[rank].data_ptr():
+            try:
+                buckets.launch_gather(mine, None, "all_gather", out=recv)
+            except ValueError as e:
+                refused.append(str(e))
+        try:
+            buckets.launch_gather(row, None, "broadcast", out=torch.empty(n + 1, s, dtype=dtype))
+        except ValueError as e:
+            refused.append(str(e))
+    return {"fresh": fresh, "given": given, "in_place": in_place, "refused": refused}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gathers_into_a_given_buffer_and_from_a_row_packed_in_place_are_bitwise_the_same(world, dtype):
+    for res in world.run(_gathers_into_given_buffers, dtype):
+        for key, rows in res["given"].items():
+            assert_bitwise_equal(rows, res["fresh"][key], key)
+            assert_bitwise_equal(res["in_place"][key], res["fresh"][key], key)
+            assert_bitwise_equal(res["fresh"][key.replace("broadcast", "all_gather")], res["fresh"][key], key)
+        assert res["refused"] and any("out must be" in r for r in res["refused"])
+        assert any("only the broadcast realisation" in r for r in res["refused"])

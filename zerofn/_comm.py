@@ -262,17 +262,24 @@ def sum_across(t: torch.Tensor, group: Group) -> torch.Tensor:
     return t
 
 
-def gather_rows(row: torch.Tensor, group: Group, how: str, *, async_op: bool = False) -> Pending:
+def gather_rows(
+    row: torch.Tensor, group: Group, how: str, *, async_op: bool = False, out: torch.Tensor | None = None
+) -> Pending:
     """Gather every rank's ``(S,)`` row into an ``(N, S)`` buffer on every rank.
 
     Args:
-      row: this rank's ``(S,)`` contiguous row, any dtype.
+      row: this rank's ``(S,)`` contiguous row, any dtype. With the broadcast realisation
+        it may be ``out[rank]`` itself (packed in place: no copy).
       group: the process group, ``None`` for the default.
       how: ``"all_gather"`` or ``"broadcast"`` (see :class:`CommPolicy`).
       async_op: launch and return at once; ``wait()`` on the result.
+      out: a contiguous ``(N, S)`` buffer of ``row``'s dtype and device to receive into
+        (reused between steps by the facade: a fresh one faults in new pages every
+        time); default a new one.
 
     Returns:
-      A :class:`Pending` whose ``wait()`` gives the ``(N, S)`` buffer, row ``r`` from rank ``r``.
+      A :class:`Pending` whose ``wait()`` gives the ``(N, S)`` buffer (``out`` if given),
+      row ``r`` from rank ``r``.
 
     Collectives: one ``all_gather`` of ``N*S`` elements, or ``N`` broadcasts of ``S``.
     """
@@ -280,16 +287,27 @@ def gather_rows(row: torch.Tensor, group: Group, how: str, *, async_op: bool = F
     n = group_size(group)
     rank = group_rank(group)
     elem = row.element_size()
-    out = torch.empty(n, s, dtype=row.dtype, device=row.device)
+    if out is None:
+        out = torch.empty(n, s, dtype=row.dtype, device=row.device)
+    elif out.shape != (n, s) or out.dtype != row.dtype or out.device != row.device or not out.is_contiguous():
+        raise ValueError(
+            f"gather_rows: out must be a contiguous ({n}, {s}) {row.dtype} buffer on {row.device}, got "
+            f"{tuple(out.shape)} {out.dtype} on {out.device}"
+        )
+    in_place = row.data_ptr() == out[rank].data_ptr()
+    if in_place and how != "broadcast":
+        raise ValueError("gather_rows: only the broadcast realisation gathers from a row packed into out[rank]")
     if n == 1:
-        out[0].copy_(row)
+        if not in_place:
+            out[0].copy_(row)
         return Pending([], lambda: out)
     if how == "all_gather":
         handle = _all_gather_flat(out.view(-1), row, group=group, async_op=async_op)
         _record("all_gather", _ring_share(n, n * s, elem))
         return Pending([handle], lambda: out)
     if how == "broadcast":
-        out[rank].copy_(row)
+        if not in_place:
+            out[rank].copy_(row)
         handles = []
         for r in range(n):
             src = r if group is None else dist.get_global_rank(group, r)

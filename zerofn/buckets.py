@@ -504,23 +504,28 @@ def _pack_whole_row(
     return row if row.device == device else row.to(device)
 
 
-def launch_gather(row: torch.Tensor, group: Group, how: str, *, async_op: bool = False) -> comm.Pending:
+def launch_gather(
+    row: torch.Tensor, group: Group, how: str, *, async_op: bool = False, out: torch.Tensor | None = None
+) -> comm.Pending:
     """Start gathering every rank's ``(S,)`` row of one bucket (from :func:`pack_shards`).
 
     Args:
-      row: this rank's contiguous ``(S,)`` row; read, never written.
+      row: this rank's contiguous ``(S,)`` row; read, never written. With the broadcast
+        realisation it may be ``out[rank]`` (packed in place by ``pack_shards(out=)``).
       group: the sharding process group.
       how: ``"all_gather"`` or ``"broadcast"`` (the gather realisation of a
         :class:`~zerofn.comm.CommPolicy`).
       async_op: launch and return at once.
+      out: an ``(N, S)`` buffer to receive into (explicit reuse: the facade's staging
+        buffers, idle between ``step`` and the next ``backward``); default a new one.
 
     Returns:
-      A :class:`~zerofn.comm.Pending` whose ``wait()`` is the new ``(N, S)`` buffer (row
-      ``r`` from rank ``r``), for :func:`unpack_rows`.
+      A :class:`~zerofn.comm.Pending` whose ``wait()`` is the ``(N, S)`` buffer (row
+      ``r`` from rank ``r``; ``out`` if given), for :func:`unpack_rows`.
 
     Collectives: one ``all_gather`` of ``N * S`` elements, or ``N`` broadcasts of ``S``.
     """
-    return comm.gather_rows(row, group, how, async_op=async_op)
+    return comm.gather_rows(row, group, how, async_op=async_op, out=out)
 
 
 def cut_shard(

@@ -25,6 +25,7 @@ and clips; ``gather_params`` casts the master shards to the working dtype.
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -34,12 +35,12 @@ import torch
 from zerofn import _checks as checks
 from zerofn import _comm as comm
 from zerofn import _placement
-from zerofn._comm import CommPolicy, Group
+from zerofn._comm import CommPolicy, Group, Pending
 from zerofn._deprecation import UNSET, renamed
 from zerofn._norm import local_norm_term
 from zerofn._tree import FrozenDict
 from zerofn.buckets import cut_shard, launch_gather, launch_reduce, pack_grads, pack_shards, split_row, unpack_rows
-from zerofn.layout import ShardLayout, make_layout
+from zerofn.layout import Bucket, ShardLayout, make_layout
 from zerofn.optim import Optimizer
 from zerofn.precision import (
     NonFiniteGradError,
@@ -63,7 +64,14 @@ __all__ = [
     "sum_over_replicas",
 ]
 
-DEFAULT_BUCKET_NUMEL = 2**20
+#: Padded elements per bucket (16 MiB in float32; DDP's buckets are 25 MiB). Measured on gloo,
+#: 2 ranks on 2 cores (benchmarks/README.md, "Bucket size"): every collective costs a fixed
+#: ~1 ms beside its bytes, so 2**22 against the seed's 2**20 cut the transformer's gradient
+#: all-reduce from 42 to 33 ms and its param broadcasts from 40 to 22 ms.
+DEFAULT_BUCKET_NUMEL = 2**22
+
+#: Buckets the stage functions keep in flight while packing the next or writing the last.
+PIPELINE_DEPTH = 1
 
 
 def _policy_for(policy: PrecisionPolicy | None, master_dtype: torch.dtype) -> PrecisionPolicy:
@@ -328,14 +336,27 @@ def reduce_grads(
     replicas = comm.group_size(replicate_group) if replicate_group is not None else 1
     present_set = set(present)
     out: dict[str, torch.Tensor] = {}
+    in_flight: collections.deque[tuple[Bucket, torch.dtype, Pending]] = collections.deque()
+
+    def settle_oldest() -> None:
+        bucket, dtype, pending = in_flight.popleft()
+        row = sum_over_replicas(pending.wait(), replicate_group)
+        out.update(split_row(row, layout, bucket, present_set, dtype=dtype, rank=rank))
+
     for bucket in buckets:
         members = [n for n in bucket.names if n in present_set]
         if not members:
             continue
+        # Pipelined: this bucket is packed while the previous one is on the wire. Every
+        # rank issues the same sequence of collectives (launch k, then settle k-1), so the
+        # replicas' blocking sums interleave alike everywhere.
         rows = pack_grads(grads, layout, bucket, replicas=replicas)
-        row = launch_reduce(rows, layout, bucket, group, how, comm_dtype=comm_dtype).wait()
-        row = sum_over_replicas(row, replicate_group)
-        out.update(split_row(row, layout, bucket, present_set, dtype=grad_dtypes[members[0]], rank=rank))
+        pending = launch_reduce(rows, layout, bucket, group, how, comm_dtype=comm_dtype, async_op=True)
+        in_flight.append((bucket, grad_dtypes[members[0]], pending))
+        if len(in_flight) > PIPELINE_DEPTH:
+            settle_oldest()
+    while in_flight:
+        settle_oldest()
     for name in present:
         spec = layout[name]
         if name not in out and spec.numel == 0 and spec.holds(rank):  # empty params travel in no bucket
@@ -667,11 +688,22 @@ def gather_params(
         s.name: out[s.name] if out is not None else torch.empty(s.shape, dtype=s.dtype, device=device)
         for s in layout.params
     }
+    in_flight: collections.deque[tuple[Bucket, Pending]] = collections.deque()
+
+    def write_oldest() -> None:
+        bucket, pending = in_flight.popleft()
+        with torch.no_grad():  # `out` may be leaf params that require grad
+            unpack_rows(pending.wait(), layout, bucket, result)
+
     for bucket in layout.buckets(bucket_numel):
+        # Pipelined: the previous bucket's rows are written into the params while this
+        # one is on the wire; at most PIPELINE_DEPTH gathered buffers exist at once.
         row = pack_shards(
             state.master, layout, bucket, dtype=layout[bucket.names[0]].dtype, device=device, rank=state.rank
         )
-        gathered = launch_gather(row, group, how).wait()
-        with torch.no_grad():  # `out` may be leaf params that require grad
-            unpack_rows(gathered, layout, bucket, result)
+        in_flight.append((bucket, launch_gather(row, group, how, async_op=True)))
+        if len(in_flight) > PIPELINE_DEPTH:
+            write_oldest()
+    while in_flight:
+        write_oldest()
     return result

@@ -1,7 +1,9 @@
 """``overlap_allgather``: the param gathers launched by ``step``, written by the next forward.
 
 ``step`` launches every bucket's gather asynchronously (:meth:`ParamPrefetcher.launch`:
-``pack_shards`` into a row reused between steps, ``launch_gather``) and returns. A forward
+``pack_shards`` and ``launch_gather`` into an ``(N, S)`` buffer borrowed from the gradient
+reducer's staging pool, idle between ``step`` and the next ``backward``; with the
+broadcast realisation this rank's row is packed straight into it) and returns. A forward
 pre-hook on each module that owns params waits for exactly the buckets those params live
 in and writes them into the params (``unpack_rows``: the same pieces, and so the same
 bits, as :func:`~zerofn.gather_params`); the model's forward post-hook completes the rest
@@ -31,6 +33,7 @@ from zerofn import _comm as comm
 from zerofn._comm import Group
 from zerofn.buckets import launch_gather, pack_shards, unpack_rows
 from zerofn.facade._guards import ParamGuard
+from zerofn.facade._reducer import Staging
 from zerofn.layout import Bucket, ShardLayout
 from zerofn.state import ZeroState
 
@@ -47,10 +50,15 @@ class ParamPrefetcher:
       module: the model, which owns every param (checked by the options).
       guard: the facade's record of its own writes: each written bucket's params are
         recorded, and a param the user wrote while pending is left alone and reported.
+      staging: the pool the receive buffers are borrowed from and given back to once
+        written (the reducer's: a fresh multi-MB buffer per bucket and step would fault in
+        new pages, about 10 ms a step on the benchmark transformer); ``None``: fresh ones.
 
     Memory: the gathered ``(N, S)`` buckets, Ψ·b bytes, from ``step`` until the forward
-    writes them, plus per bucket of several params the ``(S,)`` row it sends (reused).
-    The hooks hold the prefetcher by weak reference.
+    writes them (the pool keeps a few of them idle afterwards, as it does after
+    backward), plus per bucket of several params the ``(S,)`` row it sends when it cannot
+    be packed in place (the all-gather realisation; reused). The hooks hold the
+    prefetcher by weak reference.
     """
 
     def __init__(
@@ -63,17 +71,19 @@ class ParamPrefetcher:
         how: str,
         module: torch.nn.Module,
         guard: ParamGuard | None = None,
+        staging: Staging | None = None,
     ) -> None:
         self._params = params
+        self._staging = staging
         self._guard = guard
         self._layout = layout
         self._buckets = buckets
         self._group, self._how = group, how
         self._name_of = {id(p): n for n, p in params.items()}
         self._position = {name: i for i, name in enumerate(layout.names)}
-        # Per bucket: the gather launched by the last step and not yet written (its Pending
-        # and the row it sends, kept alive until then), or None.
-        self._gathers: list[tuple[comm.Pending, torch.Tensor] | None] = [None] * len(buckets)
+        # Per bucket: the gather launched by the last step and not yet written (its Pending,
+        # the row it sends, kept alive until then, and the borrowed receive buffer), or None.
+        self._gathers: list[tuple[comm.Pending, torch.Tensor, torch.Tensor | None] | None] = [None] * len(buckets)
         self.pending = 0  # gathers not yet written
         # Per bucket of several params: the row it sends, reused every step.
         self._rows: list[torch.Tensor | None] = [None] * len(buckets)
@@ -86,8 +96,21 @@ class ParamPrefetcher:
         Collectives: per bucket one all-gather (or one broadcast per rank), asynchronous.
         """
         device = state.work_device
+        n = self._layout.world_size
         for b, bucket in enumerate(self._buckets):
             dtype = self._layout[bucket.names[0]].dtype
+            s = bucket.shard_numel
+            borrowed = self._staging.take(n * s, dtype, device) if self._staging is not None else None
+            recv = borrowed[: n * s].view(n, s) if borrowed is not None else None
+            if recv is not None and self._how == "broadcast":
+                # This rank's row is packed where the gather wants it: no separate row, no copy.
+                mine = recv[state.rank]
+                row = pack_shards(state.master, self._layout, bucket, dtype=dtype, device=device, out=mine)
+                if row.data_ptr() == mine.data_ptr():
+                    pending = launch_gather(row, self._group, self._how, async_op=True, out=recv)
+                    self._gathers[b] = (pending, row, borrowed)
+                    self.pending += 1
+                    continue
             out = None
             if len(bucket.names) > 1 and state.state_device == device:
                 # Reused every step (a fresh row would fault in new pages each time); the
@@ -98,7 +121,8 @@ class ParamPrefetcher:
                 if out is None or out.dtype != dtype or out.device != device:
                     out = self._rows[b] = torch.empty(bucket.shard_numel, dtype=dtype, device=device)
             row = pack_shards(state.master, self._layout, bucket, dtype=dtype, device=device, out=out)
-            self._gathers[b] = (launch_gather(row, self._group, self._how, async_op=True), row)
+            pending = launch_gather(row, self._group, self._how, async_op=True, out=recv)
+            self._gathers[b] = (pending, row, borrowed)
             self.pending += 1
 
     def complete(self, buckets: Iterable[int]) -> None:
@@ -120,6 +144,8 @@ class ParamPrefetcher:
                 unpack_rows(rows, self._layout, self._buckets[b], self._params, names=names)
                 if self._guard is not None:
                     self._guard.record(names)
+                if entry[2] is not None and self._staging is not None:
+                    self._staging.give(entry[2])  # written into the params: free for the next bucket
 
     def wait(self) -> None:
         """Complete every pending gather (``wait_params``). Not a collective."""

@@ -44,7 +44,7 @@ from zerofn.facade._prefetch import ParamPrefetcher
 from zerofn.facade._reducer import GradReducer, ShardedGrad
 from zerofn.facade._state_dicts import StateDictMethods
 from zerofn.precision import GradAccumDtype, PrecisionPolicy, scale_loss
-from zerofn.stages import gather_params, shard_params
+from zerofn.stages import DEFAULT_BUCKET_NUMEL, gather_params, shard_params
 from zerofn.state import StepInfo, ZeroState
 
 __all__ = ["ZeroOptimizer"]
@@ -139,7 +139,7 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
         clip_grad_norm: float = 0.0,
         norm_type: float = 2.0,
         verbose: bool = False,
-        reduce_bucket_size: int = 1024 * 1024,
+        reduce_bucket_size: int = DEFAULT_BUCKET_NUMEL,
         communication_dtype: torch.dtype | None = None,
         overlap_communication: bool = False,
         overlap_allgather: bool = False,
@@ -215,7 +215,10 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
         layout = self._state.layout
         buckets = layout.buckets(self._bucket_numel)
         group, how, guard = self._group, self._gather_how, self._guard
-        return ParamPrefetcher(self._params, layout, buckets, group=group, how=how, module=module, guard=guard)
+        staging = self._reducer.staging  # idle between step and the next backward: the gathers borrow it
+        return ParamPrefetcher(
+            self._params, layout, buckets, group=group, how=how, module=module, guard=guard, staging=staging
+        )
 
     # ------------------------------------------------------------------ public state
 
