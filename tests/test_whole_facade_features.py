@@ -465,3 +465,28 @@ def _fp16_checkpoint(path: str) -> tuple[dict, dict]:
     zo2.close()
     assert math.isfinite(resumed["scale"])
     return uninterrupted, resumed
+
+
+def _whole_state_on_meta() -> dict:
+    """Offload is real for whole params too: with ``state_device="meta"`` the whole masters,
+    Muon's momentum and AdamW's moments live there, and Muon's update runs there."""
+    params = {n: p.detach() for n, p in _model("muon_adamw").named_parameters()}
+    muon = zf.torch_optim.from_torch(torch.optim.Muon, **MUON)
+    fopt = zf.optim.partition([(lambda n: n.endswith("weight"), muon), (lambda n: True, zf.optim.adamw(**ADAMW))])
+    policy = zf.PrecisionPolicy.for_dtype(torch.bfloat16, state_device="meta")
+    state = zf.shard_params({n: p.bfloat16() for n, p in params.items()}, fopt, precision=policy)
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    grads = {n: torch.randn(p.shape, generator=gen).bfloat16() for n, p in params.items()}
+    new, info = zf.step_shards(state, zf.reduce_grads(grads, state.layout, precision=state.precision))
+    tensors = [t for t in _tensors((new.master, new.opt_state)) if t.dim() > 0]
+    whole = {n: (str(t.device), tuple(t.shape)) for n, t in new.master.items() if new.layout[n].is_whole}
+    return {"devices": {str(t.device) for t in tensors}, "whole": whole, "step": new.step, "skipped": info.skipped}
+
+
+def test_whole_masters_and_their_state_live_on_the_state_device():
+    results = get_world(2).run(_whole_state_on_meta)
+    for r in results:
+        assert r["devices"] == {"meta"} and r["step"] == 1 and not r["skipped"], r
+        assert all(device == "meta" and len(shape) == 2 for device, shape in r["whole"].values()), r
+    held = sorted(n for r in results for n in r["whole"])
+    assert held == sorted(n for n, _ in _model("muon_adamw").named_parameters() if n.endswith("weight"))

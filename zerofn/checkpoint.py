@@ -389,7 +389,11 @@ def _hyperparam_keys(optimizer: optim.Optimizer) -> set[str]:
     """
     keys = set(optimizer.defaults).union(*(g.hyperparams for g in optimizer.groups))
     if optimizer._init is torch_optim._generic_init:
-        keys |= set(_torch_defaults(optimizer.torch_class, ())) - {"params", "differentiable", "capturable"}
+        try:
+            torch_keys = set(_torch_defaults(optimizer.torch_class, ()))
+        except (TypeError, ValueError):  # a user's class with required arguments: what the optimizer names
+            torch_keys = set()
+        keys |= torch_keys - {"params", "differentiable", "capturable"}
     return keys
 
 
