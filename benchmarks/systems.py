@@ -70,7 +70,13 @@ SYSTEMS: dict[str, SystemInfo] = {
         SystemInfo("deepspeed-z1", "DeepSpeed ZeRO-1 + AdamW(fused=True) (client optimizer)", "peer", True, True),
         SystemInfo("deepspeed-z2", "DeepSpeed ZeRO-2 + AdamW(fused=True) (client optimizer)", "peer", True, True),
         SystemInfo("zerofn-fn-pure", "zerofn functional loop, stage 2, donate=False", "zerofn", True, True),
-        SystemInfo("zerofn-fn-donated", "zerofn functional loop, stage 2, donate=True", "zerofn", True, True),
+        SystemInfo(
+            "zerofn-fn-donated",
+            "zerofn functional loop, stage 2, donate=True, out=params, staging=StagingPool()",
+            "zerofn",
+            True,
+            True,
+        ),
         SystemInfo("zerofn-s1", "zerofn ZeroOptimizer stage 1, overlap off", "zerofn", True, True),
         SystemInfo("zerofn-s1-overlap", "zerofn ZeroOptimizer stage 1, overlap on", "zerofn", True, True),
         SystemInfo("zerofn-s2", "zerofn ZeroOptimizer stage 2, overlap off", "zerofn", True, True),
@@ -328,6 +334,8 @@ class ZerofnFunctional(System):
         self.params: dict[str, torch.Tensor] = {n: p.detach() for n, p in self.model.named_parameters()}
         self.state = zf.shard_params(self.params, zf.optim.adamw(**_adamw_kwargs(kernel)))
         self.donate = donate
+        # The donated loop also reuses its bucket buffers between steps (explicit, like `out=`).
+        self.staging = zf.buckets.StagingPool() if donate else None
         loss, model = self.loss, self.model
 
         def loss_of(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -339,13 +347,14 @@ class ZerofnFunctional(System):
         with _phase("forward+backward"):
             grads, loss = self.grad_fn(self.params, x, y)
         with _phase("reduce_grads"):
-            gshards = zf.reduce_grads(grads, self.state.layout, stage=2, **self.ctx.bucket_kwargs("bucket_numel"))
+            bucket = self.ctx.bucket_kwargs("bucket_numel")
+            gshards = zf.reduce_grads(grads, self.state.layout, stage=2, staging=self.staging, **bucket)
             del grads
         with _phase("step_shards"):
             self.state, _ = zf.step_shards(self.state, gshards, donate=self.donate)
         with _phase("gather_params"):
             out = self.params if self.donate else None
-            self.params = zf.gather_params(self.state, out=out, **self.ctx.bucket_kwargs("bucket_numel"))
+            self.params = zf.gather_params(self.state, out=out, staging=self.staging, **bucket)
         return loss.detach()
 
     def state_bytes(self) -> dict[str, int | None]:

@@ -112,3 +112,46 @@ def _donate_matches_pure(max_norm):
 @pytest.mark.parametrize("max_norm", [None, 1e-3], ids=["noclip", "clip"])
 def test_donated_step_reuses_storage_and_gives_the_same_bits(world, max_norm):
     assert world.run(_donate_matches_pure, max_norm) == [True] * world.world_size
+
+
+def _staging_matches_fresh(stage, how):
+    import torch.distributed as dist
+
+    # broadcast pairs with gloo's default all-reduce; all_gather with reduce_scatter (byte-optimal)
+    policy = zf.CommPolicy(reduce="reduce_scatter" if how == "all_gather" else "all_reduce", gather=how)
+    params = _params()
+    state = zf.shard_params(params, zf.optim.adamw(lr=1e-2))
+    pool = zf.buckets.StagingPool()
+    rank = dist.get_rank()
+    for _ in range(3):  # the pool's buffers hold the last step's bytes from the second step on
+        grads = _grads(params, rank)
+        snap = Snapshot(grads)
+        fresh = zf.reduce_grads(grads, state.layout, stage=stage, bucket_numel=BUCKET, comm_policy=policy)
+        pooled = zf.reduce_grads(
+            grads, state.layout, stage=stage, bucket_numel=BUCKET, comm_policy=policy, staging=pool
+        )
+        snap.assert_unchanged(grads, "reduce_grads(grads, staging=)")
+        assert_trees_equal(dict(pooled), dict(fresh))
+        held = _storages(pool.buffers())
+        assert held, "reduce_grads(staging=) gave no buffer back to the pool"
+        assert not _storages(pooled) & held, "reduce_grads(staging=): shards alias the pool"
+        state, _ = zf.step_shards(state, pooled)
+        snap = Snapshot(state)
+        want = zf.gather_params(state, bucket_numel=BUCKET, comm_policy=policy)
+        got = zf.gather_params(state, bucket_numel=BUCKET, comm_policy=policy, staging=pool)
+        snap.assert_unchanged(state, "gather_params(state, staging=)")
+        assert_trees_equal(got, want)
+        assert not _storages(got) & _storages(pool.buffers()), "gather_params(staging=): params alias the pool"
+        params = got
+    try:
+        zf.gather_params(state, staging=[])
+    except TypeError as e:
+        return str(e)
+    return ""
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("how", ["broadcast", "all_gather"])
+def test_a_staging_pool_gives_the_same_bits_and_nothing_returned_aliases_it(world, stage, how):
+    for refused in world.run(_staging_matches_fresh, stage, how):
+        assert "staging must be a zerofn.buckets.StagingPool" in refused

@@ -47,6 +47,7 @@ from zerofn.layout import Bucket, ParamSpec, ShardLayout
 __all__ = [
     "BucketPlan",
     "MemberPlan",
+    "StagingPool",
     "bucket_plan",
     "cut_shard",
     "launch_gather",
@@ -143,6 +144,59 @@ def bucket_plan(layout: ShardLayout, bucket: Bucket) -> BucketPlan:
     if max(ends) != bucket.shard_numel:
         raise AssertionError(f"zerofn: bucket members do not fill a row of {bucket.shard_numel}: {bucket}")
     return BucketPlan(widths, tuple(members), split_width)
+
+
+class StagingPool:
+    """A free list of flat bucket buffers per (dtype, device), reused between buckets and steps.
+
+    Explicit reuse: the facade keeps one (its gradient staging, which its param gathers
+    borrow between ``step`` and the next ``backward``), and a functional loop may pass
+    one to :func:`~zerofn.reduce_grads` and :func:`~zerofn.gather_params` (``staging=``).
+    Fresh multi-MB buffers every step fault in new pages: measured, a 16 MiB fresh
+    buffer costs twice the copy into it, and a fresh-row pack of the benchmark
+    transformer's gradients 25 ms against 7 ms into a reused one. What comes out of the
+    stage functions never aliases a pool buffer: results are copied out first.
+
+    ``take`` hands out the smallest free buffer with room (or a new one of at least
+    ``min_numel`` elements); ``give`` returns one once nothing reads it any more, keeping at
+    most ``keep`` per (dtype, device) (the smallest are dropped). Not thread safe; one
+    pool per training loop.
+    """
+
+    def __init__(self, keep: int = 3, min_numel: int = 0) -> None:
+        self._keep = keep
+        self._min_numel = min_numel
+        self._free: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        free = self._free.get((dtype, device))
+        if free:
+            fits = [i for i, b in enumerate(free) if b.numel() >= numel]
+            if fits:
+                return free.pop(min(fits, key=lambda i: free[i].numel()))
+        return torch.empty(max(numel, self._min_numel), dtype=dtype, device=device)
+
+    def give(self, buf: torch.Tensor) -> None:
+        free = self._free.setdefault((buf.dtype, buf.device), [])
+        free.append(buf)
+        if len(free) > self._keep:
+            free.pop(min(range(len(free)), key=lambda i: free[i].numel()))
+
+    def give_unless_aliased(self, buf: torch.Tensor, readers: Iterable[torch.Tensor]) -> None:
+        """Return ``buf`` unless one of ``readers`` is a view of it (then it is simply dropped)."""
+        ptr = buf.untyped_storage().data_ptr()
+        if all(t.untyped_storage().data_ptr() != ptr for t in readers):
+            self.give(buf)
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The idle buffers held now."""
+        return [b for free in self._free.values() for b in free]
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    def clear(self) -> None:
+        self._free = {}
 
 
 # --------------------------------------------------------------------------- reduce side

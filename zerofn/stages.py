@@ -39,7 +39,16 @@ from zerofn._comm import CommPolicy, Group, Pending
 from zerofn._deprecation import UNSET, renamed
 from zerofn._norm import local_norm_term
 from zerofn._tree import FrozenDict
-from zerofn.buckets import cut_shard, launch_gather, launch_reduce, pack_grads, pack_shards, split_row, unpack_rows
+from zerofn.buckets import (
+    StagingPool,
+    cut_shard,
+    launch_gather,
+    launch_reduce,
+    pack_grads,
+    pack_shards,
+    split_row,
+    unpack_rows,
+)
 from zerofn.layout import Bucket, ShardLayout, make_layout
 from zerofn.optim import Optimizer
 from zerofn.precision import (
@@ -242,6 +251,7 @@ def reduce_grads(
     comm_dtype: torch.dtype | None = None,
     precision: PrecisionPolicy | None = None,
     replicate_group: Group = None,
+    staging: StagingPool | None = None,
     policy: Any = UNSET,
 ) -> FrozenDict[torch.Tensor]:
     """Average full local gradients over the group and keep this rank's shards.
@@ -275,6 +285,10 @@ def reduce_grads(
         as this one (one per shard group); gradients are then averaged over all
         ``N * R`` ranks. ``None`` (default): no replicas. Note the asymmetry with
         ``group``: here ``None`` does not mean the default group.
+      staging: explicit buffer reuse: a :class:`~zerofn.buckets.StagingPool` the
+        ``(N, S)`` rows are taken from and given back to (the same pool every step saves
+        faulting in fresh pages for Ψ elements per call); ``None``: fresh rows. The
+        returned shards never alias its buffers.
       policy: the old name of ``comm_policy`` (deprecated, warns).
 
     Returns:
@@ -306,6 +320,7 @@ def reduce_grads(
         comm_dtype = comm_dtype if comm_dtype is not None else precision.comm_dtype
         checks.validate_world(layout, group, "reduce_grads")
         checks.validate_replicas(replicate_group, "reduce_grads")
+        _check_staging(staging, "reduce_grads")
         present = checks.validate_grads(
             grads, layout, group, "reduce_grads", accum_dtype_for=precision.grad_accum_dtype_for
         )
@@ -336,12 +351,15 @@ def reduce_grads(
     replicas = comm.group_size(replicate_group) if replicate_group is not None else 1
     present_set = set(present)
     out: dict[str, torch.Tensor] = {}
-    in_flight: collections.deque[tuple[Bucket, torch.dtype, Pending]] = collections.deque()
+    in_flight: collections.deque[tuple[Bucket, torch.dtype, Pending, torch.Tensor | None]] = collections.deque()
 
     def settle_oldest() -> None:
-        bucket, dtype, pending = in_flight.popleft()
+        bucket, dtype, pending, borrowed = in_flight.popleft()
         row = sum_over_replicas(pending.wait(), replicate_group)
-        out.update(split_row(row, layout, bucket, present_set, dtype=dtype, rank=rank))
+        shards = split_row(row, layout, bucket, present_set, dtype=dtype, rank=rank)  # copied out of `rows`
+        out.update(shards)
+        if borrowed is not None:
+            staging.give_unless_aliased(borrowed, shards.values())  # type: ignore[union-attr]
 
     for bucket in buckets:
         members = [n for n in bucket.names if n in present_set]
@@ -350,9 +368,12 @@ def reduce_grads(
         # Pipelined: this bucket is packed while the previous one is on the wire. Every
         # rank issues the same sequence of collectives (launch k, then settle k-1), so the
         # replicas' blocking sums interleave alike everywhere.
-        rows = pack_grads(grads, layout, bucket, replicas=replicas)
+        dtype, n_s = grad_dtypes[members[0]], layout.world_size * bucket.shard_numel
+        borrowed = staging.take(n_s, dtype, device) if staging is not None else None
+        into = borrowed[:n_s].view(layout.world_size, -1) if borrowed is not None else None
+        rows = pack_grads(grads, layout, bucket, replicas=replicas, out=into)
         pending = launch_reduce(rows, layout, bucket, group, how, comm_dtype=comm_dtype, async_op=True)
-        in_flight.append((bucket, grad_dtypes[members[0]], pending))
+        in_flight.append((bucket, dtype, pending, borrowed))
         if len(in_flight) > PIPELINE_DEPTH:
             settle_oldest()
     while in_flight:
@@ -578,6 +599,11 @@ def step_shards(
     return new_state, StepInfo(true_norm, False, max_norm / (true_norm + 1e-6) if clipped else 1.0)
 
 
+def _check_staging(staging: object, where: str) -> None:
+    if staging is not None and not isinstance(staging, StagingPool):
+        raise TypeError(f"{where}: staging must be a zerofn.buckets.StagingPool or None, got {type(staging).__name__}")
+
+
 class StepVetoed(RuntimeError):
     """Raised by ``step_shards`` on every rank when some rank passed a ``veto``; nothing was applied.
 
@@ -640,6 +666,7 @@ def gather_params(
     comm_policy: CommPolicy | None = None,
     out: Mapping[str, torch.Tensor] | None = None,
     check: bool = True,
+    staging: StagingPool | None = None,
     policy: Any = UNSET,
 ) -> dict[str, torch.Tensor]:
     """All ranks' master shards, gathered into full params in their working dtypes.
@@ -661,7 +688,10 @@ def gather_params(
       check: confirm with one tiny all-gather that every rank has the same layout and
         bucket size (the default). A caller that has confirmed it once for this layout
         and group, as the facade does at construction, may pass False to save the round trip.
-
+      staging: explicit buffer reuse: a :class:`~zerofn.buckets.StagingPool` the ``(N, S)``
+        receive buffers are taken from and given back to (with the broadcast
+        realisation this rank's row is packed straight into its slot); ``None``: fresh
+        buffers. The returned params never alias its buffers.
       policy: the old name of ``comm_policy`` (deprecated, warns).
     Returns:
       A new dict name -> full param (layout order, original shape, working dtype, on the
@@ -679,6 +709,7 @@ def gather_params(
     if not isinstance(bucket_numel, int) or bucket_numel <= 0:
         raise ValueError(f"gather_params: bucket_numel must be a positive int (elements), got {bucket_numel!r}")
     device = state.work_device
+    _check_staging(staging, "gather_params")
     if out is not None:
         checks.validate_out(out, layout, "gather_params")
     if check:
@@ -688,20 +719,25 @@ def gather_params(
         s.name: out[s.name] if out is not None else torch.empty(s.shape, dtype=s.dtype, device=device)
         for s in layout.params
     }
-    in_flight: collections.deque[tuple[Bucket, Pending]] = collections.deque()
+    in_flight: collections.deque[tuple[Bucket, Pending, torch.Tensor | None]] = collections.deque()
 
     def write_oldest() -> None:
-        bucket, pending = in_flight.popleft()
+        bucket, pending, borrowed = in_flight.popleft()
         with torch.no_grad():  # `out` may be leaf params that require grad
-            unpack_rows(pending.wait(), layout, bucket, result)
+            unpack_rows(pending.wait(), layout, bucket, result)  # copied out of the (N, S) buffer
+        if borrowed is not None:
+            staging.give(borrowed)  # type: ignore[union-attr]
 
+    n = layout.world_size
     for bucket in layout.buckets(bucket_numel):
         # Pipelined: the previous bucket's rows are written into the params while this
         # one is on the wire; at most PIPELINE_DEPTH gathered buffers exist at once.
-        row = pack_shards(
-            state.master, layout, bucket, dtype=layout[bucket.names[0]].dtype, device=device, rank=state.rank
-        )
-        in_flight.append((bucket, launch_gather(row, group, how, async_op=True)))
+        dtype, n_s = layout[bucket.names[0]].dtype, n * bucket.shard_numel
+        borrowed = staging.take(n_s, dtype, device) if staging is not None else None
+        recv = borrowed[:n_s].view(n, -1) if borrowed is not None else None
+        in_place = recv[state.rank] if recv is not None and how == "broadcast" else None
+        row = pack_shards(state.master, layout, bucket, dtype=dtype, device=device, out=in_place, rank=state.rank)
+        in_flight.append((bucket, launch_gather(row, group, how, async_op=True, out=recv), borrowed))
         if len(in_flight) > PIPELINE_DEPTH:
             write_oldest()
     while in_flight:

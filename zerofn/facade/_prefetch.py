@@ -31,9 +31,8 @@ import torch.utils._pytree as pytree
 
 from zerofn import _comm as comm
 from zerofn._comm import Group
-from zerofn.buckets import launch_gather, pack_shards, unpack_rows
+from zerofn.buckets import StagingPool, launch_gather, pack_shards, unpack_rows
 from zerofn.facade._guards import ParamGuard
-from zerofn.facade._reducer import Staging
 from zerofn.layout import Bucket, ShardLayout
 from zerofn.state import ZeroState
 
@@ -71,7 +70,7 @@ class ParamPrefetcher:
         how: str,
         module: torch.nn.Module,
         guard: ParamGuard | None = None,
-        staging: Staging | None = None,
+        staging: StagingPool | None = None,
     ) -> None:
         self._params = params
         self._staging = staging

@@ -40,7 +40,7 @@ their mean gradients, as at stage 2).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -49,6 +49,7 @@ from zerofn import _checks as checks
 from zerofn import _comm as comm
 from zerofn._comm import CommPolicy, Group
 from zerofn.buckets import (
+    StagingPool,
     cut_shard,
     launch_gather,
     launch_reduce,
@@ -61,7 +62,7 @@ from zerofn.layout import Bucket, ShardLayout
 from zerofn.precision import PrecisionPolicy, mul_grads_
 from zerofn.stages import reduce_realisation, sum_over_replicas
 
-__all__ = ["GradReducer", "ShardedGrad", "ShardedGradError", "Staging"]
+__all__ = ["GradReducer", "ShardedGrad", "ShardedGradError"]
 
 # Buckets whose reduction may be in flight at once when overlapping: enough to keep the
 # network busy while backward computes, few enough to bound the buffers held.
@@ -141,51 +142,6 @@ def sharded_grad(param: torch.Tensor) -> ShardedGrad:
     """A :class:`ShardedGrad` for ``param``: its shape, dtype and device, one element of memory."""
     zero = torch.zeros((), dtype=param.dtype, device=param.device)
     return zero.expand(param.shape).as_subclass(ShardedGrad)  # type: ignore[return-value]
-
-
-class Staging:
-    """A free list of flat staging buffers per (dtype, device), reused between buckets and steps.
-
-    ``take`` hands out the smallest free buffer with room (or a new one of at least
-    ``min_numel`` elements); ``give`` returns one once nothing reads it any more, keeping at
-    most ``keep`` per (dtype, device) (the smallest are dropped). Fresh multi-MB buffers
-    every step would fault in new pages (measured: about 3x the copy itself).
-    """
-
-    def __init__(self, keep: int, min_numel: int) -> None:
-        self._keep = keep
-        self._min_numel = min_numel
-        self._free: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-
-    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        free = self._free.get((dtype, device))
-        if free:
-            fits = [i for i, b in enumerate(free) if b.numel() >= numel]
-            if fits:
-                return free.pop(min(fits, key=lambda i: free[i].numel()))
-        return torch.empty(max(numel, self._min_numel), dtype=dtype, device=device)
-
-    def give(self, buf: torch.Tensor) -> None:
-        free = self._free.setdefault((buf.dtype, buf.device), [])
-        free.append(buf)
-        if len(free) > self._keep:
-            free.pop(min(range(len(free)), key=lambda i: free[i].numel()))
-
-    def give_unless_aliased(self, buf: torch.Tensor, readers: Iterable[torch.Tensor]) -> None:
-        """Return ``buf`` unless one of ``readers`` is a view of it (then it is simply dropped)."""
-        ptr = buf.untyped_storage().data_ptr()
-        if all(t.untyped_storage().data_ptr() != ptr for t in readers):
-            self.give(buf)
-
-    def buffers(self) -> list[torch.Tensor]:
-        """The idle buffers held now."""
-        return [b for free in self._free.values() for b in free]
-
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers())
-
-    def clear(self) -> None:
-        self._free = {}
 
 
 class _InFlight:
@@ -293,7 +249,7 @@ class GradReducer:
         self._sent: list[set[str]] = [set() for _ in self._buckets]
         self._ready_empty: set[str] = set()
         self._inflight: list[_InFlight] = []
-        self.staging = Staging(keep=MAX_INFLIGHT + 1 if overlap else 1, min_numel=bucket_numel)
+        self.staging = StagingPool(keep=MAX_INFLIGHT + 1 if overlap else 1, min_numel=bucket_numel)
         self._replica_rows: list[_InFlight] = []
         self._callback_queued = False
         # Accumulation in another dtype than the working one (float32 under fp16/bf16):

@@ -417,6 +417,7 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
             comm_policy=self._comm_policy,
             out=self._params,
             check=False,
+            staging=self._reducer.staging,  # idle between step and the next backward
         )
         self._guard.record()
 
