@@ -19,9 +19,10 @@ through the facade's other features, on real gloo ranks:
   zerofn's shard group then replicas) cannot show; each whole param is held by exactly
   one rank of each shard group.
 * **sharded DCP checkpoints** (``save_checkpoint`` / ``load_checkpoint``) of a facade over
-  ``[Muon, AdamW]``: the loaded state dict equals the saved one bitwise (torch format,
-  masters, step), at the same and at another world size (owners move), and the steps
-  after the load are bitwise those of an uninterrupted run.
+  Muon, Adafactor and ``[Muon, AdamW]``: the loaded state dict equals the saved one
+  bitwise (torch format, masters, step, every wrapped optimizer's hyperparameters), at the
+  same and at another world size (owners move), and the steps after the load are bitwise
+  those of an uninterrupted run; the loss scale of fp16 training comes back too.
 """
 
 from __future__ import annotations
@@ -322,16 +323,21 @@ CKPT_AT = 4  # steps before the save
 AFTER = 3  # steps after it
 
 
-def _ckpt_facade(seed_shift: int = 0) -> tuple[nn.Module, zf.ZeroOptimizer]:
-    model = _model("muon_adamw")
-    if seed_shift:  # another starting point: the load must bring every value
+LRS = {"muon": [MUON["lr"]], "adafactor": [ADAFACTOR["lr"]], "muon_adamw": [MUON["lr"], ADAMW["lr"]]}
+
+
+def _ckpt_facade(recipe: str, shift: bool = False) -> tuple[nn.Module, zf.ZeroOptimizer]:
+    """The facade with every lr at 0.5: the uninterrupted run sets the real ones, a load must bring them."""
+    model = _model(recipe)
+    if shift:  # another starting point: the load must bring every value
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(0.5)
-    opts = _torch_optimizers("muon_adamw", list(model.named_parameters()))
-    opts[0].param_groups[0]["lr"] = 0.5  # the saved hyperparameters win
+    opts = _torch_optimizers(recipe, list(model.named_parameters()))
+    for o in opts:
+        o.param_groups[0]["lr"] = 0.5
     zo = zf.ZeroOptimizer(
-        opts, partition_grad=True, overlap_communication=True, reduce_bucket_size=BUCKET, module=model
+        _wrap(opts), partition_grad=True, overlap_communication=True, reduce_bucket_size=BUCKET, module=model
     )
     return model, zo
 
@@ -349,42 +355,46 @@ def _params(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _save_and_continue(path: str) -> dict:
-    """Uninterrupted: CKPT_AT steps, save, AFTER more steps (the save changes nothing)."""
-    model, zo = _ckpt_facade()
-    zo.param_groups[0]["lr"] = MUON["lr"]
+def _listed(state_dict: Any) -> list[dict]:
+    return state_dict if isinstance(state_dict, list) else [state_dict]
+
+
+def _trained_to_save(recipe: str) -> tuple[nn.Module, zf.ZeroOptimizer]:
+    model, zo = _ckpt_facade(recipe)
+    for group, lr in zip(zo.param_groups, LRS[recipe], strict=True):
+        group["lr"] = lr
     _train_steps(model, zo, 0, CKPT_AT)
-    saved = zo.state_dict()
+    return model, zo
+
+
+def _save_and_continue(path: str, recipe: str) -> dict:
+    """Uninterrupted: CKPT_AT steps, save, AFTER more steps (the save changes nothing)."""
+    model, zo = _trained_to_save(recipe)
+    saved = _listed(zo.state_dict())
+    at_save = _params(model)
     written = zo.save_checkpoint(path)
     _train_steps(model, zo, CKPT_AT, AFTER)
-    out = {"saved": saved, "written": written, "final": _params(model), "final_state": zo.state_dict()}
+    out = {"saved": saved, "written": written, "at_save": at_save, "final": _params(model)}
+    out["final_state"] = _listed(zo.state_dict())
     zo.close()
     return out
 
 
-def _load_and_continue(path: str) -> dict:
-    model, zo = _ckpt_facade(seed_shift=1)
+def _load_and_continue(path: str, recipe: str) -> dict:
+    model, zo = _ckpt_facade(recipe, shift=True)
     zo.load_checkpoint(path)
-    loaded = zo.state_dict()
+    loaded = _listed(zo.state_dict())
     lrs = [g["lr"] for g in zo.param_groups]
     loaded_params = _params(model)
     _train_steps(model, zo, CKPT_AT, AFTER)
     out = {"loaded": loaded, "lrs": lrs, "loaded_params": loaded_params, "final": _params(model)}
-    out["final_state"] = zo.state_dict()
+    out["final_state"] = _listed(zo.state_dict())
     zo.close()
     return out
 
 
-def _params_at_save() -> dict[str, torch.Tensor]:
-    model, zo = _ckpt_facade()
-    zo.param_groups[0]["lr"] = MUON["lr"]
-    _train_steps(model, zo, 0, CKPT_AT)
-    zo.close()
-    return _params(model)
-
-
 def _assert_dicts_equal(a: list[dict], b: list[dict], step: int) -> None:
-    assert len(a) == len(b) == 2
+    assert len(a) == len(b)
     for pa, pb in zip(a, b, strict=True):
         assert pa["param_groups"] == pb["param_groups"]
         assert sorted(pa["state"]) == sorted(pb["state"]) and pa["state"]
@@ -394,26 +404,33 @@ def _assert_dicts_equal(a: list[dict], b: list[dict], step: int) -> None:
         assert pa["zerofn"]["step"] == pb["zerofn"]["step"] == step
 
 
-@pytest.mark.parametrize("m", [2, 3], ids=["to2", "to3"])
-def test_dcp_checkpoint_of_muon_adamw_round_trips_bitwise_and_continues_as_uninterrupted(tmp_path, m):
+STATE_KEYS = {
+    "muon": [{"momentum_buffer"}],
+    "adafactor": [{"step", "row_var", "col_var"}],  # the first param, a.weight, is a matrix: factored
+    "muon_adamw": [{"momentum_buffer"}, {"exp_avg", "exp_avg_sq", "step"}],
+}
+
+
+@pytest.mark.parametrize(
+    ("recipe", "m"), [("muon", 2), ("adafactor", 2), ("muon_adamw", 2), ("muon_adamw", 3)], ids=str
+)
+def test_dcp_checkpoint_round_trips_bitwise_and_continues_as_uninterrupted(tmp_path, recipe, m):
     path = str(tmp_path / "ckpt")
-    uninterrupted = get_world(2).run(_save_and_continue, path)
-    at_save = get_world(2).run(_params_at_save)[0]
-    resumed = get_world(m).run(_load_and_continue, path)
+    uninterrupted = get_world(2).run(_save_and_continue, path, recipe)
+    resumed = get_world(m).run(_load_and_continue, path, recipe)
     first = uninterrupted[0]
     assert [u["written"] for u in uninterrupted] == [first["written"]] * 2
     assert first["saved"][0]["zerofn"]["step"] == CKPT_AT
-    # Momentum buffers and AdamW moments exist: the round trip carries real state.
-    assert {"momentum_buffer"} == set(next(iter(first["saved"][0]["state"].values())))
-    assert {"exp_avg", "exp_avg_sq", "step"} == set(next(iter(first["saved"][1]["state"].values())))
+    # Momentum buffers, Adafactor's factored statistics, AdamW's moments: the round trip carries real state.
+    assert [set(part["state"][0]) for part in first["saved"]] == STATE_KEYS[recipe]
     for r in resumed:
         _assert_dicts_equal(r["loaded"], first["saved"], CKPT_AT)  # bitwise: torch format, masters, step
-        assert r["lrs"] == [MUON["lr"], ADAMW["lr"]]  # the saved hyperparameters replaced 0.5
-        assert_trees_equal(r["loaded_params"], at_save)  # the model weights came with it
+        assert r["lrs"] == LRS[recipe]  # the saved hyperparameters replaced the 0.5 of every wrapped optimizer
+        assert_trees_equal(r["loaded_params"], first["at_save"])  # the model weights came with it
         if m == 2:  # the same ranks and data: the steps after it are the same bits
             assert_trees_equal(r["final"], first["final"])
             _assert_dicts_equal(r["final_state"], first["final_state"], CKPT_AT + AFTER)
-    assert not torch.equal(first["final"]["a.weight"], at_save["a.weight"])
+    assert not torch.equal(first["final"]["a.weight"], first["at_save"]["a.weight"])
 
 
 def test_fp16_loss_scale_of_whole_params_survives_a_dcp_checkpoint(tmp_path):
