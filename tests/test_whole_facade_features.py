@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from conftest import get_world
-from helpers import IN_FEATURES, OUT_FEATURES, Net, assert_trees_equal, batches, gate_used
+from helpers import IN_FEATURES, OUT_FEATURES, Net, assert_trees_equal, batches, ddp_reference, gate_used
 from test_precision import ReferenceScaler
 
 import zerofn as zf
@@ -573,3 +573,50 @@ def test_the_gradient_methods_with_whole_params_bitwise_equal_to_ddp(recipe, pre
                     assert mine["gate.weight"] is None, (stage, step)  # layer drop: no gradient, as DDP
             for ours_norm, ddp_norm in zip(ours["norms"], ddp["norms"], strict=True):
                 assert ours_norm == pytest.approx(ddp_norm, rel=1e-12), stage  # float64 sums in another order
+
+
+# --------------------------------------------------------------------------- the params are the user's
+
+
+def _write(module: nn.Module, step: int) -> None:
+    """The user's writes between steps: a load_state_dict at step 2, an in-place op at step 5."""
+    with torch.no_grad():
+        if step == 2:
+            module.load_state_dict({k: v * 0.5 for k, v in module.state_dict().items()})
+        if step == 5:
+            module.gate.weight.add_(0.25)  # gate.weight: whole under Muon and Adafactor
+
+
+def _facade_written(recipe: str, stage: int) -> dict:
+    model = _model(recipe)
+    zo = zf.ZeroOptimizer(
+        _wrap(_torch_optimizers(recipe, list(model.named_parameters()))),
+        partition_grad=stage == 2,
+        reduce_bucket_size=BUCKET,
+        module=model,
+    )
+    for step, (x, y) in enumerate(batches(dist.get_rank(), STEPS)):
+        _write(model, step)
+        zo.backward(_loss(model(x, gate_used(step)), y))
+        zo.step()
+        zo.zero_grad()
+    zo.close()
+    return _params(model)
+
+
+def _written_all(recipe: str) -> tuple[dict, dict, dict]:
+    ref = ddp_reference(
+        _model(recipe),
+        lambda m: _torch_optimizers(recipe, list(m.named_parameters())),
+        batches(dist.get_rank(), STEPS),
+        steps=STEPS,
+        before_step=_write,
+    )
+    return _facade_written(recipe, 1), _facade_written(recipe, 2), ref["params"]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_weights_written_between_steps_train_on_with_whole_params_as_with_ddp(recipe):
+    for stage1, stage2, ddp in get_world(2).run(_written_all, recipe):
+        assert_trees_equal(stage1, ddp)
+        assert_trees_equal(stage2, ddp)
