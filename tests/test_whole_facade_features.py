@@ -620,3 +620,42 @@ def test_weights_written_between_steps_train_on_with_whole_params_as_with_ddp(re
     for stage1, stage2, ddp in get_world(2).run(_written_all, recipe):
         assert_trees_equal(stage1, ddp)
         assert_trees_equal(stage2, ddp)
+
+
+def _hybrid_save(path: str) -> dict:
+    """[Muon, AdamW] over shard groups {0,2} {1,3} with replicas {0,1} {2,3}: a sharded save."""
+    shard, replicate = _strided_groups()
+    model = _model("muon_adamw")
+    zo = zf.ZeroOptimizer(
+        _torch_optimizers("muon_adamw", list(model.named_parameters())),
+        partition_grad=True,
+        reduce_bucket_size=BUCKET,
+        module=model,
+        dp_process_group=shard,
+        replicate_group=replicate,
+    )
+    _train_steps(model, zo, 0, CKPT_AT)
+    full = zo.state_dict()
+    written = zo.save_checkpoint(path)
+    zo.close()
+    return {"full": full, "written": written, "params": _params(model)}
+
+
+def _plain_load(path: str) -> dict:
+    model, zo = _ckpt_facade("muon_adamw", shift=True)
+    zo.load_checkpoint(path)
+    out = {"full": zo.state_dict(), "params": _params(model)}
+    zo.close()
+    return out
+
+
+def test_a_hybrid_checkpoint_of_whole_params_loads_at_other_layouts(tmp_path):
+    path = str(tmp_path / "hybrid")
+    saved = get_world(4).run(_hybrid_save, path)
+    assert len({s["written"] for s in saved}) == 1  # every rank, replicas included, gets the committed directory
+    for s in saved[1:]:
+        _assert_dicts_equal(s["full"], saved[0]["full"], CKPT_AT)  # replicas and shard groups agree
+    for m in (1, 3):
+        for loaded in get_world(m).run(_plain_load, path):
+            _assert_dicts_equal(loaded["full"], saved[0]["full"], CKPT_AT)
+            assert_trees_equal(loaded["params"], saved[0]["params"])
