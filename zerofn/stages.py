@@ -351,15 +351,16 @@ def reduce_grads(
     replicas = comm.group_size(replicate_group) if replicate_group is not None else 1
     present_set = set(present)
     out: dict[str, torch.Tensor] = {}
-    in_flight: collections.deque[tuple[Bucket, torch.dtype, Pending, torch.Tensor | None]] = collections.deque()
+    # Without the caller's pool, one for this call: bucket k + 2 reuses bucket k's pages.
+    pool = staging if staging is not None else StagingPool(keep=PIPELINE_DEPTH + 1)
+    in_flight: collections.deque[tuple[Bucket, torch.dtype, Pending, torch.Tensor]] = collections.deque()
 
     def settle_oldest() -> None:
         bucket, dtype, pending, borrowed = in_flight.popleft()
         row = sum_over_replicas(pending.wait(), replicate_group)
         shards = split_row(row, layout, bucket, present_set, dtype=dtype, rank=rank)  # copied out of `rows`
         out.update(shards)
-        if borrowed is not None:
-            staging.give_unless_aliased(borrowed, shards.values())  # type: ignore[union-attr]
+        pool.give_unless_aliased(borrowed, shards.values())
 
     for bucket in buckets:
         members = [n for n in bucket.names if n in present_set]
@@ -368,10 +369,9 @@ def reduce_grads(
         # Pipelined: this bucket is packed while the previous one is on the wire. Every
         # rank issues the same sequence of collectives (launch k, then settle k-1), so the
         # replicas' blocking sums interleave alike everywhere.
-        dtype, n_s = grad_dtypes[members[0]], layout.world_size * bucket.shard_numel
-        borrowed = staging.take(n_s, dtype, device) if staging is not None else None
-        into = borrowed[:n_s].view(layout.world_size, -1) if borrowed is not None else None
-        rows = pack_grads(grads, layout, bucket, replicas=replicas, out=into)
+        dtype, shape = grad_dtypes[members[0]], (layout.world_size, bucket.shard_numel)
+        borrowed = pool.take(shape[0] * shape[1], dtype, device)
+        rows = pack_grads(grads, layout, bucket, replicas=replicas, out=borrowed[: shape[0] * shape[1]].view(shape))
         pending = launch_reduce(rows, layout, bucket, group, how, comm_dtype=comm_dtype, async_op=True)
         in_flight.append((bucket, dtype, pending, borrowed))
         if len(in_flight) > PIPELINE_DEPTH:
@@ -719,23 +719,24 @@ def gather_params(
         s.name: out[s.name] if out is not None else torch.empty(s.shape, dtype=s.dtype, device=device)
         for s in layout.params
     }
-    in_flight: collections.deque[tuple[Bucket, Pending, torch.Tensor | None]] = collections.deque()
+    # Without the caller's pool, one for this call: bucket k + 2 reuses bucket k's pages.
+    pool = staging if staging is not None else StagingPool(keep=PIPELINE_DEPTH + 1)
+    in_flight: collections.deque[tuple[Bucket, Pending, torch.Tensor]] = collections.deque()
 
     def write_oldest() -> None:
         bucket, pending, borrowed = in_flight.popleft()
         with torch.no_grad():  # `out` may be leaf params that require grad
             unpack_rows(pending.wait(), layout, bucket, result)  # copied out of the (N, S) buffer
-        if borrowed is not None:
-            staging.give(borrowed)  # type: ignore[union-attr]
+        pool.give(borrowed)
 
     n = layout.world_size
     for bucket in layout.buckets(bucket_numel):
         # Pipelined: the previous bucket's rows are written into the params while this
         # one is on the wire; at most PIPELINE_DEPTH gathered buffers exist at once.
         dtype, n_s = layout[bucket.names[0]].dtype, n * bucket.shard_numel
-        borrowed = staging.take(n_s, dtype, device) if staging is not None else None
-        recv = borrowed[:n_s].view(n, -1) if borrowed is not None else None
-        in_place = recv[state.rank] if recv is not None and how == "broadcast" else None
+        borrowed = pool.take(n_s, dtype, device)
+        recv = borrowed[:n_s].view(n, bucket.shard_numel)
+        in_place = recv[state.rank] if how == "broadcast" else None
         row = pack_shards(state.master, layout, bucket, dtype=dtype, device=device, out=in_place, rank=state.rank)
         in_flight.append((bucket, launch_gather(row, group, how, async_op=True, out=recv), borrowed))
         if len(in_flight) > PIPELINE_DEPTH:
