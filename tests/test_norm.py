@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zerofn._norm import CHUNK_NUMEL, local_norm_term
+from zerofn._norm import CHUNK_NUMEL, _fused_sum_of_squares, local_norm_term
 
 CPU = torch.device("cpu")
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
@@ -77,3 +77,16 @@ def test_the_inputs_are_not_changed():
     before = [p.clone() for p in pieces]
     local_norm_term(pieces, 2.0, CPU)
     assert all(torch.equal(a, b) for a, b in zip(pieces, before, strict=True))
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    st.lists(st.tuples(sizes, st.sampled_from(DTYPES)), min_size=1, max_size=5),
+    st.integers(0, 2**16),
+)
+def test_the_fused_path_cuda_takes_agrees_on_the_cpu(specs, seed):
+    # CUDA uses _foreach_norm(dtype=float64); the same call runs (unfused) on the CPU here.
+    pieces = [p for p in _pieces([n for n, _ in specs], [d for _, d in specs], seed) if p.numel()]
+    if pieces:
+        got = float(_fused_sum_of_squares(pieces))
+        assert math.isclose(got, _reference_sum_of_squares(pieces), rel_tol=1e-12, abs_tol=0.0)
