@@ -555,10 +555,9 @@ def _inspected_all(recipe: str, prefetch: bool) -> tuple[dict, dict, dict]:
     return _facade_inspected(recipe, 1, prefetch), _facade_inspected(recipe, 2, prefetch), _ddp_inspected(recipe)
 
 
-# overlap_allgather=True with whole params: ZeroOptimizer.step raises "pack_shards: this
-# bucket holds whole params; pass rank=" (zerofn/facade/_prefetch.py's ParamPrefetcher.launch
-# calls pack_shards without rank=state.rank); with that fixed, True passes here bitwise.
-@pytest.mark.parametrize("prefetch", [False], ids=["gather_in_step"])
+# overlap_allgather=True with whole params once raised in step ("pack_shards: this bucket
+# holds whole params; pass rank="): the prefetcher packed its rows without rank=.
+@pytest.mark.parametrize("prefetch", [False, True], ids=["gather_in_step", "overlap_allgather"])
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_the_gradient_methods_with_whole_params_bitwise_equal_to_ddp(recipe, prefetch):
     for stage1, stage2, ddp in get_world(2).run(_inspected_all, recipe, prefetch):

@@ -104,7 +104,9 @@ class ParamPrefetcher:
             if recv is not None and self._how == "broadcast":
                 # This rank's row is packed where the gather wants it: no separate row, no copy.
                 mine = recv[state.rank]
-                row = pack_shards(state.master, self._layout, bucket, dtype=dtype, device=device, out=mine)
+                row = pack_shards(
+                    state.master, self._layout, bucket, dtype=dtype, device=device, out=mine, rank=state.rank
+                )
                 if row.data_ptr() == mine.data_ptr():
                     pending = launch_gather(row, self._group, self._how, async_op=True, out=recv)
                     self._gathers[b] = (pending, row, borrowed)
@@ -119,7 +121,7 @@ class ParamPrefetcher:
                 out = self._rows[b]
                 if out is None or out.dtype != dtype or out.device != device:
                     out = self._rows[b] = torch.empty(bucket.shard_numel, dtype=dtype, device=device)
-            row = pack_shards(state.master, self._layout, bucket, dtype=dtype, device=device, out=out)
+            row = pack_shards(state.master, self._layout, bucket, dtype=dtype, device=device, out=out, rank=state.rank)
             pending = launch_gather(row, self._group, self._how, async_op=True, out=recv)
             self._gathers[b] = (pending, row, borrowed)
             self.pending += 1
