@@ -25,6 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from conftest import get_world
 from helpers import IN_FEATURES, OUT_FEATURES, Net, Snapshot, batches
 
 import zerofn as zf
@@ -233,3 +234,33 @@ def test_a_layer_dropped_on_one_rank_only_makes_every_rank_raise(world):
         assert r["type"] == "RankMismatchError", r
         assert "Param 'gate.bias' has a gradient on ranks [0] but none on ranks [1]" in r["message"], r
         assert r["unchanged"] and r["seconds"] < TIMEOUT_S, r
+
+
+# --------------------------------------------------------------------------- what the layout cannot see
+
+
+def _rules(first: type[torch.optim.Optimizer]) -> str:
+    from zerofn.facade import _options
+
+    torch.manual_seed(0)
+    model = Net()
+    named = list(model.named_parameters())
+    mats = [(n, p) for n, p in named if n.endswith("weight")]
+    rest = [(n, p) for n, p in named if not n.endswith("weight")]
+    opts = [first([p for _, p in mats], lr=0.01), torch.optim.AdamW([p for _, p in rest], **ADAMW)]
+    fopt = zf.torch_optim.from_torch_optimizers(opts, [[[n for n, _ in mats]], [[n for n, _ in rest]]])
+    layout = zf.shard_params({n: p.detach() for n, p in named}, fopt).layout
+    return _options.update_rules(fopt, [n for n, _ in named]), layout
+
+
+def test_update_rules_tell_apart_optimizers_whose_placements_agree():
+    # Muon and Adafactor both place every matrix whole: the same layout, other update rules.
+    # (ZeroOptimizer's construction should compare their hash across ranks as it does the
+    # layout's; see zerofn.facade._options.update_rules.)
+    muon_rules, muon_layout = get_world(1).run(_rules, torch.optim.Muon)[0]
+    adafactor_rules, adafactor_layout = get_world(1).run(_rules, torch.optim.Adafactor)[0]
+    assert muon_layout == adafactor_layout
+    assert muon_rules != adafactor_rules
+    assert muon_rules == get_world(1).run(_rules, torch.optim.Muon)[0][0]  # the same on every build
+    assert "a.weight:muon:Muon" in muon_rules.splitlines() and "a.bias:adamw:AdamW" in muon_rules.splitlines()
+    assert "a.weight:adafactor:Adafactor" in adafactor_rules.splitlines()

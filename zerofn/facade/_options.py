@@ -30,7 +30,7 @@ their defaults):
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -56,6 +56,7 @@ __all__ = [
     "precision_policy",
     "resolve_params",
     "torch_bookkeeping",
+    "update_rules",
 ]
 
 # The seed's precision keywords and their defaults (ZeroOptimizer's signature); with
@@ -310,3 +311,21 @@ def torch_bookkeeping(opt: torch.optim.Optimizer, defaults: Mapping[str, Any]) -
     opt._optimizer_state_dict_post_hooks = {}
     opt._optimizer_load_state_dict_pre_hooks = {}
     opt._optimizer_load_state_dict_post_hooks = {}
+
+
+def update_rules(optimizer: optim.Optimizer, names: Iterable[str]) -> str:
+    """Which update rule each param gets (``name:optimizer:torch class``), for the ranks to compare.
+
+    Equal on ranks that built the same optimizers over the same params. Ranks whose
+    placements agree may still wrap different optimizers (``[Adafactor(matrices), AdamW]``
+    on one rank, ``[Muon(matrices), AdamW]`` on another: every matrix whole on both); each
+    owner would then update its whole params with its own rule, silently, and the state
+    dict of "Muon" would hold Adafactor's statistics. Its :func:`zerofn._checks.text_hash`
+    belongs in the construction's :func:`~zerofn._checks.check_ranks_agree` settings.
+    Hyperparameters are left out (a callable's repr differs between processes).
+    """
+    rules = []
+    for name in names:
+        rule = optimizer.parts[optimizer.part_index(name)][1] if optimizer.parts else optimizer
+        rules.append(f"{name}:{rule.name}:{rule.torch_class.__name__}")
+    return "\n".join(rules)
