@@ -64,12 +64,11 @@ class Wider(Net):
         self.unused = nn.Linear(OUT_FEATURES, 3)
 
 
-def _muon_adamw(model: nn.Module) -> list[torch.optim.Optimizer]:
+def _muon_adamw(model: nn.Module, matrices: str = "muon") -> list[torch.optim.Optimizer]:
     named = list(model.named_parameters())
-    return [
-        torch.optim.Muon([p for n, p in named if n.endswith("weight")], **MUON),
-        torch.optim.AdamW([p for n, p in named if not n.endswith("weight")], **ADAMW),
-    ]
+    weights = [p for n, p in named if n.endswith("weight")]
+    first = torch.optim.Muon(weights, **MUON) if matrices == "muon" else torch.optim.Adafactor(weights, lr=0.01)
+    return [first, torch.optim.AdamW([p for n, p in named if not n.endswith("weight")], **ADAMW)]
 
 
 def _build(how: str) -> zf.ZeroOptimizer:
@@ -82,6 +81,8 @@ def _build(how: str) -> zf.ZeroOptimizer:
     if odd and how == "adafactor":  # the biases whole as well
         opt = torch.optim.Adafactor(model.parameters(), lr=0.01)
         return zf.ZeroOptimizer(opt, partition_grad=True, module=model)
+    if odd and how == "adafactor_adamw":  # the same placements as [Muon, AdamW], another update
+        return zf.ZeroOptimizer(_muon_adamw(model, "adafactor"), partition_grad=True, module=model)
     if how == "override":  # the functional facade: RMSprop with a placement override
         rule = (lambda n, s: "whole") if odd else (lambda n, s: "whole" if len(s) == 2 else "split")
         fopt = zf.torch_optim.from_torch(torch.optim.RMSprop, placement=rule, lr=1e-2)
@@ -102,6 +103,8 @@ def _construct(how: str) -> dict[str, Any]:
         ("adafactor", "list the same params in a different order"),
         ("override", "fingerprints differ"),  # same params, same order, other placements
         ("shapes", "Param 'a.weight': rank 0 has shape (13, 7)"),
+        # Every matrix whole on both ranks, so the layouts agree; the update rules do not.
+        ("adafactor_adamw", "Settings differ (optimizer:"),
     ],
 )
 def test_a_rank_that_builds_other_whole_placements_makes_every_rank_raise(world, how, why):
@@ -255,8 +258,8 @@ def _rules(first: type[torch.optim.Optimizer]) -> str:
 
 def test_update_rules_tell_apart_optimizers_whose_placements_agree():
     # Muon and Adafactor both place every matrix whole: the same layout, other update rules.
-    # (ZeroOptimizer's construction should compare their hash across ranks as it does the
-    # layout's; see zerofn.facade._options.update_rules.)
+    # ZeroOptimizer's construction compares their hash across ranks (the "adafactor_adamw"
+    # case above).
     muon_rules, muon_layout = get_world(1).run(_rules, torch.optim.Muon)[0]
     adafactor_rules, adafactor_layout = get_world(1).run(_rules, torch.optim.Adafactor)[0]
     assert muon_layout == adafactor_layout

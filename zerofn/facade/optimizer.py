@@ -187,6 +187,8 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
         layout = self._state.layout
         settings = {"stage": self._stage, "bucket_numel": reduce_bucket_size, "overlap": int(overlap_communication)}
         settings["precision"] = checks.text_hash(repr(policy))
+        # Equal placements do not mean equal updates ([Adafactor, AdamW] vs [Muon, AdamW]).
+        settings["optimizer"] = checks.text_hash(_options.update_rules(fopt, layout.names))
         checks.check_ranks_agree(
             layout, self._group, "ZeroOptimizer", settings=settings, device=self._state.work_device
         )
