@@ -627,7 +627,7 @@ def profile(name: str, steps: int, untimed: int, row_limit: int = 45) -> dict[st
     }
 
 
-def parts(reps: int, bucket_numel: int = 2**20) -> list[tuple[str, float, float]]:
+def parts(reps: int, bucket_numel: int | None = None) -> list[tuple[str, float, float]]:
     """Each part of a zerofn stage-2 step and of a DDP step, timed alone: min over ``reps`` (ms).
 
     Two figures per part: wall time, and the process's CPU time (``time.process_time``:
@@ -641,6 +641,7 @@ def parts(reps: int, bucket_numel: int = 2**20) -> list[tuple[str, float, float]
 
     ctx = _ctx()
     n, device = ctx.world, ctx.device
+    bucket_numel = bucket_numel or ctx.bucket_numel or stages.DEFAULT_BUCKET_NUMEL  # what the systems ran with
     model = models.build_model(ctx.cfg, ctx.seed, device)
     lossf = models.loss_fn(ctx.cfg)
     x, y = ctx.batches[0]
@@ -719,7 +720,7 @@ def parts(reps: int, bucket_numel: int = 2**20) -> list[tuple[str, float, float]
     timed("zerofn reduce: check_ranks_agree (tiny all_gather)", lambda: zf.check_ranks_agree(layout, None, "x"), True)
     gshards = zf.reduce_grads(grads, layout)
     timed(
-        "zerofn step: global norm, float64 per param + scalar all_reduce",
+        "zerofn step: global norm (float64 sums) + scalar all_reduce",
         lambda: stages.global_grad_norm(gshards, None, device=device),
         True,
     )
