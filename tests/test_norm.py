@@ -90,3 +90,21 @@ def test_the_fused_path_cuda_takes_agrees_on_the_cpu(specs, seed):
     if pieces:
         got = float(_fused_sum_of_squares(pieces))
         assert math.isclose(got, _reference_sum_of_squares(pieces), rel_tol=1e-12, abs_tol=0.0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.integers(1, 3000), min_size=1, max_size=40),
+    st.lists(st.integers(0, 39), max_size=6),
+    st.integers(0, 2**16),
+)
+def test_adjacent_views_of_one_row_count_each_element_once(widths, dropped, seed):
+    # The reducer's stage-2 shards: consecutive views of one reduced row. Some are left out
+    # (a param without gradient), one repeated: only exactly adjacent pieces merge.
+    row = torch.randn(sum(widths), generator=torch.Generator().manual_seed(seed))
+    shards = list(row.split(widths))
+    kept = [s for i, s in enumerate(shards) if i not in set(dropped)] or shards[:1]
+    pieces = [*kept, kept[0]]  # the first again, at the end: counted twice, as given
+    got = float(local_norm_term(pieces, 2.0, CPU))
+    assert math.isclose(got, _reference_sum_of_squares(pieces), rel_tol=1e-12, abs_tol=0.0)
+    assert float(local_norm_term(pieces, math.inf, CPU)) == float(torch.cat(pieces).abs().max())

@@ -48,7 +48,7 @@ def local_norm_term(pieces: Iterable[torch.Tensor], norm_type: float, device: to
 
     Collectives: none.
     """
-    tensors = [t.detach() for t in pieces if t.numel()]
+    tensors = _coalesced([t.detach() for t in pieces if t.numel()])
     if not tensors:
         return torch.zeros((), dtype=torch.float64, device=device)
     if norm_type == math.inf:
@@ -57,6 +57,48 @@ def local_norm_term(pieces: Iterable[torch.Tensor], norm_type: float, device: to
     if all(t.is_cuda for t in tensors):
         return _fused_sum_of_squares(tensors).to(device)
     return _streamed_sum_of_squares(tensors).to(device)
+
+
+def _coalesced(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors`` with each run of back-to-back pieces of one storage merged into one flat view.
+
+    The reducer's stage-2 shards are consecutive views of one reduced bucket row (each
+    member's shard, padding included, right after the previous one): a model of a
+    thousand small params then costs a few norm calls, not a thousand. Only exactly
+    adjacent, contiguous pieces of the same storage, dtype and device merge, so every
+    element is still counted once.
+    """
+    out: list[torch.Tensor] = []
+    run: list[torch.Tensor] = []
+
+    def close_run() -> None:
+        if len(run) == 1:
+            out.append(run[0])
+        elif run:
+            total = sum(t.numel() for t in run)
+            out.append(run[0].reshape(-1).as_strided((total,), (1,)))  # adjacent pieces of one storage
+        run.clear()
+
+    for t in tensors:
+        if run and _follows(run[-1], t):
+            run.append(t)
+            continue
+        close_run()
+        run.append(t)
+    close_run()
+    return out
+
+
+def _follows(prev: torch.Tensor, t: torch.Tensor) -> bool:
+    """``t`` starts exactly where ``prev`` ends, in the same storage, both contiguous, same dtype and device."""
+    return (
+        t.dtype == prev.dtype
+        and t.device == prev.device
+        and t.is_contiguous()
+        and prev.is_contiguous()
+        and t.untyped_storage().data_ptr() == prev.untyped_storage().data_ptr()
+        and t.data_ptr() == prev.data_ptr() + prev.numel() * prev.element_size()
+    )
 
 
 def _fused_sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
