@@ -74,7 +74,7 @@ __all__ = [
 ]
 
 #: Padded elements per bucket (16 MiB in float32; DDP's buckets are 25 MiB). Measured on gloo,
-#: 2 ranks on 2 cores (benchmarks/README.md, "Bucket size"): every collective costs a fixed
+#: 2 ranks on 2 cores (benchmarks/README.md, "Current numbers"): every collective costs a fixed
 #: ~1 ms beside its bytes, so 2**22 against the seed's 2**20 cut the transformer's gradient
 #: all-reduce from 42 to 33 ms and its param broadcasts from 40 to 22 ms.
 DEFAULT_BUCKET_NUMEL = 2**22
