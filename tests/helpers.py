@@ -419,3 +419,18 @@ def functional_reference(
         if norm is not None:
             norms.append(norm)
     return _result(module, losses, norms)
+
+
+# --------------------------------------------------------------------------- whole-tensor recipes
+
+# The optimizer recipes of tests/test_whole_*.py and their hyperparameters.
+WHOLE_RECIPES = ("muon", "adafactor", "muon_adamw")
+WHOLE_MUON = dict(lr=0.02, momentum=0.95, weight_decay=0.01)
+WHOLE_ADAFACTOR = dict(lr=0.01, weight_decay=0.01)
+WHOLE_ADAMW = dict(lr=1e-2, weight_decay=0.1)
+# The DDP-against-DDP noise floor per recipe (max_rel_diff, fp32, 24 steps, the largest
+# over N = 3 and 4, clipping on and off, and the three DDP variants of
+# tests/test_whole_parity.py's _floor_pairs), as measured: muon 1.33e-2, adafactor
+# 1.62e-7, muon_adamw 5.72e-3. The tests recompute it and check zerofn within it; these
+# bounds catch a drift of the measurement itself.
+WHOLE_FLOOR = {"muon": 1.4e-2, "adafactor": 1.7e-7, "muon_adamw": 6.0e-3}

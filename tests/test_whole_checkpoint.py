@@ -12,17 +12,23 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import get_world
-from helpers import IN_FEATURES, Net, assert_trees_equal, batches, gate_used
+from helpers import (
+    IN_FEATURES,
+    WHOLE_ADAFACTOR,
+    WHOLE_ADAMW,
+    WHOLE_MUON,
+    WHOLE_RECIPES,
+    Net,
+    assert_trees_equal,
+    batches,
+    gate_used,
+)
 from torch.func import functional_call, grad
 
 import zerofn as zf
 from zerofn._state_dict_checks import declared_state
 
 STEPS = 3
-MUON = dict(lr=0.02, momentum=0.95, weight_decay=0.01)
-ADAFACTOR = dict(lr=0.01, weight_decay=0.01)
-ADAMW = dict(lr=1e-2, weight_decay=0.1)
-RECIPES = ("muon", "adafactor", "muon_adamw")
 
 
 def _is_matrix(name: str) -> bool:
@@ -31,9 +37,9 @@ def _is_matrix(name: str) -> bool:
 
 def _optimizer(recipe: str) -> zf.optim.Optimizer:
     if recipe == "adafactor":
-        return zf.torch_optim.from_torch(torch.optim.Adafactor, **ADAFACTOR)
-    muon = zf.torch_optim.from_torch(torch.optim.Muon, **MUON)
-    rest = zf.optim.adamw(**ADAMW) if recipe == "muon_adamw" else zf.optim.sgd(lr=0.0)
+        return zf.torch_optim.from_torch(torch.optim.Adafactor, **WHOLE_ADAFACTOR)
+    muon = zf.torch_optim.from_torch(torch.optim.Muon, **WHOLE_MUON)
+    rest = zf.optim.adamw(**WHOLE_ADAMW) if recipe == "muon_adamw" else zf.optim.sgd(lr=0.0)
     # "muon": Muon for every matrix; the biases stay put (SGD with lr 0 keeps no state).
     return zf.optim.partition([(_is_matrix, muon), (lambda n: True, rest)])
 
@@ -96,7 +102,7 @@ def _assert_state_dicts_equal(a, b):
         assert pa["zerofn"]["step"] == pb["zerofn"]["step"]
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", WHOLE_RECIPES)
 def test_full_state_dict_has_torch_shapes_and_round_trips_through_plain_torch(world, recipe):
     full = world.run(_train_and_dump, recipe)[0][0]
     parts = _parts(full)
@@ -146,12 +152,12 @@ def test_a_plain_torch_state_dict_continues_bitwise_under_zerofn(recipe):
     names = list(params)
     if recipe == "adafactor":
         groups = [names]
-        opts = [torch.optim.Adafactor([params[n] for n in names], **ADAFACTOR)]
+        opts = [torch.optim.Adafactor([params[n] for n in names], **WHOLE_ADAFACTOR)]
     else:
         mats, rest = [n for n in names if _is_matrix(n)], [n for n in names if not _is_matrix(n)]
         groups = [mats, rest]
-        other = torch.optim.AdamW([params[n] for n in rest], **ADAMW) if recipe == "muon_adamw" else None
-        opts = [torch.optim.Muon([params[n] for n in mats], **MUON)]
+        other = torch.optim.AdamW([params[n] for n in rest], **WHOLE_ADAMW) if recipe == "muon_adamw" else None
+        opts = [torch.optim.Muon([params[n] for n in mats], **WHOLE_MUON)]
         opts += [other] if other is not None else [torch.optim.SGD([params[n] for n in rest], lr=0.0)]
 
     def torch_step(step, n):
@@ -202,7 +208,7 @@ def _dump(recipe, n, path=None):
 
 @pytest.mark.parametrize("m", [1, 2, 3, 4], ids=lambda m: f"to{m}")
 @pytest.mark.parametrize("n", [1, 2, 3, 4], ids=lambda n: f"from{n}")
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", WHOLE_RECIPES)
 def test_full_state_dict_reshards_n_to_m_losslessly(recipe, n, m):
     full, _, owners_n = _dump(recipe, n)
     results = get_world(m).run(_load_and_dump, recipe, full)
@@ -231,7 +237,7 @@ def test_a_checkpoint_loaded_with_another_placement_is_refused(tmp_path):
 
 def _load_adamw(path):
     with pytest.raises(zf.checkpoint.CheckpointError, match="was saved whole and would load split"):
-        zf.checkpoint.load(path, _initial(), optimizer=zf.optim.adamw(**ADAMW))
+        zf.checkpoint.load(path, _initial(), optimizer=zf.optim.adamw(**WHOLE_ADAMW))
     with pytest.raises(zf.checkpoint.CheckpointError, match=r"saved from a zf\.optim\.partition"):
         zf.checkpoint.load(path, _initial())
 

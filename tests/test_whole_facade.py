@@ -11,7 +11,7 @@ The facade maps the wrapped optimizers onto the functional path of
   LR scheduler on the wrapped Muon against the same scheduler on DDP's Muon;
 * at 3 and 4 ranks, within the DDP-against-DDP noise floor measured in the test for the
   same optimizer (DDP with one bucket per param, DDP with gradients rounded twice), which
-  stays under ``FLOOR`` of ``tests/test_whole_parity.py`` (the figures measured at 4
+  stays under ``WHOLE_FLOOR`` of ``tests/helpers.py`` (the figures measured at 4
   ranks are in ``MEASURED_N4``);
 * at 4 ranks with a float64 wire on both sides (``communication_dtype=torch.float64``,
   and a DDP communication hook that sums in float64): bitwise, stage 1 and 2. Four
@@ -32,20 +32,26 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from conftest import get_world
-from helpers import IN_FEATURES, OUT_FEATURES, Net, assert_trees_equal, batches, gate_used, max_rel_diff
+from helpers import (
+    IN_FEATURES,
+    OUT_FEATURES,
+    WHOLE_ADAFACTOR,
+    WHOLE_ADAMW,
+    WHOLE_FLOOR,
+    WHOLE_MUON,
+    WHOLE_RECIPES,
+    Net,
+    assert_trees_equal,
+    batches,
+    gate_used,
+    max_rel_diff,
+)
 
 import zerofn as zf
 
 STEPS = 9  # three layer drops
-RECIPES = ("muon", "adafactor", "muon_adamw")
 BUCKET = 64  # small: several buckets, split and whole
 MAX_NORM = 0.05  # below every step's gradient norm here: clipping acts
-MUON = dict(lr=0.02, momentum=0.95, weight_decay=0.01)
-ADAFACTOR = dict(lr=0.01, weight_decay=0.01)
-ADAMW = dict(lr=1e-2, weight_decay=0.1)
-# The DDP-against-DDP noise floor recorded in tests/test_whole_parity.py (24 steps, N = 3
-# and 4): the floor measured here (9 steps, N = 3 and 4) must stay under it.
-FLOOR = {"muon": 1.4e-2, "adafactor": 1.7e-7, "muon_adamw": 6.0e-3}
 # At 4 ranks (9 steps, max_rel_diff against DDP), as measured on this 2-core machine: the
 # DDP-against-DDP floor and zerofn's distance at stage 1 / stage 2 (overlap). Muon's floor
 # is 0 there (neither DDP variant moves a bit), so its parity is asserted bitwise; the test
@@ -85,12 +91,12 @@ def _is_matrix(name: str) -> bool:
 
 def _torch_optimizers(recipe: str, named: list[tuple[str, nn.Parameter]]) -> list[torch.optim.Optimizer]:
     if recipe == "muon":
-        return [torch.optim.Muon([p for _, p in named], **MUON)]
+        return [torch.optim.Muon([p for _, p in named], **WHOLE_MUON)]
     if recipe == "adafactor":
-        return [torch.optim.Adafactor([p for _, p in named], **ADAFACTOR)]
+        return [torch.optim.Adafactor([p for _, p in named], **WHOLE_ADAFACTOR)]
     return [
-        torch.optim.Muon([p for n, p in named if _is_matrix(n)], **MUON),
-        torch.optim.AdamW([p for n, p in named if not _is_matrix(n)], **ADAMW),
+        torch.optim.Muon([p for n, p in named if _is_matrix(n)], **WHOLE_MUON),
+        torch.optim.AdamW([p for n, p in named if not _is_matrix(n)], **WHOLE_ADAMW),
     ]
 
 
@@ -215,7 +221,7 @@ def _states_equal(ours: list[dict], theirs: list[dict]) -> None:
         assert [g["lr"] for g in mine["param_groups"]] == [g["lr"] for g in plain["param_groups"]]
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", WHOLE_RECIPES)
 @pytest.mark.parametrize("n", [1, 2], ids=["N1", "N2"])
 def test_bitwise_equal_to_ddp_with_the_same_torch_optimizers_at_one_and_two_ranks(n, recipe):
     for rank_result in get_world(n).run(_run_bitwise, recipe):
@@ -225,10 +231,10 @@ def test_bitwise_equal_to_ddp_with_the_same_torch_optimizers_at_one_and_two_rank
             _states_equal(state, ddp_state)  # torch's format, torch's values
             assert lrs == ddp_lrs, name
         sched_lrs = rank_result["stage2_scheduler"][0][2]  # the scheduler drove its own optimizer's groups only
-        first = ADAFACTOR if recipe == "adafactor" else MUON
+        first = WHOLE_ADAFACTOR if recipe == "adafactor" else WHOLE_MUON
         assert sched_lrs[0] == pytest.approx(first["lr"] * _decay(STEPS))
         if recipe == "muon_adamw":
-            assert sched_lrs[-1] == ADAMW["lr"]
+            assert sched_lrs[-1] == WHOLE_ADAMW["lr"]
 
 
 def _run_three(recipe):
@@ -240,11 +246,11 @@ def _run_three(recipe):
     return facade, ddp, floor
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", WHOLE_RECIPES)
 def test_within_the_ddp_noise_floor_at_three_ranks(recipe):
     results = get_world(3).run(_run_three, recipe)
     facade, ddp, floor = results[0]
-    assert floor <= FLOOR[recipe]
+    assert floor <= WHOLE_FLOOR[recipe]
     for stage in (1, 2):
         for other in results[1:]:
             assert_trees_equal(other[0][stage], facade[stage])  # identical on every rank
@@ -262,11 +268,11 @@ def _run_four(recipe):
     return facade, ddp, floor, wide, _train_ddp(recipe, wire64=True)
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", WHOLE_RECIPES)
 def test_four_ranks_within_the_ddp_noise_floor_and_bitwise_with_a_float64_wire(recipe):
     results = get_world(4).run(_run_four, recipe)
     facade, ddp, floor, wide, (ddp64, ddp64_state, ddp64_lrs) = results[0]
-    assert floor <= FLOOR[recipe], f"DDP against DDP at 4 ranks: {floor:.3g}"
+    assert floor <= WHOLE_FLOOR[recipe], f"DDP against DDP at 4 ranks: {floor:.3g}"
     diffs = {}
     for stage in (1, 2):
         for other in results[1:]:
@@ -320,7 +326,7 @@ def _round_trip():
 
 def test_state_dict_is_a_list_of_torch_dicts_that_load_into_plain_optimizers_and_back():
     for saved, again, lr, errors in get_world(2).run(_round_trip):
-        assert len(saved) == 2 and lr == [MUON["lr"], ADAMW["lr"]]
+        assert len(saved) == 2 and lr == [WHOLE_MUON["lr"], WHOLE_ADAMW["lr"]]
         _states_equal(again, saved)
         for mine, before in zip(again, saved, strict=True):
             assert_trees_equal(mine["zerofn"]["master"], before["zerofn"]["master"])

@@ -36,17 +36,25 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from conftest import get_world
-from helpers import IN_FEATURES, OUT_FEATURES, Net, assert_trees_equal, batches, ddp_reference, gate_used
+from helpers import (
+    IN_FEATURES,
+    OUT_FEATURES,
+    WHOLE_ADAFACTOR,
+    WHOLE_MUON,
+    WHOLE_RECIPES,
+    Net,
+    assert_trees_equal,
+    batches,
+    ddp_reference,
+    gate_used,
+)
 from test_precision import ReferenceScaler
 
 import zerofn as zf
 
 STEPS = 9
 BUCKET = 64  # several buckets, split and whole
-MUON = dict(lr=0.02, momentum=0.95, weight_decay=0.01)
-ADAFACTOR = dict(lr=0.01, weight_decay=0.01)
 ADAMW = dict(lr=1e-2, weight_decay=0.1, eps=1e-3)  # eps: see tests/test_precision_parity.py
-RECIPES = ("muon", "adafactor", "muon_adamw")
 # Grows every 3 good steps from 2^15 to 2^16, where fp16 losses of about 1 overflow: skipped steps.
 SCALER = dict(
     initial_scale=2.0**15,
@@ -83,11 +91,11 @@ def _model(recipe: str) -> nn.Module:
 
 def _torch_optimizers(recipe: str, named: list[tuple[str, torch.Tensor]]) -> list[torch.optim.Optimizer]:
     if recipe == "muon":
-        return [torch.optim.Muon([p for _, p in named], **MUON)]
+        return [torch.optim.Muon([p for _, p in named], **WHOLE_MUON)]
     if recipe == "adafactor":
-        return [torch.optim.Adafactor([p for _, p in named], **ADAFACTOR)]
+        return [torch.optim.Adafactor([p for _, p in named], **WHOLE_ADAFACTOR)]
     return [
-        torch.optim.Muon([p for n, p in named if n.endswith("weight")], **MUON),
+        torch.optim.Muon([p for n, p in named if n.endswith("weight")], **WHOLE_MUON),
         torch.optim.AdamW([p for n, p in named if not n.endswith("weight")], **ADAMW),
     ]
 
@@ -217,7 +225,7 @@ def _mixed_all(recipe: str) -> list[tuple[dict, dict]]:
     return [(_facade_mixed(recipe, dtype, stage, offload), refs[dtype]) for dtype, stage, offload in MIXED]
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", WHOLE_RECIPES)
 @pytest.mark.parametrize("n", [1, 2], ids=["N1", "N2"])
 def test_fp16_loss_scaling_bf16_and_cpu_offload_bitwise_equal_to_the_ddp_fp32_master_reference(n, recipe):
     results = get_world(n).run(_mixed_all, recipe)
@@ -296,7 +304,7 @@ def _hybrid_all(recipe: str) -> tuple[list[tuple[str, int, dict]], dict]:
     return ours, ref
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", WHOLE_RECIPES)
 def test_hybrid_groups_bitwise_equal_to_ddp_over_all_four_ranks_with_a_float64_wire(recipe):
     results = get_world(4).run(_hybrid_all, recipe)
     for ours, ref in results:
@@ -323,7 +331,7 @@ CKPT_AT = 4  # steps before the save
 AFTER = 3  # steps after it
 
 
-LRS = {"muon": [MUON["lr"]], "adafactor": [ADAFACTOR["lr"]], "muon_adamw": [MUON["lr"], ADAMW["lr"]]}
+LRS = {"muon": [WHOLE_MUON["lr"]], "adafactor": [WHOLE_ADAFACTOR["lr"]], "muon_adamw": [WHOLE_MUON["lr"], ADAMW["lr"]]}
 
 
 def _ckpt_facade(recipe: str, shift: bool = False) -> tuple[nn.Module, zf.ZeroOptimizer]:
@@ -488,7 +496,7 @@ def _whole_state_on_meta() -> dict:
     """Offload is real for whole params too: with ``state_device="meta"`` the whole masters,
     Muon's momentum and AdamW's moments live there, and Muon's update runs there."""
     params = {n: p.detach() for n, p in _model("muon_adamw").named_parameters()}
-    muon = zf.torch_optim.from_torch(torch.optim.Muon, **MUON)
+    muon = zf.torch_optim.from_torch(torch.optim.Muon, **WHOLE_MUON)
     fopt = zf.optim.partition([(lambda n: n.endswith("weight"), muon), (lambda n: True, zf.optim.adamw(**ADAMW))])
     policy = zf.PrecisionPolicy.for_dtype(torch.bfloat16, state_device="meta")
     state = zf.shard_params({n: p.bfloat16() for n, p in params.items()}, fopt, precision=policy)
@@ -558,7 +566,7 @@ def _inspected_all(recipe: str, prefetch: bool) -> tuple[dict, dict, dict]:
 # overlap_allgather=True with whole params once raised in step ("pack_shards: this bucket
 # holds whole params; pass rank="): the prefetcher packed its rows without rank=.
 @pytest.mark.parametrize("prefetch", [False, True], ids=["gather_in_step", "overlap_allgather"])
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", WHOLE_RECIPES)
 def test_the_gradient_methods_with_whole_params_bitwise_equal_to_ddp(recipe, prefetch):
     for stage1, stage2, ddp in get_world(2).run(_inspected_all, recipe, prefetch):
         for stage, ours in ((1, stage1), (2, stage2)):
@@ -614,7 +622,7 @@ def _written_all(recipe: str) -> tuple[dict, dict, dict]:
     return _facade_written(recipe, 1), _facade_written(recipe, 2), ref["params"]
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", WHOLE_RECIPES)
 def test_weights_written_between_steps_train_on_with_whole_params_as_with_ddp(recipe):
     for stage1, stage2, ddp in get_world(2).run(_written_all, recipe):
         assert_trees_equal(stage1, ddp)

@@ -27,7 +27,7 @@ Tolerances (fp32), ``max_rel_diff`` = max over tensors of ``max|a-b| / max|b|``:
   one gradient element into a bfloat16 rounding flip that momentum carries on (about 1 %
   after 24 steps). The floor is measured in the test as the largest difference between
   DDP and DDP with other last bits: one bucket per param (other offsets), the gradients
-  rounded twice (``g * 3 / 3``), and float64 clipping; figures in ``FLOOR``. zerofn's
+  rounded twice (``g * 3 / 3``), and float64 clipping; figures in ``helpers.WHOLE_FLOOR``. zerofn's
   largest differences (N, clip): muon 1.33e-2 (4, on; DDP with jittered gradients: the
   same 1.33e-2), muon_adamw 5.72e-3 (3, off; DDP with other buckets: the same 5.72e-3),
   adafactor 1.26e-7.
@@ -45,6 +45,11 @@ from conftest import get_world
 from helpers import (
     IN_FEATURES,
     OUT_FEATURES,
+    WHOLE_ADAFACTOR,
+    WHOLE_ADAMW,
+    WHOLE_FLOOR,
+    WHOLE_MUON,
+    WHOLE_RECIPES,
     Net,
     assert_trees_equal,
     batches,
@@ -59,15 +64,6 @@ import zerofn as zf
 STEPS = 24
 BUCKET = 64  # small: several buckets, split and whole
 MAX_NORM = 0.05  # below every step's gradient norm here: clipping acts
-MUON = dict(lr=0.02, momentum=0.95, weight_decay=0.01)
-ADAFACTOR = dict(lr=0.01, weight_decay=0.01)
-ADAMW = dict(lr=1e-2, weight_decay=0.1)
-RECIPES = ("muon", "adafactor", "muon_adamw")
-# The DDP-against-DDP noise floor per recipe (max_rel_diff, fp32, 24 steps, the largest
-# over N = 3 and 4, clipping on and off, and the three DDP variants of _floor_pairs), as
-# measured: muon 1.33e-2, adafactor 1.62e-7, muon_adamw 5.72e-3. The test recomputes it
-# and checks zerofn within it; these bounds catch a drift of the measurement itself.
-FLOOR = {"muon": 1.4e-2, "adafactor": 1.7e-7, "muon_adamw": 6.0e-3}
 
 
 class Mats(nn.Module):
@@ -97,22 +93,22 @@ def _is_matrix(name: str) -> bool:
 
 
 def _zero_optimizer(recipe: str) -> zf.optim.Optimizer:
-    muon = zf.torch_optim.from_torch(torch.optim.Muon, **MUON)
+    muon = zf.torch_optim.from_torch(torch.optim.Muon, **WHOLE_MUON)
     if recipe == "muon":
         return muon
     if recipe == "adafactor":
-        return zf.torch_optim.from_torch(torch.optim.Adafactor, **ADAFACTOR)
-    return zf.optim.partition([(_is_matrix, muon), (lambda n: True, zf.optim.adamw(**ADAMW))])
+        return zf.torch_optim.from_torch(torch.optim.Adafactor, **WHOLE_ADAFACTOR)
+    return zf.optim.partition([(_is_matrix, muon), (lambda n: True, zf.optim.adamw(**WHOLE_ADAMW))])
 
 
 def _torch_optimizers(recipe: str, named: list[tuple[str, nn.Parameter]]) -> list[torch.optim.Optimizer]:
     if recipe == "muon":
-        return [torch.optim.Muon([p for _, p in named], **MUON)]
+        return [torch.optim.Muon([p for _, p in named], **WHOLE_MUON)]
     if recipe == "adafactor":
-        return [torch.optim.Adafactor([p for _, p in named], **ADAFACTOR)]
+        return [torch.optim.Adafactor([p for _, p in named], **WHOLE_ADAFACTOR)]
     return [
-        torch.optim.Muon([p for n, p in named if _is_matrix(n)], **MUON),
-        torch.optim.AdamW([p for n, p in named if not _is_matrix(n)], **ADAMW),
+        torch.optim.Muon([p for n, p in named if _is_matrix(n)], **WHOLE_MUON),
+        torch.optim.AdamW([p for n, p in named if not _is_matrix(n)], **WHOLE_ADAMW),
     ]
 
 
@@ -200,7 +196,7 @@ def _check_moved(result):
         assert moved == (not name.startswith("unused")), name
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", WHOLE_RECIPES)
 @pytest.mark.parametrize("n", [1, 2], ids=["N1", "N2"])
 def test_bitwise_equal_to_ddp_at_one_and_two_ranks_without_clipping(n, recipe):
     results = _results(n, recipe, False)
@@ -212,7 +208,7 @@ def test_bitwise_equal_to_ddp_at_one_and_two_ranks_without_clipping(n, recipe):
         assert set(results[0]["owners"].values()) == {0, 1}
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", WHOLE_RECIPES)
 @pytest.mark.parametrize("n", [1, 2], ids=["N1", "N2"])
 def test_accumulation_is_bitwise_equal_to_ddp_no_sync_at_one_and_two_ranks(n, recipe):
     for r in _results(n, recipe, False, accumulate=True):
@@ -228,11 +224,11 @@ def _floor_pairs(r):
     return pairs
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", WHOLE_RECIPES)
 def test_within_the_ddp_noise_floor_at_three_and_four_ranks_stage_1_and_2_clip_on_and_off(recipe):
     runs = {(n, clip): _results(n, recipe, clip) for n in (3, 4) for clip in (False, True)}
     floor = max(d for results in runs.values() for d in _floor_pairs(results[0]))
-    assert floor <= FLOOR[recipe], f"DDP against DDP: {floor:.3g}, recorded {FLOOR[recipe]}"
+    assert floor <= WHOLE_FLOOR[recipe], f"DDP against DDP: {floor:.3g}, recorded {WHOLE_FLOOR[recipe]}"
     for (n, clip), results in runs.items():
         r0 = results[0]
         _check_moved(r0)
@@ -244,7 +240,7 @@ def test_within_the_ddp_noise_floor_at_three_and_four_ranks_stage_1_and_2_clip_o
             assert r0["clipped"][stage] == (STEPS if clip else 0)
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", WHOLE_RECIPES)
 @pytest.mark.parametrize("n", [1, 2], ids=["N1", "N2"])
 def test_clipping_is_bitwise_equal_to_ddp_clipping_in_float64_and_clips_every_step(n, recipe):
     # torch's clip_grad_norm_ computes the coefficient in float32, zerofn (as the seed) in
