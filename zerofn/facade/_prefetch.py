@@ -102,29 +102,29 @@ class ParamPrefetcher:
             borrowed = self._staging.take(n * s, dtype, device) if self._staging is not None else None
             recv = borrowed[: n * s].view(n, s) if borrowed is not None else None
             if recv is not None and self._how == "broadcast":
-                # This rank's row is packed where the gather wants it: no separate row, no copy.
-                mine = recv[state.rank]
-                row = pack_shards(
-                    state.master, self._layout, bucket, dtype=dtype, device=device, out=mine, rank=state.rank
-                )
-                if row.data_ptr() == mine.data_ptr():
-                    pending = launch_gather(row, self._group, self._how, async_op=True, out=recv)
-                    self._gathers[b] = (pending, row, borrowed)
-                    self.pending += 1
-                    continue
-            out = None
-            if len(bucket.names) > 1 and state.state_device == device:
-                # Reused every step (a fresh row would fault in new pages each time); the
-                # previous step's gather from it has completed (step() waits first). A lone
-                # param's shard is its own row (no copy): nothing writes the master shards
-                # before this gather completes (step() waits for it first).
-                out = self._rows[b]
-                if out is None or out.dtype != dtype or out.device != device:
-                    out = self._rows[b] = torch.empty(bucket.shard_numel, dtype=dtype, device=device)
+                out = recv[state.rank]  # packed where the gather wants it: no separate row, no copy
+            else:
+                out = self._send_row(b, bucket, dtype, state)
             row = pack_shards(state.master, self._layout, bucket, dtype=dtype, device=device, out=out, rank=state.rank)
             pending = launch_gather(row, self._group, self._how, async_op=True, out=recv)
             self._gathers[b] = (pending, row, borrowed)
             self.pending += 1
+
+    def _send_row(self, b: int, bucket: Bucket, dtype: torch.dtype, state: ZeroState) -> torch.Tensor | None:
+        """Bucket ``b``'s ``(S,)`` send row, reused every step; ``None`` where ``pack_shards`` needs none.
+
+        A fresh row would fault in new pages each time; the previous step's gather from it
+        has completed (``step`` waits first). A lone param's shard is its own row (no copy:
+        nothing writes the master shards before this gather completes), and under CPU
+        offload ``pack_shards`` stages the row itself.
+        """
+        device = state.work_device
+        if len(bucket.names) == 1 or state.state_device != device:
+            return None
+        row = self._rows[b]
+        if row is None or row.dtype != dtype or row.device != device:
+            row = self._rows[b] = torch.empty(bucket.shard_numel, dtype=dtype, device=device)
+        return row
 
     def complete(self, buckets: Iterable[int]) -> None:
         """Wait for these buckets' gathers (those still pending) and write them into the params."""
