@@ -434,3 +434,45 @@ WHOLE_ADAMW = dict(lr=1e-2, weight_decay=0.1)
 # 1.62e-7, muon_adamw 5.72e-3. The tests recompute it and check zerofn within it; these
 # bounds catch a drift of the measurement itself.
 WHOLE_FLOOR = {"muon": 1.4e-2, "adafactor": 1.7e-7, "muon_adamw": 6.0e-3}
+
+
+class Mats(nn.Module):
+    """Net without biases: every param a 2-D matrix, so Muon alone can train it all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(IN_FEATURES, 13, bias=False)
+        self.gate = nn.Linear(13, 13, bias=False)
+        self.b = nn.Linear(13, OUT_FEATURES, bias=False)
+        self.unused = nn.Linear(OUT_FEATURES, 3, bias=False)
+
+    def forward(self, x: torch.Tensor, use_gate: bool = True) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        if use_gate:
+            h = h + torch.tanh(self.gate(h))
+        return self.b(h)
+
+
+def whole_model(recipe: str) -> nn.Module:
+    """The model a whole-tensor recipe trains (seeded): ``Mats`` for Muon alone, else ``Net``."""
+    torch.manual_seed(0)
+    return Mats() if recipe == "muon" else Net()
+
+
+def is_matrix(name: str) -> bool:
+    """The params Muon takes in the Muon + AdamW recipe (every ``weight``)."""
+    return name.endswith("weight")
+
+
+def whole_torch_optimizers(
+    recipe: str, named: list[tuple[str, torch.Tensor]], adamw: Mapping[str, Any] = WHOLE_ADAMW
+) -> list[torch.optim.Optimizer]:
+    """The plain torch optimizers of ``recipe`` over ``named`` params (Muon + AdamW: two)."""
+    if recipe == "muon":
+        return [torch.optim.Muon([p for _, p in named], **WHOLE_MUON)]
+    if recipe == "adafactor":
+        return [torch.optim.Adafactor([p for _, p in named], **WHOLE_ADAFACTOR)]
+    return [
+        torch.optim.Muon([p for n, p in named if is_matrix(n)], **WHOLE_MUON),
+        torch.optim.AdamW([p for n, p in named if not is_matrix(n)], **adamw),
+    ]

@@ -22,6 +22,7 @@ from helpers import (
     assert_trees_equal,
     batches,
     gate_used,
+    is_matrix,
 )
 from torch.func import functional_call, grad
 
@@ -31,17 +32,13 @@ from zerofn._state_dict_checks import declared_state
 STEPS = 3
 
 
-def _is_matrix(name: str) -> bool:
-    return name.endswith("weight")
-
-
 def _optimizer(recipe: str) -> zf.optim.Optimizer:
     if recipe == "adafactor":
         return zf.torch_optim.from_torch(torch.optim.Adafactor, **WHOLE_ADAFACTOR)
     muon = zf.torch_optim.from_torch(torch.optim.Muon, **WHOLE_MUON)
     rest = zf.optim.adamw(**WHOLE_ADAMW) if recipe == "muon_adamw" else zf.optim.sgd(lr=0.0)
     # "muon": Muon for every matrix; the biases stay put (SGD with lr 0 keeps no state).
-    return zf.optim.partition([(_is_matrix, muon), (lambda n: True, rest)])
+    return zf.optim.partition([(is_matrix, muon), (lambda n: True, rest)])
 
 
 def _initial() -> dict[str, torch.Tensor]:
@@ -154,7 +151,7 @@ def test_a_plain_torch_state_dict_continues_bitwise_under_zerofn(recipe):
         groups = [names]
         opts = [torch.optim.Adafactor([params[n] for n in names], **WHOLE_ADAFACTOR)]
     else:
-        mats, rest = [n for n in names if _is_matrix(n)], [n for n in names if not _is_matrix(n)]
+        mats, rest = [n for n in names if is_matrix(n)], [n for n in names if not is_matrix(n)]
         groups = [mats, rest]
         other = torch.optim.AdamW([params[n] for n in rest], **WHOLE_ADAMW) if recipe == "muon_adamw" else None
         opts = [torch.optim.Muon([params[n] for n in mats], **WHOLE_MUON)]

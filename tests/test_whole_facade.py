@@ -33,18 +33,17 @@ import torch.distributed as dist
 import torch.nn as nn
 from conftest import get_world
 from helpers import (
-    IN_FEATURES,
-    OUT_FEATURES,
     WHOLE_ADAFACTOR,
     WHOLE_ADAMW,
     WHOLE_FLOOR,
     WHOLE_MUON,
     WHOLE_RECIPES,
-    Net,
     assert_trees_equal,
     batches,
     gate_used,
     max_rel_diff,
+    whole_model,
+    whole_torch_optimizers,
 )
 
 import zerofn as zf
@@ -61,43 +60,6 @@ MEASURED_N4 = {
     "adafactor": {"floor": 8.08e-08, "stage1": 8.08e-08, "stage2": 8.08e-08},
     "muon_adamw": {"floor": 6.41e-08, "stage1": 1.54e-08, "stage2": 1.54e-08},
 }
-
-
-class Mats(nn.Module):
-    """Net without biases: every param a 2-D matrix, so Muon alone can train it all."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(IN_FEATURES, 13, bias=False)
-        self.gate = nn.Linear(13, 13, bias=False)
-        self.b = nn.Linear(13, OUT_FEATURES, bias=False)
-        self.unused = nn.Linear(OUT_FEATURES, 3, bias=False)
-
-    def forward(self, x: torch.Tensor, use_gate: bool = True) -> torch.Tensor:
-        h = torch.tanh(self.a(x))
-        if use_gate:
-            h = h + torch.tanh(self.gate(h))
-        return self.b(h)
-
-
-def _model(recipe: str) -> nn.Module:
-    torch.manual_seed(0)
-    return Mats() if recipe == "muon" else Net()
-
-
-def _is_matrix(name: str) -> bool:
-    return name.endswith("weight")
-
-
-def _torch_optimizers(recipe: str, named: list[tuple[str, nn.Parameter]]) -> list[torch.optim.Optimizer]:
-    if recipe == "muon":
-        return [torch.optim.Muon([p for _, p in named], **WHOLE_MUON)]
-    if recipe == "adafactor":
-        return [torch.optim.Adafactor([p for _, p in named], **WHOLE_ADAFACTOR)]
-    return [
-        torch.optim.Muon([p for n, p in named if _is_matrix(n)], **WHOLE_MUON),
-        torch.optim.AdamW([p for n, p in named if not _is_matrix(n)], **WHOLE_ADAMW),
-    ]
 
 
 def _micro(x: torch.Tensor, y: torch.Tensor, accumulate: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -119,14 +81,14 @@ def _decay(step: int) -> float:
 
 
 def _wrapped(recipe: str, model: nn.Module, schedule: bool) -> tuple[list[torch.optim.Optimizer], list]:
-    opts = _torch_optimizers(recipe, list(model.named_parameters()))
+    opts = whole_torch_optimizers(recipe, list(model.named_parameters()))
     scheds = [torch.optim.lr_scheduler.LambdaLR(opts[0], _decay)] if schedule else []
     return opts, scheds
 
 
 def _train_facade(recipe, stage, *, overlap=False, accumulate=False, clip=None, schedule=False, wire=None):
     """Train with ZeroOptimizer over the torch optimizers; ``clip``: None, "option" or "method"."""
-    model = _model(recipe)
+    model = whole_model(recipe)
     opts, scheds = _wrapped(recipe, model, schedule)
     zo = zf.ZeroOptimizer(
         opts if len(opts) > 1 else opts[0],
@@ -167,7 +129,7 @@ def _train_ddp(
 ):
     """DDP + the torch optimizers: params, the optimizers' state dicts, their lrs."""
     kw = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
-    ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(_model(recipe)), find_unused_parameters=True, **kw)
+    ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(whole_model(recipe)), find_unused_parameters=True, **kw)
     if wire64:
         ddp.register_comm_hook(None, _wire64_hook)
     opts, scheds = _wrapped(recipe, ddp.module, schedule)
@@ -226,7 +188,7 @@ def _states_equal(ours: list[dict], theirs: list[dict]) -> None:
 def test_bitwise_equal_to_ddp_with_the_same_torch_optimizers_at_one_and_two_ranks(n, recipe):
     for rank_result in get_world(n).run(_run_bitwise, recipe):
         for name, ((params, state, lrs), (ddp_params, ddp_state, ddp_lrs)) in rank_result.items():
-            assert not torch.equal(params["a.weight"], _model(recipe).a.weight.detach()), name
+            assert not torch.equal(params["a.weight"], whole_model(recipe).a.weight.detach()), name
             assert_trees_equal(params, ddp_params)
             _states_equal(state, ddp_state)  # torch's format, torch's values
             assert lrs == ddp_lrs, name
@@ -289,7 +251,7 @@ def test_four_ranks_within_the_ddp_noise_floor_and_bitwise_with_a_float64_wire(r
 
 def _round_trip():
     """state_dict() into plain torch optimizers and back, for [Muon, AdamW] at stage 2."""
-    model = _model("muon_adamw")
+    model = whole_model("muon_adamw")
     opts, _ = _wrapped("muon_adamw", model, False)
     zo = zf.ZeroOptimizer(opts, partition_grad=True, reduce_bucket_size=BUCKET, module=model)
     for step, (x, y) in enumerate(batches(dist.get_rank(), 4)):
@@ -299,7 +261,7 @@ def _round_trip():
     blocks = {key: entry for block, _ in zo.state_dict_shard(max_shard_size=100) for key, entry in block.items()}
     assert blocks.keys() == {(k, i) for k, sd in enumerate(saved) for i in sd["state"]}
     # Plain torch optimizers over the same params in the same order take each dict.
-    plain = _torch_optimizers(
+    plain = whole_torch_optimizers(
         "muon_adamw", [(n, nn.Parameter(p.detach().clone())) for n, p in model.named_parameters()]
     )
     for o, sd in zip(plain, saved, strict=True):
@@ -338,7 +300,7 @@ def test_state_dict_is_a_list_of_torch_dicts_that_load_into_plain_optimizers_and
 
 
 def test_each_param_in_exactly_one_wrapped_optimizer():
-    model = _model("muon_adamw")
+    model = whole_model("muon_adamw")
     w, b = model.a.weight, model.a.bias
     rest = [p for n, p in model.named_parameters() if n not in ("a.weight", "a.bias")]
     with pytest.raises(ValueError, match=r"param 'a.weight' is in optimizers\[0\] and optimizers\[1\]"):

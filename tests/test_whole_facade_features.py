@@ -37,16 +37,15 @@ import torch.distributed as dist
 import torch.nn as nn
 from conftest import get_world
 from helpers import (
-    IN_FEATURES,
-    OUT_FEATURES,
     WHOLE_ADAFACTOR,
     WHOLE_MUON,
     WHOLE_RECIPES,
-    Net,
     assert_trees_equal,
     batches,
     ddp_reference,
     gate_used,
+    whole_model,
+    whole_torch_optimizers,
 )
 from test_precision import ReferenceScaler
 
@@ -67,41 +66,12 @@ SCALER = dict(
 )
 
 
-class Mats(nn.Module):
-    """Net without biases: every param a 2-D matrix, so Muon alone trains it all."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(IN_FEATURES, 13, bias=False)
-        self.gate = nn.Linear(13, 13, bias=False)
-        self.b = nn.Linear(13, OUT_FEATURES, bias=False)
-        self.unused = nn.Linear(OUT_FEATURES, 3, bias=False)
-
-    def forward(self, x: torch.Tensor, use_gate: bool = True) -> torch.Tensor:
-        h = torch.tanh(self.a(x))
-        if use_gate:
-            h = h + torch.tanh(self.gate(h))
-        return self.b(h)
-
-
-def _model(recipe: str) -> nn.Module:
-    torch.manual_seed(0)
-    return Mats() if recipe == "muon" else Net()
+def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((out - y) ** 2).mean()
 
 
 def _torch_optimizers(recipe: str, named: list[tuple[str, torch.Tensor]]) -> list[torch.optim.Optimizer]:
-    if recipe == "muon":
-        return [torch.optim.Muon([p for _, p in named], **WHOLE_MUON)]
-    if recipe == "adafactor":
-        return [torch.optim.Adafactor([p for _, p in named], **WHOLE_ADAFACTOR)]
-    return [
-        torch.optim.Muon([p for n, p in named if n.endswith("weight")], **WHOLE_MUON),
-        torch.optim.AdamW([p for n, p in named if not n.endswith("weight")], **ADAMW),
-    ]
-
-
-def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return ((out - y) ** 2).mean()
+    return whole_torch_optimizers(recipe, named, adamw=ADAMW)  # this file's AdamW (eps 1e-3)
 
 
 def _wrap(opts: list[torch.optim.Optimizer]) -> Any:
@@ -136,7 +106,7 @@ def cast_hook(comm_dtype, bucket):  # unannotated on purpose: DDP checks the ann
 
 def _reference(recipe: str, dtype: torch.dtype, comm: torch.dtype | None = None, steps: int = STEPS) -> dict:
     """DDP in the working dtype + the torch optimizers over fp32 masters, skipping non-finite steps."""
-    model = copy.deepcopy(_model(recipe)).to(dtype)
+    model = copy.deepcopy(whole_model(recipe)).to(dtype)
     ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
     ddp.register_comm_hook(comm, cast_hook)
     master = {n: p.detach().float().clone().requires_grad_(True) for n, p in model.named_parameters()}
@@ -174,7 +144,7 @@ def _reference(recipe: str, dtype: torch.dtype, comm: torch.dtype | None = None,
 
 
 def _facade_mixed(recipe: str, dtype: torch.dtype, stage: int, offload: bool) -> dict:
-    model = _model(recipe)  # fp32: forced_dtype casts it
+    model = whole_model(recipe)  # fp32: forced_dtype casts it
     opts = _torch_optimizers(recipe, list(model.named_parameters()))
     zo = zf.ZeroOptimizer(
         _wrap(opts),
@@ -273,7 +243,7 @@ def _strided_groups() -> tuple[Any, Any]:
 
 
 def _facade_hybrid(recipe: str, how: str, stage: int) -> dict:
-    model = _model(recipe)
+    model = whole_model(recipe)
     opts = _torch_optimizers(recipe, list(model.named_parameters()))
     if how == "sub_dp_size":  # shard groups {0,1} {2,3}, replicas {0,2} {1,3}
         groups: dict[str, Any] = {"sub_dp_size": 2}
@@ -310,7 +280,7 @@ def test_hybrid_groups_bitwise_equal_to_ddp_over_all_four_ranks_with_a_float64_w
     for ours, ref in results:
         assert ref["trace"] == [(1.0, False)] * STEPS
         for how, stage, got in ours:
-            assert not torch.equal(got["params"]["a.weight"], _model(recipe).a.weight), (how, stage)
+            assert not torch.equal(got["params"]["a.weight"], whole_model(recipe).a.weight), (how, stage)
             assert_trees_equal(got["params"], ref["params"])
     # Each whole param is held by one rank of each shard group, so twice in all.
     shard_groups = {"sub_dp_size": [[0, 1], [2, 3]], "groups": [[0, 2], [1, 3]]}
@@ -318,7 +288,7 @@ def test_hybrid_groups_bitwise_equal_to_ddp_over_all_four_ranks_with_a_float64_w
         for members in shard_groups[how]:
             held = [n for r in members for n in results[r][0][k][2]["whole"]]
             assert len(held) == len(set(held)) > 0, (how, held)
-            assert set(held) == {n for n, p in _model(recipe).named_parameters() if _is_whole(recipe, n, p)}
+            assert set(held) == {n for n, p in whole_model(recipe).named_parameters() if _is_whole(recipe, n, p)}
 
 
 def _is_whole(recipe: str, name: str, p: torch.Tensor) -> bool:
@@ -336,7 +306,7 @@ LRS = {"muon": [WHOLE_MUON["lr"]], "adafactor": [WHOLE_ADAFACTOR["lr"]], "muon_a
 
 def _ckpt_facade(recipe: str, shift: bool = False) -> tuple[nn.Module, zf.ZeroOptimizer]:
     """The facade with every lr at 0.5: the uninterrupted run sets the real ones, a load must bring them."""
-    model = _model(recipe)
+    model = whole_model(recipe)
     if shift:  # another starting point: the load must bring every value
         with torch.no_grad():
             for p in model.parameters():
@@ -450,7 +420,7 @@ def test_fp16_loss_scale_of_whole_params_survives_a_dcp_checkpoint(tmp_path):
 
 
 def _fp16_facade(shift: bool) -> tuple[nn.Module, zf.ZeroOptimizer]:
-    model = _model("muon_adamw")
+    model = whole_model("muon_adamw")
     if shift:
         with torch.no_grad():
             for p in model.parameters():
@@ -495,7 +465,7 @@ def _fp16_checkpoint(path: str) -> tuple[dict, dict]:
 def _whole_state_on_meta() -> dict:
     """Offload is real for whole params too: with ``state_device="meta"`` the whole masters,
     Muon's momentum and AdamW's moments live there, and Muon's update runs there."""
-    params = {n: p.detach() for n, p in _model("muon_adamw").named_parameters()}
+    params = {n: p.detach() for n, p in whole_model("muon_adamw").named_parameters()}
     muon = zf.torch_optim.from_torch(torch.optim.Muon, **WHOLE_MUON)
     fopt = zf.optim.partition([(lambda n: n.endswith("weight"), muon), (lambda n: True, zf.optim.adamw(**ADAMW))])
     policy = zf.PrecisionPolicy.for_dtype(torch.bfloat16, state_device="meta")
@@ -514,7 +484,7 @@ def test_whole_masters_and_their_state_live_on_the_state_device():
         assert r["devices"] == {"meta"} and r["step"] == 1 and not r["skipped"], r
         assert all(device == "meta" and len(shape) == 2 for device, shape in r["whole"].values()), r
     held = sorted(n for r in results for n in r["whole"])
-    assert held == sorted(n for n, _ in _model("muon_adamw").named_parameters() if n.endswith("weight"))
+    assert held == sorted(n for n, _ in whole_model("muon_adamw").named_parameters() if n.endswith("weight"))
 
 
 # --------------------------------------------------------------------------- prefetch and gradient inspection
@@ -522,7 +492,7 @@ def test_whole_masters_and_their_state_live_on_the_state_device():
 
 def _facade_inspected(recipe: str, stage: int, prefetch: bool) -> dict:
     """Every step the gradients read through the facade before ``step``; ``prefetch``: overlap_allgather."""
-    model = _model(recipe)
+    model = whole_model(recipe)
     zo = zf.ZeroOptimizer(
         _wrap(_torch_optimizers(recipe, list(model.named_parameters()))),
         partition_grad=stage == 2,
@@ -544,7 +514,7 @@ def _facade_inspected(recipe: str, stage: int, prefetch: bool) -> dict:
 
 
 def _ddp_inspected(recipe: str) -> dict:
-    ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(_model(recipe)), find_unused_parameters=True)
+    ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(whole_model(recipe)), find_unused_parameters=True)
     opts = _torch_optimizers(recipe, list(ddp.module.named_parameters()))
     grads, norms = [], []
     for step, (x, y) in enumerate(batches(dist.get_rank(), STEPS)):
@@ -595,7 +565,7 @@ def _write(module: nn.Module, step: int) -> None:
 
 
 def _facade_written(recipe: str, stage: int) -> dict:
-    model = _model(recipe)
+    model = whole_model(recipe)
     zo = zf.ZeroOptimizer(
         _wrap(_torch_optimizers(recipe, list(model.named_parameters()))),
         partition_grad=stage == 2,
@@ -613,7 +583,7 @@ def _facade_written(recipe: str, stage: int) -> dict:
 
 def _written_all(recipe: str) -> tuple[dict, dict, dict]:
     ref = ddp_reference(
-        _model(recipe),
+        whole_model(recipe),
         lambda m: _torch_optimizers(recipe, list(m.named_parameters())),
         batches(dist.get_rank(), STEPS),
         steps=STEPS,
@@ -632,7 +602,7 @@ def test_weights_written_between_steps_train_on_with_whole_params_as_with_ddp(re
 def _hybrid_save(path: str) -> dict:
     """[Muon, AdamW] over shard groups {0,2} {1,3} with replicas {0,1} {2,3}: a sharded save."""
     shard, replicate = _strided_groups()
-    model = _model("muon_adamw")
+    model = whole_model("muon_adamw")
     zo = zf.ZeroOptimizer(
         _torch_optimizers("muon_adamw", list(model.named_parameters())),
         partition_grad=True,

@@ -40,22 +40,21 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 from conftest import get_world
 from helpers import (
-    IN_FEATURES,
-    OUT_FEATURES,
     WHOLE_ADAFACTOR,
     WHOLE_ADAMW,
     WHOLE_FLOOR,
     WHOLE_MUON,
     WHOLE_RECIPES,
-    Net,
     assert_trees_equal,
     batches,
     ddp_reference,
     gate_used,
+    is_matrix,
     max_rel_diff,
+    whole_model,
+    whole_torch_optimizers,
 )
 from torch.func import functional_call, grad
 
@@ -66,50 +65,13 @@ BUCKET = 64  # small: several buckets, split and whole
 MAX_NORM = 0.05  # below every step's gradient norm here: clipping acts
 
 
-class Mats(nn.Module):
-    """Net without biases: every param a 2-D matrix, so Muon alone can train it all."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(IN_FEATURES, 13, bias=False)
-        self.gate = nn.Linear(13, 13, bias=False)
-        self.b = nn.Linear(13, OUT_FEATURES, bias=False)
-        self.unused = nn.Linear(OUT_FEATURES, 3, bias=False)
-
-    def forward(self, x: torch.Tensor, use_gate: bool = True) -> torch.Tensor:
-        h = torch.tanh(self.a(x))
-        if use_gate:
-            h = h + torch.tanh(self.gate(h))
-        return self.b(h)
-
-
-def _model(recipe: str) -> nn.Module:
-    torch.manual_seed(0)
-    return Mats() if recipe == "muon" else Net()
-
-
-def _is_matrix(name: str) -> bool:
-    return name.endswith("weight")
-
-
 def _zero_optimizer(recipe: str) -> zf.optim.Optimizer:
     muon = zf.torch_optim.from_torch(torch.optim.Muon, **WHOLE_MUON)
     if recipe == "muon":
         return muon
     if recipe == "adafactor":
         return zf.torch_optim.from_torch(torch.optim.Adafactor, **WHOLE_ADAFACTOR)
-    return zf.optim.partition([(_is_matrix, muon), (lambda n: True, zf.optim.adamw(**WHOLE_ADAMW))])
-
-
-def _torch_optimizers(recipe: str, named: list[tuple[str, nn.Parameter]]) -> list[torch.optim.Optimizer]:
-    if recipe == "muon":
-        return [torch.optim.Muon([p for _, p in named], **WHOLE_MUON)]
-    if recipe == "adafactor":
-        return [torch.optim.Adafactor([p for _, p in named], **WHOLE_ADAFACTOR)]
-    return [
-        torch.optim.Muon([p for n, p in named if _is_matrix(n)], **WHOLE_MUON),
-        torch.optim.AdamW([p for n, p in named if not _is_matrix(n)], **WHOLE_ADAMW),
-    ]
+    return zf.optim.partition([(is_matrix, muon), (lambda n: True, zf.optim.adamw(**WHOLE_ADAMW))])
 
 
 def _loss(model, params, x, y, use_gate):
@@ -122,7 +84,7 @@ def _micro(x, y, accumulate):
 
 def _train_zero(recipe, stage, clip, accumulate):
     rank = dist.get_rank()
-    model = _model(recipe)
+    model = whole_model(recipe)
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     state = zf.shard_params(params, _zero_optimizer(recipe))
     clipped = 0
@@ -155,8 +117,8 @@ def _jitter(module):
 def _train_ddp(recipe, clip, accumulate, bucket_cap_mb=None, clip64=False, jitter=False):
     micro = (m for x, y in batches(dist.get_rank(), STEPS) for m in _micro(x, y, accumulate))
     return ddp_reference(
-        _model(recipe),
-        lambda m: _torch_optimizers(recipe, list(m.named_parameters())),
+        whole_model(recipe),
+        lambda m: whole_torch_optimizers(recipe, list(m.named_parameters())),
         micro,
         steps=STEPS,
         accumulate=2 if accumulate else 1,
@@ -168,7 +130,7 @@ def _train_ddp(recipe, clip, accumulate, bucket_cap_mb=None, clip64=False, jitte
 
 
 def _train_all(recipe, clip, accumulate):
-    out = {"initial": {n: p.detach().clone() for n, p in _model(recipe).named_parameters()}, "clipped": {}}
+    out = {"initial": {n: p.detach().clone() for n, p in whole_model(recipe).named_parameters()}, "clipped": {}}
     for stage in (1, 2):
         out[stage], out["clipped"][stage], out["owners"] = _train_zero(recipe, stage, clip, accumulate)
     out["ddp"] = _train_ddp(recipe, clip, accumulate)
