@@ -38,14 +38,18 @@ momentum carries it on. Traced on an AMD EPYC (AVX-512 with bf16), N = 3, Muon +
 no clipping, DDP against DDP with other buckets: 1e-7 until step 9, then 1.2e-3 at step
 10 in ``a.weight`` (a Muon param), 4.7e-3 in ``gate.weight`` at step 11, 1.1e-2 after
 24 steps; with Newton-Schulz in float32 instead, the same run stays at 1e-6. Whether and
-when such a flip happens depends on the exact bits of the trajectory, i.e. on the
-machine's kernels: under ``ATEN_CPU_CAPABILITY=default`` the same two variants give
-7.3e-3 and 8.6e-8 (the rounded-twice gradients flip nothing there). So the floor is
-measured, never recorded. A flip is a discrete event: the floor is the largest of
-fourteen DDP-against-DDP runs (four configurations, three or four variants each) over 24
-steps, long enough that several of them flip on any machine (here: 6 of the 8 plain
-variant runs at N = 3 under the best kernels, 2 of 4 under ``default``), and the facade's
-own path is checked bitwise with a float64 wire in ``tests/test_whole_facade.py``.
+when such a flip happens depends on the exact bits of the trajectory, and those come
+from ATen's vectorised float32 kernels (tanh, the loss's reductions, the matmuls of
+forward and backward), not from the bfloat16 matmul's ISA: on the same machine
+``ONEDNN_MAX_CPU_ISA=AVX2`` and ``ATEN_CPU_CAPABILITY=avx2`` leave both figures as they
+are (1.1e-2 other buckets, 7.5e-3 rounded twice), while ``ATEN_CPU_CAPABILITY=default``
+gives 7.3e-3 and 8.6e-8 (the rounded-twice gradients flip nothing there). So the floor is
+measured, never recorded. A flip is a discrete event, so the floor is the largest of
+fourteen DDP-against-DDP runs (N = 3 and 4, clipping on and off, three variants each and
+float64 clipping) over 24 steps: at N = 3 the other-buckets and rounded-twice variants
+flipped in 4 of 4 runs under the best kernels and in 1 of 4 under ``default``, and the
+one-ulp variant, which moves every element, adds the most likely flip of all. The
+facade's own path is checked bitwise with a float64 wire in ``tests/test_whole_facade.py``.
 Adafactor runs in float32 throughout and its floor stays near 1e-7.
 """
 
