@@ -56,6 +56,35 @@ def _named(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+_DDP_TWINS: dict[tuple, tuple[dict[str, torch.Tensor], float]] = {}
+
+
+def _make_scheduler(scheduler: str | None, steps: int) -> Any:
+    if scheduler == "step":
+        return functools.partial(torch.optim.lr_scheduler.StepLR, step_size=4, gamma=0.5)
+    if scheduler == "onecycle":
+        return functools.partial(torch.optim.lr_scheduler.OneCycleLR, max_lr=2e-2, total_steps=steps)
+    return None
+
+
+def _ddp_twin(kind: str, clip: float, accumulate: int, scheduler: str | None, steps: int) -> tuple[dict, float]:
+    """DDP's params (``helpers.ddp_reference``) and this machine's noise floor for one
+    configuration, computed once per rank process: the facade's stage, overlap and bucket
+    size do not change what DDP does."""
+    key = (dist.get_world_size(), kind, clip, accumulate, scheduler, steps)
+    if key not in _DDP_TWINS:
+        torch.manual_seed(0)
+        model = Net()
+        options = dict(
+            steps=steps, accumulate=accumulate, clip=clip or None, scheduler=_make_scheduler(scheduler, steps)
+        )
+        make_optimizer = functools.partial(_torch_optimizer, kind)
+        data = functools.partial(batches, dist.get_rank(), steps * accumulate)
+        ref = ddp_reference(model, make_optimizer, data(), **options)["params"]
+        _DDP_TWINS[key] = ref, ddp_noise_floor(model, make_optimizer, data, ref, **options)
+    return _DDP_TWINS[key]
+
+
 def _train_pair(
     *,
     stage: int = 2,
@@ -68,18 +97,10 @@ def _train_pair(
     bucket: int = 64,
 ) -> dict[str, Any]:
     """Train the same Net under the facade and under DDP (``helpers.ddp_reference``) on this rank's batches."""
+    ref, floor = _ddp_twin(kind, clip, accumulate, scheduler, steps)
     torch.manual_seed(0)
     model = Net()
-    make_scheduler = None
-    if scheduler == "step":
-        make_scheduler = functools.partial(torch.optim.lr_scheduler.StepLR, step_size=4, gamma=0.5)
-    elif scheduler == "onecycle":
-        make_scheduler = functools.partial(torch.optim.lr_scheduler.OneCycleLR, max_lr=2e-2, total_steps=steps)
-    options = dict(steps=steps, accumulate=accumulate, clip=clip or None, scheduler=make_scheduler)
-    make_optimizer = functools.partial(_torch_optimizer, kind)
-    data = functools.partial(batches, dist.get_rank(), steps * accumulate)
-    ref = ddp_reference(model, make_optimizer, data(), **options)
-    floor = ddp_noise_floor(model, make_optimizer, data, ref["params"], **options)
+    make_scheduler = _make_scheduler(scheduler, steps)
     zopt = zf.ZeroOptimizer(
         _torch_optimizer(kind, model),
         partition_grad=stage == 2,
@@ -104,7 +125,7 @@ def _train_pair(
         zopt.zero_grad()
         for s in scheds:
             s.step()
-    return {"zero": _named(model), "ref": ref["params"], "floor": floor, "no_sync_bytes": no_sync_bytes}
+    return {"zero": _named(model), "ref": ref, "floor": floor, "no_sync_bytes": no_sync_bytes}
 
 
 def _assert_parity(res: dict[str, Any], what: Any) -> None:
