@@ -9,8 +9,6 @@ collective was issued, that no input changed, and that the group works afterward
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -178,9 +176,9 @@ def _one_rank_rejects(stage_fn: str) -> str:
 @pytest.mark.parametrize("stage_fn", ["reduce_grads", "step_shards"])
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_a_bad_input_on_one_rank_makes_every_rank_raise_at_once(worlds, n, stage_fn):
-    start = time.monotonic()
+    # Nobody waited for a peer: a rank left in a collective would raise gloo's timeout
+    # error, not the RankMismatchError naming rank 1 (no clock: it depends on the load).
     messages = worlds[n].run(_one_rank_rejects, stage_fn)
-    assert time.monotonic() - start < 30  # far below the 60 s process-group timeout: nobody waited
     assert messages[1].startswith("ValueError") and "rank 1" in messages[1]
     for r, m in enumerate(messages):
         if r != 1:

@@ -12,12 +12,13 @@ owner makes every rank skip the step, or raise ``NonFiniteGradError`` naming the
 
 These tests use their own small ``World`` with a short process-group timeout (as
 ``tests/test_faults.py`` does), so a rank left waiting in a collective would fail in
-seconds, not hang the suite; each rank also reports how long it took to raise.
+seconds, not hang the suite. That no rank waited shows in what they raise, not in a
+clock: a rank that had waited for a peer would raise gloo's timeout error, not zerofn's
+``RankMismatchError`` naming the cause (the time taken depends on the machine's load).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -44,13 +45,12 @@ def world():
 
 
 def _raised(fn: Callable[[], Any]) -> dict[str, Any]:
-    """Run ``fn`` on this rank: what it raised (type, message) and after how many seconds."""
-    start = time.monotonic()
+    """Run ``fn`` on this rank: what it raised (type, message)."""
     try:
         fn()
     except Exception as e:
-        return {"type": type(e).__name__, "message": str(e), "seconds": time.monotonic() - start}
-    return {"type": None, "message": "", "seconds": time.monotonic() - start}
+        return {"type": type(e).__name__, "message": str(e)}
+    return {"type": None, "message": ""}
 
 
 class Wider(Net):
@@ -113,7 +113,6 @@ def test_a_rank_that_builds_other_whole_placements_makes_every_rank_raise(world,
         assert r["type"] == "RankMismatchError", results
         assert "ZeroOptimizer: ranks disagree before any shard was exchanged" in r["message"]
         assert why in r["message"], r["message"]
-        assert r["seconds"] < TIMEOUT_S, r  # raised at once, not by a timeout
     # The pool is healthy afterwards: the same construction on every rank works.
     assert [r["type"] for r in world.run(_construct, "same")] == [None, None]
 
@@ -168,7 +167,6 @@ def test_a_bad_whole_gradient_on_one_rank_makes_every_rank_raise_and_nothing_cha
     owner = results[0]["owner"]
     culprit = 1 if kind == "unknown" else (1 - owner if kind == "non_owner_full" else owner)
     for rank, r in enumerate(results):
-        assert r["seconds"] < TIMEOUT_S, r
         if rank == culprit:
             assert r["type"] == error and says in r["message"], r
         else:
@@ -206,7 +204,6 @@ def test_a_non_finite_whole_gradient_raises_on_every_rank_naming_the_param(world
     for r in results:
         assert r["type"] == NonFiniteGradError.__name__, r
         assert "'w'" in r["message"], r["message"]
-        assert r["seconds"] < TIMEOUT_S, r
 
 
 # --------------------------------------------------------------------------- the facade's step
@@ -236,7 +233,7 @@ def test_a_layer_dropped_on_one_rank_only_makes_every_rank_raise(world):
     for r in results:
         assert r["type"] == "RankMismatchError", r
         assert "Param 'gate.bias' has a gradient on ranks [0] but none on ranks [1]" in r["message"], r
-        assert r["unchanged"] and r["seconds"] < TIMEOUT_S, r
+        assert r["unchanged"], r
 
 
 # --------------------------------------------------------------------------- what the layout cannot see
