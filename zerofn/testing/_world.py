@@ -19,7 +19,9 @@ two ranks on one device, and ``World`` says so before starting anything).
 
 Functions and results travel with cloudpickle when it is installed (so a function
 defined in a notebook or a test reaches the workers by value), else with pickle (the
-function must then be importable). Tensors travel as plain pickled copies.
+function must then be importable). Tensors travel as plain pickled copies. Each run
+also brings the workers' ``sys.path`` up to date with the caller's, so a function of a
+module imported after the pool started (a test module) can be found by reference.
 
 Robustness, by design:
 
@@ -184,7 +186,12 @@ def _worker_main(
         if not request:
             break
         try:
-            fn, args, kwargs = pickle.loads(request)
+            parent_path, payload = pickle.loads(request)
+            # Folders the parent put on sys.path since this worker started (pytest adds each
+            # test module's folder as it imports it): a function pickled by reference to such
+            # a module must be importable here too.
+            sys.path.extend(p for p in parent_path if p not in sys.path)
+            fn, args, kwargs = pickle.loads(payload)
             reply = ("ok", fn(*args, **kwargs))
         except BaseException as exc:  # report everything, KeyboardInterrupt included
             reply = _failure_reply(exc)
@@ -447,7 +454,7 @@ class World:
         """
         __tracebackhide__ = True  # pytest: a failure points at the caller's line, not at the pool's code
         self.start()
-        request = _pickler.dumps((fn, args, kwargs))
+        request = pickle.dumps((list(sys.path), _pickler.dumps((fn, args, kwargs))))
         for conn in self._conns:
             conn.send_bytes(request)
         results: list[Any] = [None] * self.world_size
