@@ -6,10 +6,11 @@
 * Every name in ``zerofn.__all__`` and in each public module's ``__all__`` has an entry
   (a ``::: path`` directive) in the API reference, and every exception class zerofn
   defines has a section on the errors page.
-* Every ```` ```python ```` block of the guides (``docs/*.md``) and of the README runs on
-  two real gloo ranks (the blocks of one page in order, as one script), except blocks
-  whose first line says ``# not run: <why>`` (several machines, GPUs). The guide on
-  testing holds a test module: it runs under pytest, with zerofn's plugin.
+* Every ```` ```python ```` block of the guides (``docs/*.md``) and of the README runs:
+  a script on two real gloo ranks (the scripts of one page in order, as one script), a
+  test module (a block that defines ``test_`` functions) under pytest with zerofn's
+  plugin. Blocks whose first line says ``# not run: <why>`` (several machines, GPUs) are
+  the exception, and there are few of them.
 """
 
 from __future__ import annotations
@@ -39,10 +40,9 @@ NOT_RUN = "# not run:"
 # Kept importable for one release with a DeprecationWarning-free alias of a private module;
 # their names are the private modules' and are not documented (the top level has what users need).
 DEPRECATED_ALIASES = ("zerofn.checks", "zerofn.comm")
-# Pages whose code is a pytest test module, run by pytest (with zerofn's plugin).
-PYTEST_PAGES = ("testing.md",)
-# Pages whose code the tests at the end of this file run, checking what it leaves.
+# Pages whose scripts the tests at the end of this file run, checking what they leave.
 CHECKED_PAGES = ("checkpoints.md", "facade.md", "functional-loop.md")
+README = ROOT / "README.md"
 
 
 def python_blocks(text: str) -> list[str]:
@@ -50,19 +50,23 @@ def python_blocks(text: str) -> list[str]:
     return FENCE.findall(text)
 
 
-def runnable_blocks(page: Path) -> list[str]:
-    return [b for b in python_blocks(page.read_text(encoding="utf-8")) if not b.startswith(NOT_RUN)]
+def is_test_module(block: str) -> bool:
+    """A block that defines pytest tests (run by pytest), not a script (run on ranks)."""
+    return re.search(r"^def test_", block, re.MULTILINE) is not None
 
 
-def _block_under(page: Path, heading: str) -> str:
-    """The first python block after ``heading`` in ``page``."""
-    text = page.read_text(encoding="utf-8")
-    assert heading in text, f"{page.name} has no heading {heading!r}"
-    return python_blocks(text.split(heading, 1)[1])[0]
+def scripts(page: Path) -> list[str]:
+    """The page's blocks that run on ranks, in order."""
+    blocks = python_blocks(page.read_text(encoding="utf-8"))
+    return [b for b in blocks if not b.startswith(NOT_RUN) and not is_test_module(b)]
+
+
+def module_blocks(page: Path) -> list[str]:
+    return [b for b in python_blocks(page.read_text(encoding="utf-8")) if is_test_module(b)]
 
 
 GUIDES = sorted(p for p in DOCS.glob("*.md") if python_blocks(p.read_text(encoding="utf-8")))
-RANK_GUIDES = [p for p in GUIDES if p.name not in PYTEST_PAGES + CHECKED_PAGES]
+RANK_GUIDES = [p for p in GUIDES if scripts(p) and p.name not in CHECKED_PAGES]
 
 
 # --------------------------------------------------------------------------- the build
@@ -179,30 +183,30 @@ def _exec_page(code: str, name: str, where: str) -> list[str]:
 
 def test_there_are_guides_with_code_and_few_blocks_are_left_unrun() -> None:
     assert {p.name for p in GUIDES} >= {"functional-loop.md", "facade.md", "checkpoints.md", "testing.md"}
-    for page in GUIDES:
-        for block in python_blocks(page.read_text(encoding="utf-8")):
-            if block.startswith(NOT_RUN):
-                assert len(block.splitlines()[0]) > len(NOT_RUN) + 10, f"{page.name}: say why a block is not run"
-    left = sum(b.startswith(NOT_RUN) for p in GUIDES for b in python_blocks(p.read_text(encoding="utf-8")))
-    assert left <= 3, left
+    assert set(CHECKED_PAGES) <= {p.name for p in GUIDES if scripts(p)}
+    not_run = [b for p in GUIDES for b in python_blocks(p.read_text(encoding="utf-8")) if b.startswith(NOT_RUN)]
+    for block in not_run:
+        assert len(block.splitlines()[0]) > len(NOT_RUN) + 10, f"say why a block is not run: {block[:80]!r}"
+    assert len(not_run) <= 3, len(not_run)
 
 
 @pytest.mark.parametrize("page", RANK_GUIDES, ids=lambda p: p.stem)
-def test_the_code_of_a_guide_runs_on_two_ranks(page: Path, tmp_path: Path) -> None:
-    code = "\n".join(runnable_blocks(page))
-    assert code, f"{page.name}: every block is marked {NOT_RUN!r}"
-    defined = get_world(2).run(_exec_page, code, page.name, str(tmp_path))
+def test_the_scripts_of_a_guide_run_on_two_ranks(page: Path, tmp_path: Path) -> None:
+    defined = get_world(2).run(_exec_page, "\n".join(scripts(page)), page.name, str(tmp_path))
     assert defined[0] == defined[1]
 
 
-@pytest.mark.parametrize("page", PYTEST_PAGES)
-def test_the_test_module_of_a_guide_passes_under_pytest(page: str, pytester: pytest.Pytester) -> None:
-    blocks = runnable_blocks(DOCS / page)
-    pytester.makepyfile(**{f"test_docs_block{i}": block for i, block in enumerate(blocks)})
-    # In this process: the guide's tests get this session's pools through the plugin.
+def test_the_test_modules_in_the_docs_and_the_readme_pass_under_pytest(pytester: pytest.Pytester) -> None:
+    blocks = {
+        f"test_{page.stem.replace('-', '_').lower()}_{i}": block
+        for page in [README, *GUIDES]
+        for i, block in enumerate(module_blocks(page))
+    }
+    assert {name.rsplit("_", 1)[0] for name in blocks} >= {"test_testing", "test_readme"}
+    pytester.makepyfile(**blocks)
+    # In this process: the tests get this session's pools through the plugin, as a user's would.
     result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-q")
-    tests = sum(len(re.findall(r"^def test_", block, re.MULTILINE)) for block in blocks)
-    assert tests >= 1
+    tests = sum(len(re.findall(r"^def test_", block, re.MULTILINE)) for block in blocks.values())
     result.assert_outcomes(passed=tests)
 
 
@@ -218,7 +222,7 @@ def _exec_loop(code: str) -> tuple[float, int, dict[str, list[float]]]:
 
 
 def test_the_functional_loop_leaves_the_same_params_on_every_rank() -> None:
-    code = "\n".join(runnable_blocks(DOCS / "functional-loop.md"))
+    code = "\n".join(scripts(DOCS / "functional-loop.md"))
     results = get_world(2).run(_exec_loop, code)
     assert results[0] == results[1]  # params identical on every rank after gather_params
     assert results[0][1] == 20
@@ -239,7 +243,7 @@ def _exec_facade(code: str) -> dict[str, Any]:
 
 
 def test_the_facade_loop_steps_schedules_and_gathers_alike_on_every_rank() -> None:
-    code = "\n".join(runnable_blocks(DOCS / "facade.md"))
+    code = "\n".join(scripts(DOCS / "facade.md"))
     assert "ZeroOptimizer(" in code and "no_sync()" in code and "get_param_grad" in code
     results = get_world(2).run(_exec_facade, code)
     assert results[0] == results[1]  # the same weights on every rank after step()
@@ -270,9 +274,38 @@ def _exec_checkpoints(code: str, where: str) -> dict[str, Any]:
 
 
 def test_the_checkpoints_page_saves_loads_and_round_trips_through_torch(tmp_path: Path) -> None:
-    code = "\n".join(runnable_blocks(DOCS / "checkpoints.md"))
+    code = "\n".join(scripts(DOCS / "checkpoints.md"))
     results = get_world(2).run(_exec_checkpoints, code, str(tmp_path))
     assert results[0] == results[1]
     r = results[0]
     assert (r["step"], r["facade_step"], r["plain_step"]) == (5, 5, 5.0)
     assert r["links"] == ["facade", "functional"]  # each path is a symlink to its last save
+
+
+def _exec_readme(code: str) -> dict[str, Any]:
+    """Run the README's loops on this rank; what they leave."""
+    scope: dict[str, Any] = {"__name__": "readme"}
+    exec(code, scope)
+    return {
+        "step": scope["state"].step,
+        "facade_step": scope["optimizer"].state.step,
+        "params": {n: p.reshape(-1).tolist() for n, p in scope["params"].items()},
+        "model": {n: p.detach().reshape(-1).tolist() for n, p in scope["model"].named_parameters()},
+    }
+
+
+def test_the_readme_loops_run_and_leave_the_same_weights_on_every_rank() -> None:
+    loops = scripts(README)
+    assert len(loops) == 2 and len(loops[0].strip().splitlines()) <= 20  # the front door's 20-line loop
+    results = get_world(2).run(_exec_readme, "\n".join(loops))
+    assert results[0] == results[1]
+    assert (results[0]["step"], results[0]["facade_step"]) == (20, 20)
+
+
+def test_the_readme_links_into_the_site_and_every_link_resolves() -> None:
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", README.read_text(encoding="utf-8"))
+    local = [link for link in links if "://" not in link]
+    assert "docs/index.md" in local and "docs/testing.md" in local
+    missing = [link for link in local if not (ROOT / link).exists()]
+    assert not missing, missing
+    assert len(README.read_text(encoding="utf-8").splitlines()) <= 200  # the front door, not the manual
