@@ -265,10 +265,10 @@ class World:
 
     Raises:
       ValueError: ``world_size < 1``, an unknown backend or device, NCCL without
-        ``device="cuda"``, or more NCCL ranks than GPUs.
+        ``device="cuda"``, more NCCL ranks than GPUs, or a ``run_timeout`` that is not a
+        positive number.
       RuntimeError: ``device="cuda"`` where CUDA is not available.
       TypeError: ``init`` is not callable.
-      ValueError: ``run_timeout`` is not a positive number.
 
     The pool starts lazily on the first ``run`` and is closed by ``close()`` or the
     ``with`` block. Workers see a normal default process group (``dist.get_rank()``,
@@ -490,7 +490,12 @@ class World:
         waited = time.monotonic() - (deadline - limit)
         for rank, stack in self._stop_hung(hung).items():
             what = f"did not finish within {limit:g}s (run_timeout); stopped after {waited:.1f}s"
-            text = f"Python stack of rank {rank} when it was stopped:\n{stack}" if stack else "(no stack: not on POSIX)"
+            if stack:
+                text = f"Python stack of rank {rank} when it was stopped:\n{stack}"
+            elif _STACK_SIGNAL is None:
+                text = "(no stack: this platform has no SIGUSR1 to ask the worker for one)"
+            else:
+                text = f"(no stack: rank {rank} wrote none within {_STACK_WAIT_S:g}s of being asked)"
             failures[rank] = RankFailure(rank, None, "WorkerHung", what, text)
         failures = dict(sorted(failures.items()))
         symmetric = len(failures) == self.world_size and len({f.type_name for f in failures.values()}) == 1
