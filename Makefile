@@ -56,10 +56,10 @@ notebooks: $(STAMP)
 	$(PY) notebooks/build.py $(ARGS)
 
 docs: $(STAMP)
-	$(PY) -m mkdocs build --strict --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
 
 docs-serve: $(STAMP)
-	$(PY) -m mkdocs serve --strict
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve --strict
 
 clean:
 	rm -rf $(VENV)

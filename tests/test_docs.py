@@ -91,6 +91,7 @@ def test_the_site_builds_strict(tmp_path: Path) -> None:
     # The reference is rendered from the docstrings, and reStructuredText roles do not leak.
     reference = (site / "api/stages/index.html").read_text(encoding="utf-8")
     assert "zerofn.stages.reduce_grads" in reference and ":class:" not in reference
+    assert ".. math::" not in (site / "api/optim/index.html").read_text(encoding="utf-8")
 
 
 # --------------------------------------------------------------------------- API reference coverage
