@@ -5,8 +5,10 @@
 #   make test-numerics        # the float-sensitive checks again on another CPU kernel family
 #   make lint                 # ruff check + ruff format --check
 #   make notebooks            # execute notebooks/NN_*.py into NN_*.ipynb (ARGS="03")
+#   make docs                 # build the documentation site into site/ (mkdocs build --strict)
+#   make docs-serve           # serve it at http://127.0.0.1:8000 while you edit
 #
-# torch is installed first, pinned, so that `pip install -e .[test]` finds its `torch>=2.4`
+# torch is installed first, pinned, so that `pip install -e .[test,docs]` finds its `torch>=2.4`
 # already satisfied: an unpinned torch would pull a CUDA build of several GB on a machine
 # that only has a CPU. GPU users pick their build, e.g. make test TORCH_SPEC='torch==2.13.0'
 # TORCH_PIP_ARGS='--index-url <a PyTorch wheel index for your CUDA>'.
@@ -26,7 +28,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.zerofn-installed
 TORCH_STAMP := $(VENV)/.torch-spec
 
-.PHONY: install demo test test-numerics lint notebooks clean FORCE
+.PHONY: install demo test test-numerics lint notebooks docs docs-serve clean FORCE
 
 install: $(STAMP)
 
@@ -41,7 +43,7 @@ $(TORCH_STAMP): FORCE | $(PY)
 # NumPy"), which clutters the demo and is an error under pytest's filterwarnings=error.
 $(STAMP): pyproject.toml $(TORCH_STAMP) | $(PY)
 	$(PIP) install $(TORCH_PIP_ARGS) '$(TORCH_SPEC)' numpy
-	$(PIP) install -e '.[test]'
+	$(PIP) install -e '.[test,docs]'
 	touch $@
 
 demo: $(STAMP)
@@ -62,6 +64,12 @@ lint: $(STAMP)
 
 notebooks: $(STAMP)
 	$(PY) notebooks/build.py $(ARGS)
+
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
+
+docs-serve: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve --strict
 
 clean:
 	rm -rf $(VENV)

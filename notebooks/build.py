@@ -4,7 +4,7 @@ The ``.py`` files are the source: review and edit those. This script turns each 
 notebook, runs it top to bottom in a fresh kernel of *this* Python (a kernelspec made on
 the fly in a temporary directory, so no installed ``python3`` kernel of another
 environment is picked up), and writes the ``.ipynb`` with its outputs, so the plots show
-where the repository is browsed. It also copies the README's picture out of notebook 03::
+where the repository is browsed. It also copies the picture docs/teaching-notebooks.md shows out of notebook 03::
 
     python notebooks/build.py            # all notebooks      (make notebooks)
     python notebooks/build.py 03 05      # those whose names start with 03 or 05
@@ -31,7 +31,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 NOTEBOOKS = sorted(HERE.glob("[0-9][0-9]_*.py"))
 KERNEL_NAME = "zerofn-notebooks"
-# The cell of notebook 03 whose picture the README shows, and where it goes.
+# The cell of notebook 03 whose picture docs/teaching-notebooks.md shows, and where it goes.
 README_FIGURE_TAG = "readme-figure"
 README_FIGURE = HERE / "img" / "03_loss_and_memory.png"
 CELL_TIMEOUT_S = 600

@@ -1,7 +1,9 @@
-"""Shared fixtures: one persistent pool of real gloo ranks per world size.
+"""Shared fixtures: the pools of real gloo ranks come from zerofn's own pytest plugin.
 
-Pools start on first use and live for the whole session, so a property test pays the
-process start-up once, not once per example.
+``zerofn_world`` (zerofn/testing/plugin.py, registered by the ``pytest11`` entry point)
+keeps one pool per world size for the whole session, so a property test pays the process
+start-up once, not once per example. ``get_world(n)`` is the same pool, for helpers and
+hypothesis state machines that cannot take a fixture.
 """
 
 from __future__ import annotations
@@ -11,7 +13,10 @@ import os
 import pytest
 from hypothesis import HealthCheck, settings
 
-from zerofn.testing import World
+from zerofn.testing import World, plugin
+
+# pytester runs a user's suite against zerofn's plugin (tests/test_plugin.py).
+pytest_plugins = ["pytester"]
 
 # CI: fixed seeds and fewer examples, so a run is reproducible and fits the budget.
 settings.register_profile(
@@ -30,31 +35,20 @@ settings.register_profile(
 settings.load_profile("ci" if os.environ.get("CI") else os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 WORLD_SIZES = (1, 2, 3, 4)
-# Intra-op threads per rank: 1 keeps ranks from competing for cores; the numerics checks
-# also run with 2 (ZEROFN_TEST_THREADS=2), where torch's kernels split work differently.
-THREADS = int(os.environ.get("ZEROFN_TEST_THREADS", "1"))
-_pools: dict[int, World] = {}
 
 
 def get_world(n: int) -> World:
-    """The session's pool of ``n`` gloo ranks (started on first use)."""
-    if n not in _pools:
-        _pools[n] = World(n, timeout=60.0, threads=THREADS).start()
-    return _pools[n]
+    """The session's pool of ``n`` gloo ranks: ``zerofn_world(n)``."""
+    return plugin.pools()(n)
 
 
 @pytest.fixture(params=WORLD_SIZES, ids=lambda n: f"N{n}")
-def world(request: pytest.FixtureRequest) -> World:
+def world(request: pytest.FixtureRequest, zerofn_world: plugin.WorldPools) -> World:
     """Each test using this runs at world sizes 1, 2, 3 and 4."""
-    return get_world(request.param)
+    return zerofn_world(request.param)
 
 
 @pytest.fixture(scope="session")
-def worlds() -> dict[int, World]:
+def worlds(zerofn_world: plugin.WorldPools) -> dict[int, World]:
     """All four pools, for property tests that draw the world size."""
-    return {n: get_world(n) for n in WORLD_SIZES}
-
-
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    for pool in _pools.values():
-        pool.close()
+    return {n: zerofn_world(n) for n in WORLD_SIZES}

@@ -332,7 +332,8 @@ def launch_reduce(
     Args:
       rows: ``(N, S)`` rows from :func:`pack_grads`; consumed (the all-reduce sums into them
         when no cast is needed).
-      layout, bucket: what the rows hold.
+      layout: the layout the rows follow.
+      bucket: the bucket of ``layout`` the rows hold.
       group: the sharding process group.
       how: ``"reduce_scatter"`` or ``"all_reduce"`` (:func:`zerofn.stages.reduce_realisation`).
       comm_dtype: dtype on the wire; ``None``: the params' working dtype.
@@ -418,7 +419,8 @@ def unpack_rows(
 
     Args:
       rows: ``(N, S)`` buffer, any dtype.
-      layout, bucket: what the rows hold.
+      layout: the layout the rows follow.
+      bucket: the bucket of ``layout`` the rows hold.
       out: name -> destination of the param's shape (contiguous), written in place
         (e.g. the model's params; call under ``torch.no_grad()`` for leaves that require
         grad). Default: new tensors on ``rows.device``.
@@ -503,7 +505,8 @@ def pack_shards(
     Args:
       shards: name -> ``(shard_numel,)`` shard, for every split member of ``bucket``, and
         name -> full-shape tensor for every whole member ``rank`` owns.
-      layout, bucket: which shards, in which order.
+      layout: the layout the shards follow.
+      bucket: the bucket of ``layout`` whose shards to pack, in its order.
       dtype: dtype of the row; default: the shards' own (promoted).
       device: where the row goes; default the shards' device.
       out: an ``(S,)`` buffer to write into (reused between steps by the facade); used

@@ -330,7 +330,8 @@ def sgd(
       weight_decay: L2 penalty :math:`\lambda` added to the gradient.
       nesterov: Nesterov momentum (needs ``momentum > 0`` and ``dampening == 0``).
       maximize: ascend instead of descend.
-      foreach, fused: torch's kernel choice; ``None`` lets torch pick as it would.
+      foreach: torch's kernel choice; ``None`` lets torch pick as it would.
+      fused: torch's kernel choice; ``None`` lets torch pick as it would.
       param_groups: per-name hyperparameter overrides (see the module docstring).
 
     Examples:

@@ -55,7 +55,9 @@ GROWTH_INTERVAL = 50
 
 # ---------------------------------------------------------------------------- model, data
 
-IN_DIM, HIDDEN, CLASSES = 32, 128, 10
+IN_DIM = 32
+HIDDEN = 128
+CLASSES = 10
 DATA_SIZE = 4096
 
 

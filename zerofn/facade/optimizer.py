@@ -111,12 +111,28 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
         (refused: gradients would be reduced twice). With it, a param or submodule
         replaced after construction is refused at the next ``backward``/``step``.
       verbose: log skipped steps.
-      communication_dtype, cpu_offload, forced_dtype, master_weights, nonfinite,
-      grad_accum_dtype, initial_scale, min_scale, growth_factor, backoff_factor,
-      growth_interval, hysteresis, max_scale: the seed's precision keywords, turned into a
-        :class:`~zerofn.precision.PrecisionPolicy` (meanings: :mod:`zerofn.facade._options`).
-        float16 params train with a dynamic loss scaler (``backward`` multiplies the loss
-        by its current scale); bfloat16 and float32 without.
+      communication_dtype: dtype gradients are cast to on the wire (``None``: the params'
+        working dtype). This and the precision keywords below are the seed's, turned into
+        a :class:`~zerofn.precision.PrecisionPolicy` (meanings: :mod:`zerofn.facade._options`).
+      cpu_offload: keep master shards and optimizer state on the CPU.
+      forced_dtype: cast every param (``p.data``) to this dtype at construction.
+      master_weights: keep float32 master shards (default); False: the optimizer updates
+        working-dtype shards directly.
+      nonfinite: what a step with an ``inf``/``nan`` gradient does without a dynamic loss
+        scaler (bf16, fp32): ``"skip"`` it on every rank, or ``"raise"``
+        :class:`~zerofn.precision.NonFiniteGradError` on every rank.
+      grad_accum_dtype: dtype micro-batch gradients are summed in under ``no_sync``
+        (``"auto"``: float32 for float16/bfloat16 params).
+      initial_scale: the dynamic loss scaler's first scale. float16 params train with a
+        dynamic loss scaler (``backward`` multiplies the loss by its current scale);
+        bfloat16 and float32 without. This and the next six are its settings
+        (:class:`~zerofn.precision.DynamicLossScaler`, the seed's meanings).
+      min_scale: the smallest scale a backoff may reach.
+      growth_factor: the scale's factor after ``growth_interval`` good steps.
+      backoff_factor: the scale's factor after ``hysteresis`` overflows.
+      growth_interval: good steps before the scale grows.
+      hysteresis: overflows tolerated before the scale backs off.
+      max_scale: the largest scale growth may reach.
       precision: a full :class:`~zerofn.precision.PrecisionPolicy` instead of the
         options above (then leave those at their defaults). Params of several dtypes
         raise :class:`~zerofn.precision.MixedDtypeError` naming them unless

@@ -1,22 +1,26 @@
-"""Public helpers for testing code built on zerofn: real ranks and hypothesis strategies.
+"""Public helpers for testing code built on zerofn: real ranks, hypothesis strategies, a pytest plugin.
 
 ``World`` keeps a pool of real ``torch.distributed`` ranks alive (gloo on the CPU by
 default; NCCL or gloo on CUDA devices) and runs a function on all of them;
 ``strategies`` (needs ``hypothesis``) draws param dicts and world sizes that exercise
-sharding's corner cases.
+sharding's corner cases; ``plugin`` (needs ``pytest``) is the pytest plugin that installing
+zerofn registers, whose ``zerofn_world`` fixture hands a test the session's pools:
+``zerofn_world(3).run(fn, ...)``.
 """
 
 from zerofn.testing._world import RankFailure, World, WorldError
 
-__all__ = ["RankFailure", "World", "WorldError", "strategies"]
+__all__ = ["RankFailure", "World", "WorldError", "plugin", "strategies"]
+
+# Imported only when asked for: hypothesis and pytest are test-time dependencies.
+_LAZY = ("plugin", "strategies")
 
 
 def __getattr__(name: str) -> object:
-    # hypothesis is a test-time dependency: import the strategies only when asked for.
-    if name == "strategies":
+    if name in _LAZY:
         # import_module, not `from zerofn.testing import strategies`: the latter asks this
         # very __getattr__ for the not-yet-imported submodule and recurses forever.
         import importlib
 
-        return importlib.import_module("zerofn.testing.strategies")
+        return importlib.import_module(f"zerofn.testing.{name}")
     raise AttributeError(name)

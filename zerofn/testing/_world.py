@@ -19,7 +19,9 @@ two ranks on one device, and ``World`` says so before starting anything).
 
 Functions and results travel with cloudpickle when it is installed (so a function
 defined in a notebook or a test reaches the workers by value), else with pickle (the
-function must then be importable). Tensors travel as plain pickled copies.
+function must then be importable). Tensors travel as plain pickled copies. Each run
+also brings the workers' ``sys.path`` up to date with the caller's, so a function of a
+module imported after the pool started (a test module) can be found by reference.
 
 Robustness, by design:
 
@@ -30,6 +32,9 @@ Robustness, by design:
 * if ranks failed differently (some raised, others did not or raised something else),
   their group may be out of step, so the pool is restarted before the next run;
 * a worker that dies is reported as such (with its exit code) and the pool restarted;
+* a run that does not finish within ``run_timeout`` is reported rank by rank: the ranks
+  that did not answer fail as hung, with the Python stack each was stuck in (dumped by
+  :mod:`faulthandler` on ``SIGUSR1`` where the platform has it), and the pool restarted;
 * a function that catches a collective's error itself (a timeout, a lost peer) hides
   from the pool that its group is broken: call ``restart()`` before the next run;
 * an ``init`` hook that raises on any rank stops the start: ``start`` (and so ``run``)
@@ -41,10 +46,14 @@ Robustness, by design:
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import pickle
+import shutil
+import signal
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -62,6 +71,11 @@ _HOST = "127.0.0.1"
 BACKENDS = ("gloo", "nccl")
 DEVICES = ("cpu", "cuda")
 _READY = b"ready"
+# How long a hung worker gets to write its stack after SIGUSR1 before it is killed.
+_STACK_WAIT_S = 2.0
+# The signal a hung worker dumps its Python stack on (POSIX only; elsewhere hangs come
+# back without a stack).
+_STACK_SIGNAL = getattr(signal, "SIGUSR1", None)
 
 
 class RankFailure:
@@ -118,8 +132,18 @@ def _worker_main(
     backend: str,
     device: str,
     init_payload: bytes | None,
+    stack_path: str | None,
 ) -> None:
-    """Entry point of a worker process: join the group, run ``init``, then serve ``run`` requests."""
+    """Entry point of a worker process: join the group, run ``init``, then serve ``run`` requests.
+
+    ``stack_path``: where this worker writes its Python stack (every thread) when the
+    parent sends ``SIGUSR1`` because a run did not finish in time.
+    """
+    if stack_path is not None and _STACK_SIGNAL is not None:
+        # Kept open for the process's life: faulthandler writes to its file descriptor from
+        # the signal handler, even while the main thread is blocked inside a C++ collective.
+        stack_file = open(stack_path, "w")
+        faulthandler.register(_STACK_SIGNAL, file=stack_file, all_threads=True)
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
@@ -162,7 +186,12 @@ def _worker_main(
         if not request:
             break
         try:
-            fn, args, kwargs = pickle.loads(request)
+            parent_path, payload = pickle.loads(request)
+            # Folders the parent put on sys.path since this worker started (pytest adds each
+            # test module's folder as it imports it): a function pickled by reference to such
+            # a module must be importable here too.
+            sys.path.extend(p for p in parent_path if p not in sys.path)
+            fn, args, kwargs = pickle.loads(payload)
             reply = ("ok", fn(*args, **kwargs))
         except BaseException as exc:  # report everything, KeyboardInterrupt included
             reply = _failure_reply(exc)
@@ -229,10 +258,15 @@ class World:
         functions (cloudpickle when installed), pickled here when the ``World`` is made.
         What it returns is dropped; if it raises on any rank, ``start`` raises
         :class:`WorldError` and the pool is closed.
+      run_timeout: seconds one ``run`` may take. The ranks that have not answered by
+        then fail as ``WorkerHung``, each with the Python stack it was stuck in, and the
+        pool is restarted. ``None`` (the default): ``2 * timeout + 30``, time for a
+        collective that cannot finish to raise on its own rank first.
 
     Raises:
       ValueError: ``world_size < 1``, an unknown backend or device, NCCL without
-        ``device="cuda"``, or more NCCL ranks than GPUs.
+        ``device="cuda"``, more NCCL ranks than GPUs, or a ``run_timeout`` that is not a
+        positive number.
       RuntimeError: ``device="cuda"`` where CUDA is not available.
       TypeError: ``init`` is not callable.
 
@@ -251,9 +285,12 @@ class World:
         backend: str = "gloo",
         device: str = "cpu",
         init: Callable[[], object] | None = None,
+        run_timeout: float | None = None,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"World needs at least one rank, got world_size={world_size}")
+        if run_timeout is not None and not run_timeout > 0:
+            raise ValueError(f"World: run_timeout must be a positive number of seconds, got {run_timeout!r}")
         _check_placement(world_size, backend, device)
         if init is not None and not callable(init):
             raise TypeError(f"World: init must be a callable taking no arguments, got {type(init).__name__}")
@@ -263,10 +300,12 @@ class World:
         self.backend = backend
         self.device = device
         self.init = init
+        self.run_timeout = run_timeout
         self._init_payload = _pickler.dumps(init) if init is not None else None
         self._procs: list[Any] = []
         self._conns: list[Any] = []
         self._store: Any = None
+        self._stack_dir: str | None = None
         self.restarts = 0
 
     def __repr__(self) -> str:
@@ -281,6 +320,7 @@ class World:
         import torch.distributed as dist
 
         ctx = mp.get_context("spawn")
+        self._stack_dir = tempfile.mkdtemp(prefix="zerofn-world-")
         self._store = dist.TCPStore(
             _HOST, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=self.timeout)
         )
@@ -298,6 +338,7 @@ class World:
                     self.backend,
                     self.device,
                     self._init_payload,
+                    self._stack_path(rank),
                 ),
                 daemon=True,
                 name=f"zerofn-rank{rank}",
@@ -350,7 +391,9 @@ class World:
                 proc.join()
         for conn in self._conns:
             conn.close()
-        self._procs, self._conns, self._store = [], [], None
+        if self._stack_dir is not None:
+            shutil.rmtree(self._stack_dir, ignore_errors=True)
+        self._procs, self._conns, self._store, self._stack_dir = [], [], None, None
 
     def restart(self) -> None:
         self.close()
@@ -365,34 +408,69 @@ class World:
 
     # -- running -----------------------------------------------------------------------
 
+    def _stack_path(self, rank: int) -> str | None:
+        return None if self._stack_dir is None else os.path.join(self._stack_dir, f"rank{rank}.stack")
+
     def _wait_readable(self, rank: int, conn: Any, limit: float) -> bool:
         deadline = time.monotonic() + limit
-        while time.monotonic() < deadline:
-            if conn.poll(0.05):
+        while True:
+            if conn.poll(max(0.0, min(0.05, deadline - time.monotonic()))):
                 return True
             if not self._procs[rank].is_alive():
                 return conn.poll(0)
-        return False
+            if time.monotonic() >= deadline:
+                return False
+
+    def _stop_hung(self, ranks: list[int]) -> dict[int, str]:
+        """Ask each hung worker for its Python stack (``SIGUSR1``), then kill it; rank -> stack text."""
+        paths = {rank: self._stack_path(rank) for rank in ranks}
+        sizes = {rank: _file_size(path) for rank, path in paths.items()}
+        if _STACK_SIGNAL is not None:
+            for rank in ranks:
+                try:
+                    os.kill(self._procs[rank].pid, _STACK_SIGNAL)
+                except (ProcessLookupError, TypeError):
+                    pass
+            deadline = time.monotonic() + _STACK_WAIT_S
+            # faulthandler writes the whole dump at once; wait until every file grew.
+            while time.monotonic() < deadline and any(_file_size(paths[r]) <= sizes[r] for r in ranks):
+                time.sleep(0.05)
+            time.sleep(0.1)
+        stacks = {}
+        for rank in ranks:
+            self._procs[rank].kill()
+            self._procs[rank].join(5)
+            stacks[rank] = _read_from(paths[rank], sizes[rank])
+        return stacks
 
     def run(self, fn: Callable[..., Any], *args: Any, return_exceptions: bool = False, **kwargs: Any) -> list[Any]:
         """Call ``fn(*args, **kwargs)`` on every rank at once; return the results by rank.
 
         Raises :class:`WorldError` if any rank raised (unless ``return_exceptions``:
-        then a failing rank's entry is its :class:`RankFailure`), or if a worker died.
+        then a failing rank's entry is its :class:`RankFailure`), if a worker died
+        (``WorkerDied``) or if a rank did not finish within ``run_timeout`` (``WorkerHung``,
+        with the stack it was stuck in as its traceback). After a death, a hang or
+        ranks that failed differently, the pool restarts before the next run.
         """
+        __tracebackhide__ = True  # pytest: a failure points at the caller's line, not at the pool's code
         self.start()
-        request = _pickler.dumps((fn, args, kwargs))
+        request = pickle.dumps((list(sys.path), _pickler.dumps((fn, args, kwargs))))
         for conn in self._conns:
             conn.send_bytes(request)
         results: list[Any] = [None] * self.world_size
         failures: dict[int, RankFailure] = {}
         died = False
+        hung: list[int] = []
+        # By default a stuck collective raises after `timeout` on the rank itself; allow for that.
+        limit = self.run_timeout if self.run_timeout is not None else 2 * self.timeout + 30
+        deadline = time.monotonic() + limit
         for rank, conn in enumerate(self._conns):
-            # A stuck collective raises after `timeout` on the rank itself; allow for that.
-            if not self._wait_readable(rank, conn, 2 * self.timeout + 30):
+            if not self._wait_readable(rank, conn, deadline - time.monotonic()):
                 code = self._procs[rank].exitcode
-                what = "died" if code is not None else "did not answer"
-                failures[rank] = RankFailure(rank, None, "WorkerDied", f"worker {what} (exit code {code})", "")
+                if code is None:
+                    hung.append(rank)
+                else:
+                    failures[rank] = RankFailure(rank, None, "WorkerDied", f"worker died (exit code {code})", "")
                 died = True
                 continue
             try:
@@ -409,12 +487,45 @@ class World:
                 results[rank] = value
             else:
                 failures[rank] = RankFailure(rank, *value)
+        waited = time.monotonic() - (deadline - limit)
+        for rank, stack in self._stop_hung(hung).items():
+            what = f"did not finish within {limit:g}s (run_timeout); stopped after {waited:.1f}s"
+            if stack:
+                text = f"Python stack of rank {rank} when it was stopped:\n{stack}"
+            elif _STACK_SIGNAL is None:
+                text = "(no stack: this platform has no SIGUSR1 to ask the worker for one)"
+            else:
+                text = f"(no stack: rank {rank} wrote none within {_STACK_WAIT_S:g}s of being asked)"
+            failures[rank] = RankFailure(rank, None, "WorkerHung", what, text)
+        failures = dict(sorted(failures.items()))
         symmetric = len(failures) == self.world_size and len({f.type_name for f in failures.values()}) == 1
         restart = died or bool(failures and not symmetric)
         if restart:
-            self.restart()  # the group may be out of step; start the next run from a clean one
+            # The group may be out of step: close it now, and the next run (or start) begins
+            # from fresh workers, so a failure is reported without waiting for new processes.
+            self.close()
+            self.restarts += 1
         if failures and not return_exceptions:
             raise WorldError(failures, " (pool restarted)" if restart else "", restarted=restart)
         for rank, failure in failures.items():
             results[rank] = failure
         return results
+
+
+def _file_size(path: str | None) -> int:
+    try:
+        return os.path.getsize(path) if path is not None else 0
+    except OSError:
+        return 0
+
+
+def _read_from(path: str | None, offset: int) -> str:
+    """What was written to ``path`` after ``offset`` bytes ("" if nothing or no file)."""
+    if path is None:
+        return ""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            f.seek(offset)
+            return f.read()
+    except OSError:
+        return ""
