@@ -33,11 +33,13 @@ $(PY):
 $(TORCH_STAMP): FORCE | $(PY)
 	@echo '$(TORCH_SPEC) $(TORCH_PIP_ARGS)' | cmp -s - $@ || echo '$(TORCH_SPEC) $(TORCH_PIP_ARGS)' > $@
 
+# The lowbit extra (torchao) is installed too, so the tests of zerofn.lowbit run; torchao
+# has no dependencies of its own, so it leaves the pinned torch alone.
 # numpy beside torch: torch warns at import when numpy is missing ("Failed to initialize
 # NumPy"), which clutters the demo and is an error under pytest's filterwarnings=error.
 $(STAMP): pyproject.toml $(TORCH_STAMP) | $(PY)
 	$(PIP) install $(TORCH_PIP_ARGS) '$(TORCH_SPEC)' numpy
-	$(PIP) install -e '.[test]'
+	$(PIP) install -e '.[test,lowbit]'
 	touch $@
 
 demo: $(STAMP)

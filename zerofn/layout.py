@@ -423,7 +423,9 @@ def make_layout(
                     f"blocked({block}): its numel is not a multiple of {block}; place it 'split'"
                 )
             shard = block * -(-numel // (world_size * block))
-            specs.append(ParamSpec(name, shapes[name], t.dtype, numel, shard, shard * world_size - numel, blocked(block)))
+            specs.append(
+                ParamSpec(name, shapes[name], t.dtype, numel, shard, shard * world_size - numel, blocked(block))
+            )
         else:
             shard = -(-numel // world_size)
             specs.append(ParamSpec(name, shapes[name], t.dtype, numel, shard, shard * world_size - numel))

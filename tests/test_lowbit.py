@@ -1,0 +1,208 @@
+"""zerofn.lowbit: torchao's 8-bit, 4-bit and fp8 AdamW state, the same bits at every world size.
+
+The averaged gradient is made the same at every N by construction: every rank cuts its
+shard out of one global gradient (the same seeded tensors everywhere), so whatever the
+optimizer does with it is the only thing that could depend on N. Params after 30 steps
+of ``step_shards`` are compared bitwise across N = 1, 2, 3, 4, and at N = 1 with the plain
+torchao optimizer. torchao compiles its update; here both run it eagerly (``torch.compile``
+replaced by the identity for the plain optimizer, zerofn's default ``compile=False``): the
+compiled path is measured in benchmarks/ (README, "Low-bit optimizer state").
+
+The quantized param has 64 * 64 = 4096 elements, torchao's smallest: eager 8-bit and
+4-bit quantization on the CPU is one ``aten::index`` gather per code bit, slow.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import unittest.mock
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import get_world
+from helpers import assert_trees_equal
+
+import zerofn as zf
+from zerofn.buckets import cut_shard
+from zerofn.layout import make_layout
+
+pytest.importorskip("torchao", reason="the lowbit extra: pip install 'zerofn[lowbit]'")
+
+KINDS = ("adamw8bit", "adamw4bit", "adamwfp8")
+STEPS = 30
+HP = dict(lr=1e-2, weight_decay=0.1)
+SHAPES = {"w": (64, 64), "b": (64,), "odd": (7, 9)}
+
+
+def _params() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return {n: torch.randn(s, generator=gen) for n, s in SHAPES.items()}
+
+
+def _grads(steps: int = STEPS) -> list[dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    return [{n: torch.randn(s, generator=gen) for n, s in SHAPES.items()} for _ in range(steps)]
+
+
+def _torchao_class(kind: str) -> type:
+    import torchao.optim
+
+    return {"adamw8bit": torchao.optim.AdamW8bit, "adamw4bit": torchao.optim.AdamW4bit}.get(
+        kind, torchao.optim.AdamWFp8
+    )
+
+
+def _train_functional(kinds: tuple[str, ...]) -> dict[str, dict[str, torch.Tensor]]:
+    """On every rank: 30 ``step_shards`` per optimizer, each rank's grad shard cut from the global gradient."""
+    rank = dist.get_rank()
+    out = {}
+    for kind in kinds:
+        state = zf.shard_params(_params(), getattr(zf.optim, kind)(**HP))
+        for g in _grads():
+            shards = {s.name: cut_shard(g[s.name], s, rank) for s in state.layout.params}
+            state, info = zf.step_shards(state, shards)
+            assert not info.skipped
+        out[kind] = zf.gather_params(state)
+    return out
+
+
+_results: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
+
+
+def _at(n: int) -> dict[str, dict[str, torch.Tensor]]:
+    if n not in _results:
+        _results[n] = get_world(n).run(_train_functional, KINDS)[0]
+    return _results[n]
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_params_after_30_steps_are_bitwise_equal_at_every_world_size(n):
+    for kind in KINDS:
+        assert_trees_equal(_at(n)[kind], _at(1)[kind])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_at_one_rank_bitwise_equal_to_the_plain_torchao_optimizer(kind):
+    params = {n: torch.nn.Parameter(t) for n, t in _params().items()}
+    opt = _torchao_class(kind)(list(params.values()), **HP)
+    with unittest.mock.patch.object(torch, "compile", lambda fn, **kw: fn):  # torchao's update, eagerly
+        for g in _grads():
+            for n, p in params.items():
+                p.grad = g[n]
+            opt.step()
+    # torchao quantized the same params zerofn placed blocked(B): the 4096-element matrix only.
+    assert [type(opt.state[p]["exp_avg"]).__name__.startswith("OptimState") for p in params.values()] == [
+        True,
+        False,
+        False,
+    ]
+    assert_trees_equal(_at(1)[kind], {n: p.detach() for n, p in params.items()})
+
+
+def test_blocked_placement_is_decided_from_the_global_size_and_is_part_of_the_fingerprint():
+    opt = zf.optim.adamw8bit(lr=1e-3)
+    assert opt.placement("w", (64, 64)) == "blocked(256)"
+    assert opt.placement("small", (32, 64)) == "split"  # under 4096 elements: fp32 state, as torchao
+    assert opt.placement("ragged", (65, 64)) == "split"  # not whole blocks: fp32 state, as torchao
+    shapes = {"w": torch.empty(64, 64, device="meta")}
+    for n in (1, 2, 3, 4, 8):
+        layout = make_layout(shapes, n, placement={"w": "blocked(256)"})
+        spec = layout["w"]
+        assert spec.shard_numel % 256 == 0 and 0 <= spec.padding < n * 256
+        assert layout.fingerprint != make_layout(shapes, n).fingerprint
+        assert layout.fingerprint != make_layout(shapes, n, placement={"w": "blocked(128)"}).fingerprint
+    with pytest.raises(ValueError, match=r"'w' \(shape \(64, 64\).*not a multiple of 384"):
+        make_layout(shapes, 2, placement={"w": "blocked(384)"})
+    with pytest.raises(ValueError, match="must be placed blocked"):
+        zf.stages.resolve_placement({"w": torch.zeros(64, 64)}, opt, {"w": "split"})
+
+
+def test_without_torchao_the_error_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchao.optim", None)
+    with pytest.raises(ImportError, match=r"zerofn\[lowbit\]"):
+        zf.optim.adamw8bit(lr=1e-3)
+
+
+# --------------------------------------------------------------------------- the facade
+
+FACADE_STEPS = 4
+FACADE = {
+    "stage1": dict(partition_grad=False),
+    "stage2_overlap_accumulate_clip": dict(
+        partition_grad=True, overlap_communication=True, clip_grad_norm=0.05, accumulate=2
+    ),
+    "stage2_bf16_fp32_masters": dict(partition_grad=True, precision="bf16"),
+}
+
+
+class Lin(torch.nn.Module):
+    """``a.weight``: 64 * 64 = 4096 elements, quantized (blocked(256)); the rest fp32 state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(64, 64)
+        self.b = torch.nn.Linear(64, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+def _same_batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The same batches on every rank (the mean of equal gradients is exact at N = 1 and 2)."""
+    gen = torch.Generator().manual_seed(7)
+    return [(torch.randn(8, 64, generator=gen), torch.randn(8, 8, generator=gen)) for _ in range(steps)]
+
+
+def _train_facade(name: str, kind: str) -> dict[str, torch.Tensor]:
+    import torchao.optim
+
+    cfg = dict(FACADE[name])
+    accumulate = cfg.pop("accumulate", 1)
+    precision = zf.PrecisionPolicy.for_dtype(torch.bfloat16) if cfg.pop("precision", None) else None
+    torch.manual_seed(0)
+    model = Lin()
+    cls = {"adamw8bit": torchao.optim.AdamW8bit, "adamwfp8": torchao.optim.AdamWFp8}[kind]
+    opt = zf.ZeroOptimizer(
+        cls(model.parameters(), **HP), module=model, reduce_bucket_size=2048, precision=precision, **cfg
+    )
+    dtype = next(model.parameters()).dtype
+    assert [s.placement for s in opt.state.layout.params] == ["blocked(256)", "split", "split", "split"]
+    data = _same_batches(FACADE_STEPS * accumulate)
+    for step in range(FACADE_STEPS):
+        for micro in range(accumulate):
+            x, y = data[step * accumulate + micro]
+            with opt.no_sync() if micro < accumulate - 1 else contextlib.nullcontext():
+                opt.backward(((model(x.to(dtype)) - y.to(dtype)).float() ** 2).mean() / accumulate)
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+_facade: dict[tuple[str, str, int], dict[str, torch.Tensor]] = {}
+
+
+def _facade_at(name: str, kind: str, n: int) -> dict[str, torch.Tensor]:
+    if (name, kind, n) not in _facade:
+        _facade[name, kind, n] = get_world(n).run(_train_facade, name, kind)[0]
+    return _facade[name, kind, n]
+
+
+@pytest.mark.parametrize("name", FACADE)
+def test_facade_over_a_torchao_optimizer_is_bitwise_equal_at_one_and_two_ranks(name):
+    kind = "adamwfp8" if "bf16" in name else "adamw8bit"
+    assert_trees_equal(_facade_at(name, kind, 2), _facade_at(name, kind, 1))
+
+
+def test_facade_at_one_rank_is_bitwise_the_plain_torchao_optimizer():
+    import torchao.optim
+
+    torch.manual_seed(0)
+    model = Lin()
+    opt = torchao.optim.AdamW8bit(model.parameters(), **HP)
+    with unittest.mock.patch.object(torch, "compile", lambda fn, **kw: fn):
+        for x, y in _same_batches(FACADE_STEPS):
+            ((model(x) - y) ** 2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert_trees_equal(_facade_at("stage1", "adamw8bit", 1), {n: p.detach() for n, p in model.named_parameters()})
