@@ -206,3 +206,152 @@ def test_facade_at_one_rank_is_bitwise_the_plain_torchao_optimizer():
             opt.step()
             opt.zero_grad()
     assert_trees_equal(_facade_at("stage1", "adamw8bit", 1), {n: p.detach() for n, p in model.named_parameters()})
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+SAVE_AT = 25  # steps before the save; the last 5 run at the new world size
+
+
+def _steps(state, grads):
+    rank = dist.get_rank()
+    for g in grads:
+        shards = {s.name: cut_shard(g[s.name], s, rank) for s in state.layout.params}
+        state, _ = zf.step_shards(state, shards)
+    return state
+
+
+def _save(path: str) -> None:
+    """At N = 2: 25 steps per optimizer, then a sharded checkpoint and the full state dict.
+
+    The full state dict goes through ``torch.save`` (float8 codes do not survive plain
+    pickling, which the rank pool uses for results)."""
+    for kind in KINDS:
+        state = _steps(zf.shard_params(_params(), getattr(zf.optim, kind)(**HP)), _grads()[:SAVE_AT])
+        zf.checkpoint.save(f"{path}/{kind}", state)
+        full = zf.checkpoint.full_state_dict(state)
+        if dist.get_rank() == 0:
+            torch.save(full, f"{path}/{kind}.pt")
+
+
+def _fulls(path: str) -> dict[str, dict]:
+    return {kind: torch.load(f"{path}/{kind}.pt", weights_only=False) for kind in KINDS}
+
+
+def _resume(path: str) -> dict[str, dict[str, dict[str, torch.Tensor]]]:
+    """At M ranks: from the sharded checkpoint and from the full state dict, the last 5 steps."""
+    out: dict[str, dict[str, dict[str, torch.Tensor]]] = {"dcp": {}, "full": {}}
+    for kind in KINDS:
+        opt = getattr(zf.optim, kind)(**HP)
+        loaded = zf.checkpoint.load(f"{path}/{kind}", _params(), optimizer=opt)
+        assert loaded.layout.world_size == dist.get_world_size() and loaded.step == SAVE_AT
+        out["dcp"][kind] = zf.gather_params(_steps(loaded, _grads()[SAVE_AT:]))
+        loaded = zf.checkpoint.shard_state_dict(_fulls(path)[kind], _params(), optimizer=opt)
+        out["full"][kind] = zf.gather_params(_steps(loaded, _grads()[SAVE_AT:]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("lowbit"))
+    get_world(2).run(_save, path)
+    return path
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+def test_a_checkpoint_saved_at_two_ranks_resumes_at_m_ranks_bitwise(saved, m):
+    resumed = get_world(m).run(_resume, saved)[0]
+    for kind in KINDS:
+        assert_trees_equal(resumed["dcp"][kind], _at(1)[kind])
+        assert_trees_equal(resumed["full"][kind], _at(1)[kind])
+
+
+def test_the_full_state_dict_is_torchaos_own_and_loads_into_the_plain_optimizer_and_back(saved):
+    for kind, full in _fulls(saved).items():
+        names = full["zerofn"]["names"]
+        params = {n: torch.nn.Parameter(full["zerofn"]["master"][n].clone()) for n in names}
+        plain = _torchao_class(kind)([params[n] for n in names], **HP)
+        plain.load_state_dict(full)
+        assert type(plain.state[params["w"]]["exp_avg"]) is type(full["state"][names.index("w")]["exp_avg"])
+        with unittest.mock.patch.object(torch, "compile", lambda fn, **kw: fn):
+            for g in _grads()[SAVE_AT:]:
+                for n, p in params.items():
+                    p.grad = g[n]
+                plain.step()
+        assert_trees_equal({n: p.detach() for n, p in params.items()}, _at(1)[kind])
+    # and back: the plain optimizer's state dict (no zerofn entry) into zerofn at 3 ranks
+    params = {n: torch.nn.Parameter(t) for n, t in _params().items()}
+    plain = _torchao_class("adamw8bit")(list(params.values()), **HP)
+    with unittest.mock.patch.object(torch, "compile", lambda fn, **kw: fn):
+        for g in _grads()[:SAVE_AT]:
+            for n, p in params.items():
+                p.grad = g[n]
+            plain.step()
+    back = get_world(3).run(_continue_plain, plain.state_dict(), {n: p.detach() for n, p in params.items()})[0]
+    assert_trees_equal(back, _at(1)["adamw8bit"])
+
+
+def _continue_plain(sd: dict, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    state = zf.checkpoint.shard_state_dict(sd, weights, optimizer=zf.optim.adamw8bit(**HP))
+    return zf.gather_params(_steps(state, _grads()[SAVE_AT:]))
+
+
+def _flat_state(sd: dict) -> dict[str, torch.Tensor]:
+    """A state dict's tensors by ``index/key`` (quantized ones as their code bytes and scales)."""
+    from zerofn import lowbit
+
+    out = {}
+    for i, entry in sd["state"].items():
+        for k, v in entry.items():
+            if lowbit.is_quantized(v):
+                out[f"{i}/{k}/codes"], out[f"{i}/{k}/scale"] = v.codes.view(torch.uint8), v.scale
+            else:
+                out[f"{i}/{k}"] = v
+    return out
+
+
+def _cross_load(fulls: dict[str, dict]) -> list[str]:
+    """Facades over fp32 AdamW and AdamW8bit offered each other's state dicts: refused, state unchanged."""
+    import torchao.optim
+
+    errors = []
+    for cls, other in ((torch.optim.AdamW, "adamw8bit"), (torchao.optim.AdamW8bit, "adamw")):
+        torch.manual_seed(0)
+        model = Lin()
+        opt = zf.ZeroOptimizer(cls(model.parameters(), **HP), module=model)
+        x, y = _same_batches(1)[0]
+        opt.backward(((model(x) - y) ** 2).mean())
+        opt.step()
+        before = opt.state_dict()
+        foreign = fulls[other]
+        for sd in (foreign, {k: v for k, v in foreign.items() if k != "zerofn"}):  # zerofn's, and a plain one
+            with pytest.raises(zf.CheckpointError) as e:
+                opt.load_state_dict(sd)
+            errors.append(str(e.value))
+            assert_trees_equal(_flat_state(opt.state_dict()), _flat_state(before))
+    return errors
+
+
+def test_low_bit_state_offered_to_an_fp32_adamw_facade_and_the_reverse_is_a_checkpoint_error():
+    torch.manual_seed(0)
+    fulls = get_world(2).run(_lin_state_dicts)[0]
+    errors = get_world(1).run(_cross_load, fulls)[0]
+    assert "holds adamw8bit state, but the optimizer is adamw" in errors[0]
+    assert "is quantized (OptimState8bit), but the optimizer keeps full-precision state" in errors[1]
+    assert "holds adamw state, but the optimizer is adamw8bit" in errors[2]
+    assert "is a full-precision Tensor, but the optimizer keeps it quantized in blocks of 256" in errors[3]
+
+
+def _lin_state_dicts() -> dict[str, dict]:
+    import torchao.optim
+
+    out = {}
+    for name, cls in (("adamw", torch.optim.AdamW), ("adamw8bit", torchao.optim.AdamW8bit)):
+        torch.manual_seed(0)
+        model = Lin()
+        opt = zf.ZeroOptimizer(cls(model.parameters(), **HP), module=model)
+        for x, y in _same_batches(2):
+            opt.backward(((model(x) - y) ** 2).mean())
+            opt.step()
+        out[name] = opt.state_dict()
+    return out

@@ -412,3 +412,79 @@ def state_nbytes(t: torch.Tensor) -> int:
         return t.numel() * t.element_size()
     inner, _ = t.__tensor_flatten__()
     return sum(getattr(t, k).numel() * getattr(t, k).element_size() for k in inner)
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+_STATE_CLASSES = ("OptimState8bit", "OptimState4bit", "OptimStateFp8")
+
+
+def is_quantized(t: Any) -> bool:
+    """True for a torchao low-bit state tensor (codes + block scales)."""
+    return type(t).__name__ in _STATE_CLASSES and type(t).__module__.startswith("torchao.optim")
+
+
+def kind_of(t: torch.Tensor) -> str:
+    """A quantized state tensor's kind as text, ``"<class>:<signed>"``, for checkpoint metadata."""
+    return f"{type(t).__name__}:{int(getattr(t, 'signed', True))}"
+
+
+def codes_per_element(t: torch.Tensor) -> float:
+    """Code bytes per element: 1 (8-bit, fp8) or 0.5 (4-bit, two codes per byte)."""
+    return 0.5 if type(t).__name__ == "OptimState4bit" else 1.0
+
+
+def parts(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes, scale)`` of a quantized state tensor: flat codes, one fp32 scale per block."""
+    return t.codes.reshape(-1), t.scale
+
+
+def rebuild(like: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """A state tensor of ``like``'s class, sign and dtype, appearing as ``shape``, over ``codes`` and ``scale``."""
+    name = type(like).__name__
+    if name == "OptimState4bit":
+        return type(like)(codes.reshape(-1), scale, like.qmap.clone(), like.signed, tuple(shape), like.dtype)
+    if name == "OptimState8bit":
+        return type(like)(codes.reshape(shape), scale, like.qmap.clone(), like.signed, like.dtype)
+    return type(like)(codes.reshape(shape), scale, like.dtype)
+
+
+def state_zeros(kind: str, numel: int, block: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero state tensor of ``kind`` (:func:`kind_of`) over ``numel`` elements in blocks of ``block``."""
+    from torchao.optim.subclass_4bit import OptimState4bit
+    from torchao.optim.subclass_8bit import OptimState8bit
+    from torchao.optim.subclass_fp8 import OptimStateFp8
+
+    name, _, signed = kind.partition(":")
+    if name == "OptimStateFp8":
+        return OptimStateFp8.zeros((numel,), block, device, dtype=dtype)
+    cls = {"OptimState8bit": OptimState8bit, "OptimState4bit": OptimState4bit}[name]
+    return cls.zeros((numel,), bool(int(signed)), block, device, dtype=dtype)
+
+
+def to_global(like: torch.Tensor, pieces: Sequence[tuple[torch.Tensor, torch.Tensor]], spec: Any) -> torch.Tensor:
+    """The param-shaped state tensor from every rank's ``(codes, scale)`` of a blocked(B) param.
+
+    The ranks' chunks are whole blocks in order, so the global codes and scales are the
+    concatenations, cut at the param's last block (the padding is whole blocks past it).
+    """
+    per = codes_per_element(like)
+    codes = torch.cat([c for c, _ in pieces])[: int(spec.numel * per)]
+    scale = torch.cat([s for _, s in pieces])[: spec.numel // spec.block]
+    return rebuild(like, codes.clone(), scale.clone(), spec.shape)
+
+
+def to_shard(full: torch.Tensor, spec: Any, rank: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Rank ``rank``'s ``(shard_numel,)`` state tensor cut from a param-shaped one (whole blocks;
+    padding blocks zero: codes 0 and scale 0 dequantize to 0, as a fresh state)."""
+    per = codes_per_element(full)
+    codes, scale = parts(full)
+    first = rank * spec.shard_numel // spec.block
+    blocks = max(0, min(spec.shard_numel // spec.block, spec.numel // spec.block - first))
+    new_codes = torch.zeros(int(spec.shard_numel * per), dtype=codes.dtype, device=device or codes.device)
+    new_scale = torch.zeros(spec.shard_numel // spec.block, dtype=scale.dtype, device=device or scale.device)
+    width = int(spec.block * per)
+    new_codes[: blocks * width].copy_(codes[first * width : (first + blocks) * width])
+    new_scale[:blocks].copy_(scale[first : first + blocks])
+    moved = rebuild(full, new_codes, new_scale, (spec.shard_numel,))
+    return moved if device is None else moved.to(device=device)
