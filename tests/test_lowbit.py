@@ -60,12 +60,26 @@ def _train_functional(kinds: tuple[str, ...]) -> dict[str, dict[str, torch.Tenso
     out = {}
     for kind in kinds:
         state = zf.shard_params(_params(), getattr(zf.optim, kind)(**HP))
+        assert state.nbytes == _expected_nbytes(state.layout, kind)
         for g in _grads():
             shards = {s.name: cut_shard(g[s.name], s, rank) for s in state.layout.params}
             state, info = zf.step_shards(state, shards)
             assert not info.skipped
         out[kind] = zf.gather_params(state)
     return out
+
+
+def _expected_nbytes(layout, kind: str) -> int:
+    """Masters + state bytes of one rank: fp32 master and step; a quantized moment is its
+    codes (1 byte per element, half for 4-bit), one fp32 scale per block and torchao's code
+    table (256 entries for 8-bit, 16 for 4-bit, none for fp8); an fp32 moment 4 bytes."""
+    codes, table = {"adamw8bit": (1.0, 256), "adamw4bit": (0.5, 16), "adamwfp8": (1.0, 0)}[kind]
+    total = 0
+    for s in layout.params:
+        chunk = s.shard_numel
+        moment = codes * chunk + 4 * chunk // s.block + 4 * table if s.block else 4 * chunk
+        total += 4 + 4 * chunk + 2 * int(moment)
+    return total
 
 
 _results: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
