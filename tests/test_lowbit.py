@@ -148,6 +148,7 @@ FACADE = {
         partition_grad=True, overlap_communication=True, clip_grad_norm=0.05, accumulate=2
     ),
     "stage2_bf16_fp32_masters": dict(partition_grad=True, precision="bf16"),
+    "stage2_overlap_allgather": dict(partition_grad=True, overlap_allgather=True),
 }
 
 
@@ -190,6 +191,7 @@ def _train_facade(name: str, kind: str) -> dict[str, torch.Tensor]:
             with opt.no_sync() if micro < accumulate - 1 else contextlib.nullcontext():
                 opt.backward(((model(x.to(dtype)) - y.to(dtype)).float() ** 2).mean() / accumulate)
         opt.step()
+    opt.wait_params()  # overlap_allgather: the last gather lands here, not at a next forward
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
