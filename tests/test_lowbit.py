@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import unittest.mock
+from pathlib import Path
 
 import pytest
 import torch
@@ -371,3 +372,17 @@ def _lin_state_dicts() -> dict[str, dict]:
             opt.step()
         out[name] = opt.state_dict()
     return out
+
+
+def test_benchmark_tables_measured_state_bytes_equal_the_formula():
+    root = str(Path(__file__).resolve().parents[1])
+    if root not in sys.path:  # the benchmarks package lives at the repository root
+        sys.path.insert(0, root)
+    from benchmarks import lowbit as bench
+
+    cfg = bench.models.model_config("transformer", quick=True)
+    for row in bench.memory_table(cfg, [1, 2, 3]):
+        assert row["measured_bytes"] == row["formula_bytes"], row
+    pads = bench.padding_table(cfg, [1, 2, 3])
+    assert pads[0]["quantized_params"] == 2  # the 256 x 32 embedding and head
+    assert all(row["blocked_padding_max_per_param"] < row["world_size"] * row["block"] for row in pads)
