@@ -29,8 +29,6 @@ import zerofn as zf
 from zerofn.buckets import cut_shard
 from zerofn.layout import make_layout
 
-pytest.importorskip("torchao", reason="the lowbit extra: pip install 'zerofn[lowbit]'")
-
 KINDS = ("adamw8bit", "adamw4bit", "adamwfp8")
 STEPS = 30
 HP = dict(lr=1e-2, weight_decay=0.1)
