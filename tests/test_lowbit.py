@@ -8,8 +8,8 @@ torchao optimizer. torchao compiles its update; here both run it eagerly (``torc
 replaced by the identity for the plain optimizer, zerofn's default ``compile=False``): the
 compiled path is measured in benchmarks/ (README, "Low-bit optimizer state").
 
-The quantized param has 64 * 64 = 4096 elements, torchao's smallest: eager 8-bit and
-4-bit quantization on the CPU is one ``aten::index`` gather per code bit, slow.
+The quantized param has 64 * 64 = 4096 elements, torchao's smallest quantized size:
+eager 8-bit and 4-bit quantization on the CPU is one ``aten::index`` gather per code bit.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import unittest.mock
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,22 @@ def _torchao_class(kind: str) -> type:
     return {"adamw8bit": torchao.optim.AdamW8bit, "adamw4bit": torchao.optim.AdamW4bit}.get(
         kind, torchao.optim.AdamWFp8
     )
+
+
+@contextlib.contextmanager
+def _eager_one_thread() -> Iterator[None]:
+    """The plain torchao optimizer as the ranks run it: its update eagerly (``torch.compile``
+    replaced by the identity) and one intra-op thread. torchao's 8-bit and 4-bit code search
+    is a chain of small ``aten::index`` gathers; split over two threads on a busy machine
+    their barriers cost seconds per step (measured: 30 steps of a 4096-element param, 25 ms
+    of CPU on one thread, 12.8 s of wall time on two)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with unittest.mock.patch.object(torch, "compile", lambda fn, **kw: fn):
+            yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _train_functional(kinds: tuple[str, ...]) -> dict[str, dict[str, torch.Tensor]]:
@@ -100,7 +117,7 @@ def test_params_after_30_steps_are_bitwise_equal_at_every_world_size(n):
 def test_at_one_rank_bitwise_equal_to_the_plain_torchao_optimizer(kind):
     params = {n: torch.nn.Parameter(t) for n, t in _params().items()}
     opt = _torchao_class(kind)(list(params.values()), **HP)
-    with unittest.mock.patch.object(torch, "compile", lambda fn, **kw: fn):  # torchao's update, eagerly
+    with _eager_one_thread():
         for g in _grads():
             for n, p in params.items():
                 p.grad = g[n]
@@ -215,7 +232,7 @@ def test_facade_at_one_rank_is_bitwise_the_plain_torchao_optimizer():
     torch.manual_seed(0)
     model = Lin()
     opt = torchao.optim.AdamW8bit(model.parameters(), **HP)
-    with unittest.mock.patch.object(torch, "compile", lambda fn, **kw: fn):
+    with _eager_one_thread():
         for x, y in _same_batches(FACADE_STEPS):
             ((model(x) - y) ** 2).mean().backward()
             opt.step()
@@ -288,7 +305,7 @@ def test_the_full_state_dict_is_torchaos_own_and_loads_into_the_plain_optimizer_
         plain = _torchao_class(kind)([params[n] for n in names], **HP)
         plain.load_state_dict(full)
         assert type(plain.state[params["w"]]["exp_avg"]) is type(full["state"][names.index("w")]["exp_avg"])
-        with unittest.mock.patch.object(torch, "compile", lambda fn, **kw: fn):
+        with _eager_one_thread():
             for g in _grads()[SAVE_AT:]:
                 for n, p in params.items():
                     p.grad = g[n]
@@ -297,7 +314,7 @@ def test_the_full_state_dict_is_torchaos_own_and_loads_into_the_plain_optimizer_
     # and back: the plain optimizer's state dict (no zerofn entry) into zerofn at 3 ranks
     params = {n: torch.nn.Parameter(t) for n, t in _params().items()}
     plain = _torchao_class("adamw8bit")(list(params.values()), **HP)
-    with unittest.mock.patch.object(torch, "compile", lambda fn, **kw: fn):
+    with _eager_one_thread():
         for g in _grads()[:SAVE_AT]:
             for n, p in params.items():
                 p.grad = g[n]
