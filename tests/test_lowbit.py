@@ -195,9 +195,9 @@ def _train_facade(name: str, kind: str) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     model = Lin()
     cls = {"adamw8bit": torchao.optim.AdamW8bit, "adamwfp8": torchao.optim.AdamWFp8}[kind]
-    opt = zf.ZeroOptimizer(
-        cls(model.parameters(), **HP), module=model, reduce_bucket_size=2048, precision=precision, **cfg
-    )
+    inner = cls(model.parameters(), **HP)
+    sched = torch.optim.lr_scheduler.StepLR(inner, step_size=1, gamma=0.5)  # on torchao's own groups (lr a tensor)
+    opt = zf.ZeroOptimizer(inner, module=model, reduce_bucket_size=2048, precision=precision, **cfg)
     dtype = next(model.parameters()).dtype
     assert [s.placement for s in opt.state.layout.params] == ["blocked(256)", "split", "split", "split"]
     data = _same_batches(FACADE_STEPS * accumulate)
@@ -207,6 +207,7 @@ def _train_facade(name: str, kind: str) -> dict[str, torch.Tensor]:
             with opt.no_sync() if micro < accumulate - 1 else contextlib.nullcontext():
                 opt.backward(((model(x.to(dtype)) - y.to(dtype)).float() ** 2).mean() / accumulate)
         opt.step()
+        sched.step()
     opt.wait_params()  # overlap_allgather: the last gather lands here, not at a next forward
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
@@ -232,11 +233,13 @@ def test_facade_at_one_rank_is_bitwise_the_plain_torchao_optimizer():
     torch.manual_seed(0)
     model = Lin()
     opt = torchao.optim.AdamW8bit(model.parameters(), **HP)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     with _eager_one_thread():
         for x, y in _same_batches(FACADE_STEPS):
             ((model(x) - y) ** 2).mean().backward()
             opt.step()
             opt.zero_grad()
+            sched.step()
     assert_trees_equal(_facade_at("stage1", "adamw8bit", 1), {n: p.detach() for n, p in model.named_parameters()})
 
 
