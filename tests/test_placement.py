@@ -88,7 +88,7 @@ def test_owner_plan_is_largest_first_to_the_least_loaded_rank():
 
 def test_bad_placements_are_refused_with_the_names():
     params = {"a": torch.zeros(2, 2)}
-    with pytest.raises(ValueError, match=r"'split' or 'whole'.*'a'"):
+    with pytest.raises(ValueError, match=r"'split', 'whole' or 'blocked\(B\)'.*'a'"):
         make_layout(params, 2, placement={"a": "rows"})
     with pytest.raises(KeyError, match="nope"):
         make_layout(params, 2, placement={"nope": "whole"})

@@ -107,6 +107,11 @@ def declared_state(
       >>> declared_state(torch.optim.AdamW, {"lr": 1e-3}, (3, 4))
       {'step': None, 'exp_avg': (3, 4), 'exp_avg_sq': (3, 4)}
     """
+    if cls.__module__.startswith("torchao.optim"):
+        # torchao's low-bit Adams keep Adam's state (quantized moments appear param-shaped);
+        # probing them would compile torchao's update. Declared by torch's Adam instead.
+        cls = torch.optim.Adam
+        hyperparams = {k: v for k, v in hyperparams.items() if k in ("lr", "betas", "eps", "weight_decay", "amsgrad")}
     items = tuple(sorted(_probe_kwargs(hyperparams).items(), key=lambda kv: kv[0]))
     out: dict[str, tuple[int, ...] | None] = {}
     for key, template in _declared(cls, items, len(shape)):
@@ -246,7 +251,12 @@ def state_dict_problem(
                 f"param group {g} has no {', '.join(map(repr, missing))}: {cls.__name__} needs them to step "
                 "(was the state dict saved from another optimizer?)"
             )
-        hyperparams = {k: v for k, v in group.items() if k != "params"}
+        # torchao keeps lr as a 0-d tensor: checked as its (exact) float
+        hyperparams = {
+            k: v.item() if isinstance(v, torch.Tensor) and v.dim() == 0 else v
+            for k, v in group.items()
+            if k != "params"
+        }
         # torch's own validation of the values, on a probe shaped like the group's first param
         # (a matrix-only class such as Muon refuses anything else).
         first = layout[name_of[group["params"][0]]].shape if group["params"] else (2,)

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from zerofn import _comm as comm
-from zerofn import _state_dict_checks, optim, torch_optim
+from zerofn import _state_dict_checks, lowbit, optim, torch_optim
 from zerofn._comm import Group
 from zerofn._deprecation import UNSET, renamed
 from zerofn._tree import FrozenDict
@@ -97,7 +97,7 @@ def _per_param(opt_state: Any, names: tuple[str, ...]) -> dict[str, dict[str, An
             out.update(_per_param(sub, names))
         return {n: out[n] for n in names if n in out}
     # A rank keeps state only for what it holds: whole params of other ranks are absent.
-    if isinstance(opt_state, optim.AdamState):
+    if isinstance(opt_state, (optim.AdamState, lowbit.LowBitState)):
         for n in names:
             if n not in opt_state.step or int(opt_state.step[n]) == 0:
                 continue  # torch creates Adam state lazily, at a param's first step
@@ -118,27 +118,33 @@ def _per_param(opt_state: Any, names: tuple[str, ...]) -> dict[str, dict[str, An
     return out
 
 
-def _from_per_param(optimizer: optim.Optimizer, master: Mapping[str, torch.Tensor], entries: Mapping[str, dict]) -> Any:
-    """The optimizer state for ``master`` shards with torch-style ``entries`` filled in."""
+def _from_per_param(
+    optimizer: optim.Optimizer,
+    master: Mapping[str, torch.Tensor],
+    entries: Mapping[str, dict],
+    layout: ShardLayout | None = None,
+) -> Any:
+    """The optimizer state for ``master`` shards (of ``layout``) with torch-style ``entries`` filled in."""
     if optimizer.parts:  # a partition: each part's state over its own names
         sub_masters: list[dict[str, torch.Tensor]] = [{} for _ in optimizer.parts]
         for n, t in master.items():
             sub_masters[optimizer.part_index(n)][n] = t
         return optim.PartitionState(
             tuple(
-                _from_per_param(part, FrozenDict(sub), {n: e for n, e in entries.items() if n in sub})
+                _from_per_param(part, FrozenDict(sub), {n: e for n, e in entries.items() if n in sub}, layout)
                 for (_, part), sub in zip(optimizer.parts, sub_masters, strict=True)
             )
         )
-    fresh = optimizer.init(master)
-    if isinstance(fresh, optim.AdamState):
-        fields = {f: dict(getattr(fresh, f)) for f in optim.AdamState._fields}
+    fresh = optimizer.init(master, layout=layout)
+    if isinstance(fresh, (optim.AdamState, lowbit.LowBitState)):
+        kind = type(fresh)
+        fields = {f: dict(getattr(fresh, f)) for f in kind._fields}
         for n, entry in entries.items():
             for key, value in entry.items():
                 if key not in fields:
                     raise CheckpointError(f"param {n!r}: state key {key!r} does not belong to {optimizer.name}")
                 fields[key][n] = value
-        return optim.AdamState(**{f: FrozenDict(v) for f, v in fields.items()})
+        return kind(**{f: FrozenDict(v) for f, v in fields.items()})
     if isinstance(fresh, optim.SGDState):
         bufs = dict(fresh.momentum_buffer)
         for n, entry in entries.items():
@@ -195,6 +201,35 @@ def _gather_full(
     for name, shard in shards.items():
         if name not in out:  # empty params
             out[name] = torch.empty(layout[name].shape, dtype=shard.dtype)
+    return out
+
+
+def _gather_quantized(
+    entries: Mapping[str, Mapping[str, Any]], layout: ShardLayout, group: Group
+) -> dict[tuple[str, str], torch.Tensor]:
+    """The low-bit state of every blocked(B) param, param-shaped, in torchao's own state tensor
+    types, on every rank: the ranks' codes and block scales joined in block order (the global
+    layout: block ``k`` of the param is elements ``[k * B, (k + 1) * B)`` at every N).
+
+    Collectives: one object all-gather over ``group`` when the layout has blocked params
+    (static: every rank takes the same branch).
+    """
+    if not any(p.block for p in layout.params):
+        return {}
+    # Codes travel as their bytes (uint8): torch's pickling of float8 tensors fails on load.
+    mine = {
+        (n, k): (lowbit.parts(v)[0].detach().cpu().view(torch.uint8).clone(), lowbit.parts(v)[1].detach().cpu().clone())
+        for n, e in entries.items()
+        if layout[n].block
+        for k, v in e.items()
+        if lowbit.is_quantized(v)
+    }
+    everyone = comm.all_gather_objects(mine, group)
+    out = {}
+    for n, k in mine:
+        dtype = entries[n][k].codes.dtype
+        pieces = [(theirs[n, k][0].view(dtype), theirs[n, k][1]) for theirs in everyone]  # type: ignore[index]
+        out[n, k] = lowbit.to_global(entries[n][k], pieces, layout[n]).to("cpu")
     return out
 
 
@@ -259,14 +294,24 @@ def full_state_dict(
     layout = state.layout
     entries = _per_param(state.opt_state, layout.names)
     split = {n for n in layout.names if not layout[n].is_whole}
-    keys = sorted({k for n, e in entries.items() if n in split for k, v in e.items() if _is_sharded(v)})
+
+    def plain(v: Any) -> bool:
+        return _is_sharded(v) and not lowbit.is_quantized(v)
+
+    keys = sorted({k for n, e in entries.items() if n in split for k, v in e.items() if plain(v)})
     gathered = {
-        k: _gather_full({n: e[k] for n, e in entries.items() if n in split and k in e}, layout, group, bucket_numel)
+        k: _gather_full(
+            {n: e[k] for n, e in entries.items() if n in split and k in e and plain(e[k])}, layout, group, bucket_numel
+        )
         for k in keys
     }
+    quantized = _gather_quantized(entries, layout, group)
     master = _gather_full({n: t for n, t in state.master.items() if n in split}, layout, group, bucket_numel)
     full_entries: dict[str, dict[str, Any]] = {
-        n: {k: gathered[k][n] if _is_sharded(v) else _cpu_copy(v) for k, v in e.items()}
+        n: {
+            k: quantized[n, k] if lowbit.is_quantized(v) else gathered[k][n] if _is_sharded(v) else _cpu_copy(v)
+            for k, v in e.items()
+        }
         for n, e in entries.items()
         if n in split
     }
@@ -308,6 +353,8 @@ def _torch_format(
     if optimizer.name not in ("sgd", "adam", "adamw"):  # a torch class driven as-is: its full defaults
         base = _torch_defaults(optimizer.torch_class, tuple(sorted(optimizer.defaults.items(), key=lambda kv: kv[0])))
         plan = [(group_names, {**base, **hp}) for group_names, hp in plan]
+    if "lowbit" in optimizer.static:  # torchao keeps lr as a 0-d float32 tensor (its step refuses a float)
+        plan = [(group_names, {**hp, "lr": torch.tensor(hp["lr"], dtype=torch.float32)}) for group_names, hp in plan]
     ordered = [n for group_names, _ in plan for n in group_names]
     index = {n: i for i, n in enumerate(ordered)}
     return {
@@ -372,11 +419,21 @@ def _optimizer_for(
     groups = [
         {
             "params": names_of(g["params"]),
-            **{k: tuple(v) if isinstance(v, list) else v for k, v in g.items() if k in known},
+            **{k: _plain_value(v) for k, v in g.items() if k in known},
         }
         for g in saved_groups
     ]
     return dataclasses.replace(optimizer, groups=optim._make_groups(optimizer.name, groups))
+
+
+def _plain_value(v: Any) -> Any:
+    """A saved hyperparameter as zerofn keeps it: JSON's lists as tuples (betas), a 0-d tensor
+    (torchao's ``lr``) as its float, which is exact."""
+    if isinstance(v, list):
+        return tuple(v)
+    if isinstance(v, torch.Tensor) and v.dim() == 0:
+        return v.item()
+    return v
 
 
 def _hyperparam_keys(optimizer: optim.Optimizer) -> set[str]:
@@ -506,11 +563,32 @@ def _loaded_value(key: str, value: Any, spec: ParamSpec, rank: int, master: torc
     state to its param's dtype; zerofn's optimizer steps the master shard). ``step``: a 0-d
     float32 tensor, as torch creates it. Other scalars: copies.
     """
+    if lowbit.is_quantized(value) or (spec.block and key != "step"):
+        return _loaded_lowbit(key, value, spec, rank, master)
     if _is_per_element(key, value, spec):
         return cut_shard(value, spec, rank, dtype=master.dtype, device=master.device)
     if key == "step":
         return torch.as_tensor(value, dtype=torch.float32).detach().clone()
     return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+def _loaded_lowbit(key: str, value: Any, spec: ParamSpec, rank: int, master: torch.Tensor) -> Any:
+    """A quantized state value cut to this rank's whole blocks, or a ``CheckpointError`` when
+    the state's precision does not match the param's placement (quantized state for a
+    full-precision optimizer, full-precision state for a param kept quantized)."""
+    if not lowbit.is_quantized(value):
+        raise CheckpointError(
+            f"param {spec.name!r}: state {key!r} is a full-precision {type(value).__name__}, but the optimizer keeps "
+            f"it quantized in blocks of {spec.block} ({spec.placement}): the state dict was saved from a "
+            "full-precision optimizer; load it with that optimizer (e.g. torch.optim.AdamW)"
+        )
+    if not spec.block:
+        raise CheckpointError(
+            f"param {spec.name!r}: state {key!r} is quantized ({type(value).__name__}), but the optimizer keeps "
+            "full-precision state: the state dict was saved from a low-bit optimizer (torchao's AdamW8bit, ...); "
+            "load it with that optimizer"
+        )
+    return lowbit.to_shard(value, spec, rank, device=master.device)
 
 
 def shard_state_dict(
@@ -574,7 +652,7 @@ def shard_state_dict(
         full, layout, layout.names, optimizer, rank, masters_from_params, group_sizes=group_sizes
     )
     master_fd = FrozenDict({s.name: master[s.name] for s in layout.params if s.holds(rank)})
-    opt_state = _from_per_param(fopt, master_fd, entries)
+    opt_state = _from_per_param(fopt, master_fd, entries, layout)
     step = (
         int(zmeta["step"]) if zmeta is not None else max((int(e.get("step", 0)) for e in entries.values()), default=0)
     )
@@ -726,7 +804,7 @@ def _shard_state_dicts(
         fopt,
         rank,
         master_fd,
-        _from_per_param(fopt, master_fd, entries),
+        _from_per_param(fopt, master_fd, entries, layout),
         step,
         precision=precision or DEFAULT_POLICY,
     )
@@ -736,14 +814,35 @@ def _shard_state_dicts(
 # --------------------------------------------------------------------------- sharded save / load
 
 
-def _dtensor(shard: torch.Tensor, spec: ParamSpec, rank: int, mesh: Any) -> Any:
-    """This rank's real (unpadded) part of ``shard`` as a DTensor over the flat param."""
+def _dtensor(shard: torch.Tensor, spec: ParamSpec, rank: int, mesh: Any, per_block: int | None = None) -> Any:
+    """This rank's real (unpadded) part of ``shard`` as a DTensor over the flat param.
+
+    A blocked(B) param is described as its ``(numel / B, B)`` view, split by rows: DTensor's
+    ``Shard(0)`` chunking of the blocks is exactly zerofn's whole-block chunks (the flat
+    chunking would not be). ``per_block``: the shard holds that many values per block of
+    the param instead of ``B`` (a quantized state's codes: ``B`` or ``B / 2``; its scales:
+    1, described 1-D as ``(numel / B,)``).
+    """
     from torch.distributed.tensor import DTensor, Shard
 
     start, stop = spec.owned_range(rank)
-    return DTensor.from_local(
-        shard[: stop - start], mesh, [Shard(0)], run_check=False, shape=torch.Size([spec.numel]), stride=(1,)
-    )
+    if not spec.block:
+        return DTensor.from_local(
+            shard[: stop - start], mesh, [Shard(0)], run_check=False, shape=torch.Size([spec.numel]), stride=(1,)
+        )
+    width = spec.block if per_block is None else per_block
+    blocks, local = spec.numel // spec.block, (stop - start) // spec.block
+    if width == 1:
+        return DTensor.from_local(shard[:local], mesh, [Shard(0)], run_check=False, shape=(blocks,), stride=(1,))
+    rows = shard.view(-1, width)[:local]
+    return DTensor.from_local(rows, mesh, [Shard(0)], run_check=False, shape=(blocks, width), stride=(width, 1))
+
+
+def _quantized_dtensors(value: torch.Tensor, spec: ParamSpec, rank: int, mesh: Any) -> tuple[Any, Any]:
+    """A quantized state shard's codes and block scales as DTensors over the param's blocks."""
+    codes, scale = lowbit.parts(value)
+    width = int(spec.block * lowbit.codes_per_element(value))
+    return _dtensor(codes, spec, rank, mesh, width), _dtensor(scale, spec, rank, mesh, 1)
 
 
 def _save_whole(
@@ -809,7 +908,11 @@ def _rank_entries(
         sd[f"master/{spec.name}"] = _dtensor(state.master[spec.name], spec, rank, mesh)
         kinds[spec.name] = {}
         for key, value in entries.get(spec.name, {}).items():
-            if _is_sharded(value):
+            if lowbit.is_quantized(value):  # codes and scales in the global block layout
+                codes, scale = _quantized_dtensors(value, spec, rank, mesh)
+                sd[f"optim/{spec.name}/{key}/codes"], sd[f"optim/{spec.name}/{key}/scale"] = codes, scale
+                kinds[spec.name][key] = f"lowbit:{lowbit.kind_of(value)}:{str(value.dtype).removeprefix('torch.')}"
+            elif _is_sharded(value):
                 sd[f"optim/{spec.name}/{key}"] = _dtensor(value, spec, rank, mesh)
                 kinds[spec.name][key] = f"shard:{str(value.dtype).removeprefix('torch.')}"
             elif isinstance(value, torch.Tensor):
@@ -1059,7 +1162,12 @@ def _receiving_buffers(
         entries[spec.name] = {}
         for key, kind in meta["state_kinds"][spec.name].items():
             what, _, rest = kind.partition(":")
-            if what == "shard":
+            if what == "lowbit":
+                kind, _, dtype = rest.rpartition(":")
+                value = lowbit.state_zeros(kind, spec.shard_numel, spec.block, getattr(torch, dtype), device)
+                codes, scale = _quantized_dtensors(value, spec, rank, mesh)
+                sd[f"optim/{spec.name}/{key}/codes"], sd[f"optim/{spec.name}/{key}/scale"] = codes, scale
+            elif what == "shard":
                 value = torch.zeros(spec.shard_numel, dtype=getattr(torch, rest), device=device)
                 sd[f"optim/{spec.name}/{key}"] = _dtensor(value, spec, rank, mesh)
             elif what == "scalar":
@@ -1136,7 +1244,7 @@ def load(
             fopt,
             rank,
             master_fd,
-            _from_per_param(fopt, master_fd, {n: e for n, e in entries.items() if e}),
+            _from_per_param(fopt, master_fd, {n: e for n, e in entries.items() if e}, layout),
             meta["step"],
             precision=precision or DEFAULT_POLICY,
         )

@@ -29,6 +29,16 @@ placement
     matrix, Adafactor reads row, column and tensor statistics); other ranks hold nothing
     of it. In a bucket, a whole parameter fills ``numel`` columns of its owner's row only;
     the other rows carry their own ranks' whole parameters in those columns, or padding.
+    ``"blocked(B)"``: split, with every rank's chunk a multiple of ``B`` elements,
+    ``shard_numel = B * ceil(numel / (world_size * B))``, for optimizers whose state is
+    quantized in blocks of ``B`` (zerofn.lowbit). ``numel`` must be a multiple of ``B``, so
+    the flat param is ``numel / B`` whole blocks and every rank owns whole blocks
+    ``[r * shard_numel / B, (r + 1) * shard_numel / B)``: block ``k`` holds elements
+    ``[k * B, (k + 1) * B)`` at every world size, so a blockwise quantization sees the same
+    blocks, and the same numbers, whatever N is. The padding (``world_size * shard_numel
+    - numel``) is whole blocks of zeros at the end, fewer than ``world_size`` of them:
+    under ``B`` elements per rank on average. It is also DTensor's ``Shard(0)`` chunking of
+    the ``(numel / B, B)`` view, which is how checkpoints describe it.
 
 Owner plan: whole parameters are taken largest first (ties in layout order) and each goes
 to the rank that stores the fewest elements so far (ties to the lowest rank); split
@@ -51,7 +61,7 @@ from types import MappingProxyType
 
 import torch
 
-__all__ = ["PLACEMENTS", "Bucket", "ParamSpec", "ShardLayout", "make_layout", "plan_owners"]
+__all__ = ["PLACEMENTS", "Bucket", "ParamSpec", "ShardLayout", "block_of", "blocked", "make_layout", "plan_owners"]
 
 
 @dataclass(frozen=True)
@@ -64,10 +74,12 @@ class ParamSpec:
       dtype: the full parameter's (working) dtype.
       numel: elements of the full tensor.
       shard_numel: split: elements of every rank's shard, ``ceil(numel / world_size)``;
-        whole: ``numel``, what the owner stores (the other ranks store nothing).
+        blocked(B): ``B * ceil(numel / (world_size * B))``; whole: ``numel``, what the
+        owner stores (the other ranks store nothing).
       padding: split: zero elements appended to the flat tensor,
-        ``world_size * shard_numel - numel`` (between 0 and ``world_size - 1``); whole: 0.
-      placement: ``"split"`` or ``"whole"`` (see the module note).
+        ``world_size * shard_numel - numel`` (between 0 and ``world_size - 1``; blocked(B):
+        a multiple of ``B`` below ``world_size * B``); whole: 0.
+      placement: ``"split"``, ``"whole"`` or ``"blocked(B)"`` (see the module note).
       owner: the rank that stores a whole param; -1 for a split one.
     """
 
@@ -83,6 +95,11 @@ class ParamSpec:
     @property
     def padded_numel(self) -> int:
         return self.numel + self.padding
+
+    @property
+    def block(self) -> int:
+        """``B`` of a ``"blocked(B)"`` param (its chunks are whole blocks of ``B``); 0 otherwise."""
+        return block_of(self.placement)
 
     @property
     def is_whole(self) -> bool:
@@ -283,7 +300,35 @@ def _plan_split_buckets(layout: ShardLayout, names: tuple[str, ...], bucket_nume
     return tuple(buckets)
 
 
-PLACEMENTS = ("split", "whole")
+PLACEMENTS = ("split", "whole", "blocked(B)")
+
+
+def blocked(block: int) -> str:
+    """The placement string of a param split in whole blocks of ``block`` elements.
+
+    Examples:
+      >>> blocked(256)
+      'blocked(256)'
+    """
+    if not isinstance(block, int) or isinstance(block, bool) or block < 1:
+        raise ValueError(f"blocked(B): B must be a positive int, got {block!r}")
+    return f"blocked({block})"
+
+
+def block_of(placement: str) -> int:
+    """``B`` of ``"blocked(B)"``; 0 for ``"split"`` and ``"whole"``; ``ValueError`` for anything else.
+
+    Examples:
+      >>> block_of("blocked(128)"), block_of("split")
+      (128, 0)
+    """
+    if placement in ("split", "whole"):
+        return 0
+    if isinstance(placement, str) and placement.startswith("blocked(") and placement.endswith(")"):
+        digits = placement[len("blocked(") : -1]
+        if digits.isdigit() and int(digits) > 0 and blocked(int(digits)) == placement:
+            return int(digits)
+    raise ValueError(f"placement must be 'split', 'whole' or 'blocked(B)' with B a positive int, got {placement!r}")
 
 
 def _owner_order(specs: Iterable[ParamSpec]) -> list[str]:
@@ -331,12 +376,16 @@ def make_layout(
     Args:
       params: name -> tensor (only shape and dtype are read; any device, even ``meta``).
       world_size: number of ranks that share the shards, >= 1.
-      placement: name -> ``"split"`` or ``"whole"``; names not listed are split. Whole
-        params get owners from :func:`plan_owners`.
+      placement: name -> ``"split"``, ``"whole"`` or ``"blocked(B)"`` (:func:`blocked`);
+        names not listed are split. Whole params get owners from :func:`plan_owners`.
 
     Returns:
       A ``ShardLayout``; a pure function of names, shapes, dtypes, placements and
-      ``world_size``. The fingerprint covers the placements and owners.
+      ``world_size``. The fingerprint covers the placements, block sizes and owners.
+
+    Raises:
+      ValueError: an unknown placement, or a ``"blocked(B)"`` param whose ``numel`` is not a
+        multiple of ``B`` (its blocks would not be whole), naming the param and its shape.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -344,9 +393,14 @@ def make_layout(
     unknown = [n for n in placement if n not in params]
     if unknown:
         raise KeyError(f"make_layout: placement names params that are not there: {unknown}")
-    bad = {n: p for n, p in placement.items() if p not in PLACEMENTS}
+    bad = {}
+    for n, p in placement.items():
+        try:
+            block_of(p)
+        except ValueError:
+            bad[n] = p
     if bad:
-        raise ValueError(f"make_layout: placement must be 'split' or 'whole', got {bad}")
+        raise ValueError(f"make_layout: placement must be 'split', 'whole' or 'blocked(B)', got {bad}")
     sizes: dict[str, int] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     for name, t in params.items():
@@ -359,14 +413,27 @@ def make_layout(
     specs = []
     for name, t in params.items():
         numel = sizes[name]
+        block = block_of(placement.get(name, "split"))
         if name in owners:
             specs.append(ParamSpec(name, shapes[name], t.dtype, numel, numel, 0, "whole", owners[name]))
+        elif block:
+            if numel % block:
+                raise ValueError(
+                    f"make_layout: param {name!r} (shape {shapes[name]}, {numel} elements) cannot be placed "
+                    f"blocked({block}): its numel is not a multiple of {block}; place it 'split'"
+                )
+            shard = block * -(-numel // (world_size * block))
+            specs.append(
+                ParamSpec(name, shapes[name], t.dtype, numel, shard, shard * world_size - numel, blocked(block))
+            )
         else:
             shard = -(-numel // world_size)
             specs.append(ParamSpec(name, shapes[name], t.dtype, numel, shard, shard * world_size - numel))
     key: tuple = (world_size, [(s.name, s.shape, str(s.dtype)) for s in specs])
     if owners:  # an all-split layout keeps the fingerprint it always had
         key = (*key, [(s.name, s.placement, s.owner) for s in specs if s.is_whole])
+    if any(s.block for s in specs):  # and so does a layout without blocked params
+        key = (*key, [(s.name, s.placement) for s in specs if s.block])
     digest = hashlib.sha256(repr(key).encode()).hexdigest()
     index = MappingProxyType({s.name: i for i, s in enumerate(specs)})
     return ShardLayout(world_size, tuple(specs), digest[:32], index)

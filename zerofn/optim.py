@@ -100,6 +100,8 @@ class Optimizer:
         ``torch_class``.
       defaults: hyperparameters for names no group selects.
       groups: per-group overrides, first match wins.
+      static: settings fixed for the whole optimizer that are not hyperparameters of a
+        group (a low-bit optimizer's block size); empty for the optimizers here.
     """
 
     name: str
@@ -110,13 +112,17 @@ class Optimizer:
     torch_class: type[torch.optim.Optimizer] = dataclasses.field(repr=False, default=torch.optim.SGD)
     _place: Callable[[str, tuple[int, ...]], str] | None = dataclasses.field(repr=False, default=None)
     parts: tuple[tuple[NameSelector, Optimizer], ...] = dataclasses.field(repr=False, default=())
+    _init_placed: Callable[[Optimizer, Params, Any], Any] | None = dataclasses.field(repr=False, default=None)
+    static: Mapping[str, Any] = dataclasses.field(repr=False, default_factory=FrozenDict)
 
     def placement(self, name: str, shape: tuple[int, ...]) -> str:
         """The placement this optimizer needs for param ``name`` of ``shape``.
 
         ``"split"`` when the update of every element reads only that element's gradient
         and state (so zerofn may run it on a 1/N shard), ``"whole"`` when it reads the
-        whole tensor (Muon, Adafactor: the param then lives on one owner rank). The
+        whole tensor (Muon, Adafactor: the param then lives on one owner rank),
+        ``"blocked(B)"`` when its state is quantized in blocks of ``B`` elements
+        (:mod:`zerofn.lowbit`: every rank's chunk is then whole blocks). The
         element-wise optimizers of this module say ``"split"``.
 
         Raises:
@@ -127,8 +133,18 @@ class Optimizer:
             return self.parts[self.part_index(name)][1].placement(name, shape)
         return self._place(name, tuple(shape)) if self._place is not None else "split"
 
-    def init(self, params: Params) -> Any:
-        """Fresh optimizer state for ``params`` (name -> tensor); reads only shapes/dtypes/devices."""
+    def init(self, params: Params, *, layout: Any = None) -> Any:
+        """Fresh optimizer state for ``params`` (name -> tensor); reads only shapes/dtypes/devices.
+
+        ``layout``: the :class:`~zerofn.layout.ShardLayout` the params are shards of
+        (``shard_params`` and checkpoint loads pass it). An optimizer whose state depends on
+        the *global* param (a low-bit one quantizes exactly the params placed
+        ``"blocked(B)"``) reads it; without it, ``params`` are taken as full tensors.
+        """
+        if self.parts:
+            return _partition_init(self, params, layout)
+        if layout is not None and self._init_placed is not None:
+            return self._init_placed(self, params, layout)
         return self._init(self, params)
 
     def update(
@@ -202,6 +218,19 @@ class Optimizer:
             f"zerofn.optim.partition: no part selects param {name!r}; every param needs an optimizer "
             "(add a last part with a predicate such as lambda name: True)"
         )
+
+
+_LOWBIT = ("adamw8bit", "adamw4bit", "adamwfp8", "adam8bit", "adam4bit", "adamfp8")
+
+
+def __getattr__(name: str) -> Any:
+    """``zf.optim.adamw8bit`` and the other low-bit factories live in :mod:`zerofn.lowbit`
+    (imported on first use: it needs the optional torchao)."""
+    if name in _LOWBIT:
+        from zerofn import lowbit
+
+        return getattr(lowbit, name)
+    raise AttributeError(f"module 'zerofn.optim' has no attribute {name!r}")
 
 
 # --------------------------------------------------------------------------- helpers
@@ -534,9 +563,11 @@ def _split_names(opt: Optimizer, tree: Params) -> list[dict[str, Any]]:
     return out
 
 
-def _partition_init(opt: Optimizer, params: Params) -> PartitionState:
+def _partition_init(opt: Optimizer, params: Params, layout: Any = None) -> PartitionState:
     return PartitionState(
-        tuple(part.init(sub) for (_, part), sub in zip(opt.parts, _split_names(opt, params), strict=True))
+        tuple(
+            part.init(sub, layout=layout) for (_, part), sub in zip(opt.parts, _split_names(opt, params), strict=True)
+        )
     )
 
 

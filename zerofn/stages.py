@@ -49,7 +49,7 @@ from zerofn.buckets import (
     split_row,
     unpack_rows,
 )
-from zerofn.layout import Bucket, ShardLayout, make_layout
+from zerofn.layout import Bucket, ShardLayout, block_of, make_layout
 from zerofn.optim import Optimizer
 from zerofn.precision import (
     NonFiniteGradError,
@@ -167,7 +167,7 @@ def shard_params(
         optimizer,
         rank,
         master,
-        optimizer.init(master),
+        optimizer.init(master, layout=layout),
         0,
         loss_scale=policy.loss_scaler.init(),
         precision=policy,
@@ -184,14 +184,16 @@ def resolve_placement(
 
     Args:
       params: name -> param (shape read).
-      optimizer: its ``placement(name, shape)`` says ``"split"`` or ``"whole"`` per param.
+      optimizer: its ``placement(name, shape)`` says ``"split"``, ``"whole"`` or
+        ``"blocked(B)"`` per param.
       override: name -> placement (names not listed keep the optimizer's) or a function
-        ``(name, param) -> placement``. ``"whole"`` may replace ``"split"`` (an element-wise
-        update gives the same result on a whole tensor); ``"split"`` may not replace
-        ``"whole"``.
+        ``(name, param) -> placement``. ``"whole"`` or ``"blocked(B)"`` may replace
+        ``"split"`` (an element-wise update gives the same result on a whole tensor or
+        whole blocks); nothing may replace ``"whole"`` or ``"blocked(B)"`` (a quantized
+        state's blocks must stay whole).
 
     Returns:
-      name -> ``"split"`` / ``"whole"`` for every param, in ``params``' order.
+      name -> placement for every param, in ``params``' order.
 
     Raises:
       ValueError: the override splits a param the optimizer needs whole, names an unknown
@@ -215,12 +217,22 @@ def resolve_placement(
             chosen = override(name, p)
         else:
             chosen = override.get(name, needed)
-        if chosen not in ("split", "whole"):
-            raise ValueError(f"shard_params: placement of {name!r} must be 'split' or 'whole', got {chosen!r}")
-        if needed == "whole" and chosen == "split":
+        try:
+            block_of(chosen)
+        except ValueError:
+            raise ValueError(
+                f"shard_params: placement of {name!r} must be 'split', 'whole' or 'blocked(B)', got {chosen!r}"
+            ) from None
+        if needed == "whole" and chosen != "whole":
             raise ValueError(
                 f"shard_params: param {name!r} (shape {tuple(p.shape)}) cannot be split: {optimizer.name} "
                 "reads whole tensors, so it lives whole on one owner rank; drop it from the placement override"
+            )
+        if block_of(needed) and chosen != needed:
+            raise ValueError(
+                f"shard_params: param {name!r} (shape {tuple(p.shape)}) must be placed {needed}: {optimizer.name} "
+                "quantizes its state in blocks of that size, and only whole blocks on every rank keep its numerics "
+                "the same at every world size; drop it from the placement override"
             )
         out[name] = chosen
     return out

@@ -12,6 +12,7 @@ import torch.utils._pytree as pytree
 from zerofn._deprecation import renamed
 from zerofn._tree import FrozenDict
 from zerofn.layout import ShardLayout
+from zerofn.lowbit import state_nbytes
 from zerofn.optim import Optimizer
 from zerofn.precision import LossScaleState, PrecisionPolicy
 
@@ -113,9 +114,11 @@ class ZeroState:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of tensor storage this rank holds: master shards plus optimizer state."""
+        """Bytes of tensor storage this rank holds: master shards plus optimizer state (a
+        low-bit state tensor counts its codes, block scales and code table, not the fp32 it
+        appears as)."""
         leaves = pytree.tree_leaves((self.master, self.opt_state))
-        return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+        return sum(state_nbytes(t) for t in leaves if isinstance(t, torch.Tensor))
 
     @property
     def state_device(self) -> torch.device:

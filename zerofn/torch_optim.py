@@ -115,6 +115,18 @@ _DECLARE = (
 )
 
 
+def _is_torchao(cls: type) -> bool:
+    """A torchao low-bit Adam class (``torchao.optim.AdamW8bit``, ...), recognised without importing torchao."""
+    return cls.__module__.startswith("torchao.optim") and cls.__name__ in (
+        "AdamW8bit",
+        "AdamW4bit",
+        "AdamWFp8",
+        "Adam8bit",
+        "Adam4bit",
+        "AdamFp8",
+    )
+
+
 def _placement_rule(
     cls: type[torch.optim.Optimizer], placement: str | Callable[[str, tuple[int, ...]], str] | None
 ) -> Callable[[str, tuple[int, ...]], str] | None:
@@ -158,6 +170,8 @@ def check_shardable(cls: type[torch.optim.Optimizer]) -> None:
     their owners. Anything else is refused, naming what to do instead.
     """
     if cls in ELEMENTWISE or (cls.__name__ in WHOLE_TENSOR and cls.__module__.startswith("torch.optim")):
+        return
+    if _is_torchao(cls):  # low-bit state: zerofn.lowbit drives torchao's own pieces on blocked shards
         return
     why = _REFUSED_WHY.get(cls.__name__)
     if why is None:
@@ -291,6 +305,10 @@ def from_torch_optimizer(torch_opt: torch.optim.Optimizer, group_names: Sequence
       param group becomes a zerofn param group with its hyperparameters.
     """
     check_shardable(type(torch_opt))
+    if _is_torchao(type(torch_opt)):
+        from zerofn import lowbit
+
+        return lowbit.from_torchao(torch_opt, group_names)
     for g in torch_opt.param_groups:
         if g.get("capturable") or g.get("differentiable"):
             raise ValueError(
@@ -350,6 +368,11 @@ def group_hyperparams(opt: optim.Optimizer, torch_group: Mapping[str, Any]) -> d
         keys: Sequence[str] = _FAST_KEYS["sgd"]
     elif opt.name in ("adam", "adamw"):
         keys = _FAST_KEYS["adam"]
+    elif "lowbit" in opt.static:  # torchao keeps lr as a 0-d float32 tensor: its float is exact
+        hp = {k: torch_group[k] for k in ("lr", "betas", "eps", "weight_decay", "amsgrad") if k in torch_group}
+        if isinstance(hp.get("lr"), torch.Tensor):
+            hp["lr"] = float(hp["lr"])
+        return hp
     else:
         keys = [k for k in torch_group if k not in ("params", "initial_lr")]
     return {k: torch_group[k] for k in keys if k in torch_group}
