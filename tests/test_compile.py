@@ -200,11 +200,14 @@ def _report_2_case(case: str) -> dict[str, Any]:
 
 
 @pytest.mark.numerics
-@pytest.mark.parametrize("case", list(COMPILED_CASES))
-def test_report_2_a_compiled_model_trains_with_overlap_allgather(worlds, case):
+@pytest.mark.parametrize(
+    ("case", "n"), [(case, 2) for case in COMPILED_CASES] + [("report2_inductor_compiled_first_default_bucket_sgd", 3)]
+)
+def test_report_2_a_compiled_model_trains_with_overlap_allgather(worlds, case, n):
     # Compiled graphs with and without the hooks' graph breaks fuse differently under
     # inductor (the last bits of tanh and the reductions): 1e-5 after 4 steps, the issue's bound.
-    results = worlds[2].run(_report_2_case, case)
+    results = worlds[n].run(_report_2_case, case)
     for res in results:
         assert max_rel_diff(res["hidden"], res["reference"]) <= 1e-5, case
-    assert_trees_equal(results[1]["hidden"], results[0]["hidden"])
+    for res in results[1:]:
+        assert_trees_equal(res["hidden"], results[0]["hidden"])
