@@ -201,7 +201,7 @@ def _report_2_case(case: str) -> dict[str, Any]:
 
 @pytest.mark.numerics
 @pytest.mark.parametrize(
-    ("case", "n"), [(case, 2) for case in COMPILED_CASES] + [("report2_inductor_compiled_first_default_bucket_sgd", 3)]
+    ("case", "n"), [(case, 2) for case in COMPILED_CASES] + [("eager_compiled_first_small_bucket_sgd", 3)]
 )
 def test_report_2_a_compiled_model_trains_with_overlap_allgather(worlds, case, n):
     # Compiled graphs with and without the hooks' graph breaks fuse differently under
