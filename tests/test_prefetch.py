@@ -16,6 +16,7 @@ No timing here: speed is measured in ``benchmarks/``.
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import io
 import itertools
@@ -27,7 +28,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from helpers import Net, Wide, assert_trees_equal, batches, gate_used, max_rel_diff
+from helpers import Net, Wide, assert_trees_equal, assert_within_floor, batches, ddp_noise_floor, gate_used
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -507,7 +508,17 @@ def _ema_script(system: str) -> dict[str, Any]:
 
 
 def _ema_systems() -> dict[str, Any]:
-    return {s: _ema_script(s) for s in ("ddp", "zero", "overlap_allgather")}
+    out = {s: _ema_script(s) for s in ("ddp", "zero", "overlap_allgather")}
+    # This machine's noise floor for the params (0.0 at N = 2, where zerofn is bitwise).
+    torch.manual_seed(0)
+    data = functools.partial(batches, dist.get_rank(), 4)
+    sgd = functools.partial(_sgd, lr=0.1)
+    out["floor"] = ddp_noise_floor(_mlp(), sgd, data, out["ddp"]["params"], steps=4, use_gate=None)
+    return out
+
+
+def _sgd(model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=lr)
 
 
 @pytest.mark.numerics
@@ -520,10 +531,11 @@ def test_report_1_an_ema_read_right_after_step_sees_the_updated_params(worlds, n
         for what in ("ema", "norms", "params"):
             assert_trees_equal(hidden[what], zero[what])  # the same arithmetic: bitwise
             # Against DDP: bitwise at N = 2 (a mean of two is order-free); at N = 3 gloo's ring
-            # sums the three gradients in another order than DDP's bucket: the suite's 1e-6.
+            # sums the three gradients in another order than DDP's bucket: fp32's 1e-6, or
+            # the DDP-against-DDP floor measured in this run where that is larger.
             if n == 2:
                 assert_trees_equal(hidden[what], ddp[what])
-            assert max_rel_diff(hidden[what], ddp[what]) <= 1e-6, what
+            assert_within_floor(hidden[what], ddp[what], res["floor"], rel=1e-6, what=what)
 
 
 # --------------------------------------------------------------------------- property: the guard
