@@ -119,9 +119,11 @@ class ParamPrefetcher:
         self._attach(module)
 
     def launch(self, state: ZeroState) -> None:
-        """Launch every bucket's gather of ``state``'s master shards, without waiting.
+        """Launch every bucket's gather of ``state``'s master shards, without waiting; guard its params.
 
-        Collectives: per bucket one all-gather (or one broadcast per rank), asynchronous.
+        Each bucket's params become ``Pending*`` until the bucket is written (the guard,
+        in the module docstring). Collectives: per bucket one all-gather (or one broadcast
+        per rank), asynchronous.
         """
         device = state.work_device
         n = self._layout.world_size
