@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -126,3 +127,94 @@ def test_the_functional_loop_works_with_compiled_grad_and_compiled_step_shards(w
         assert res["grad"] <= 1e-6
         assert res["step"] <= 1e-6
         assert res["norm"] <= 1e-6
+
+
+# --------------------------------------------------------------------------- issue 20, report 2
+#
+# A compiled model with overlap_allgather, against the same compiled model (the same
+# compiled callable, reused: compiling is the slow part) without it. Each case runs both
+# orders' worth of history the issue names: "reference first" runs the compiled model
+# through four steps before the optimizer with overlap_allgather exists (so its graphs were
+# traced with none of that optimizer's hooks, the crash of report 2: "modified by an inplace
+# operation"); otherwise the overlap_allgather optimizer is built first (the model compiled
+# before it, or after it, or in place by ``model.compile()``).
+
+# case -> (backend, how it is compiled, bucket, optimizer, reference first)
+COMPILED_CASES = {
+    "report2_inductor_compiled_first_default_bucket_sgd": ("inductor", "before", None, "sgd", True),
+    "inductor_in_place_default_bucket_adamw": ("inductor", "in_place", None, "adamw", False),
+    "aot_eager_compiled_after_small_bucket_adamw": ("aot_eager", "after", 64, "adamw", False),
+    "eager_compiled_first_small_bucket_sgd": ("eager", "before", 64, "sgd", True),
+}
+
+
+def _report_2_case(case: str) -> dict[str, Any]:
+    """Issue 20's script: Sequential(Linear(8, 16), Tanh(), Linear(16, 4)), 4 steps of
+    ``opt.backward(cm(x).pow(2).mean()); opt.step(); opt.zero_grad()``, stage 2 with
+    overlapped reduction, with and without overlap_allgather on one compiled model."""
+    backend, how, bucket, optimizer, reference_first = COMPILED_CASES[case]
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    initial = {k: v.clone() for k, v in net.state_dict().items()}
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    data = [torch.randn(4, 8, generator=gen) for _ in range(4)]
+    compiled: Any = None
+    if how == "before":
+        compiled = torch.compile(net, backend=backend)
+
+    def train(allgather: bool) -> dict[str, torch.Tensor]:
+        nonlocal compiled
+        net.load_state_dict(initial)
+        make = torch.optim.SGD if optimizer == "sgd" else torch.optim.AdamW
+        kw: dict[str, Any] = {} if bucket is None else {"reduce_bucket_size": bucket}
+        opt = zf.ZeroOptimizer(
+            make(net.parameters(), lr=0.1),
+            partition_grad=True,
+            overlap_communication=True,
+            overlap_allgather=allgather,
+            module=net,
+            **kw,
+        )
+        if compiled is None:
+            if how == "in_place":
+                net.compile(backend=backend)
+                compiled = net
+            else:
+                compiled = torch.compile(net, backend=backend)
+        for x in data:
+            opt.backward(compiled(x).pow(2).mean())
+            opt.step()
+            opt.zero_grad()
+        out = {n: p.detach().clone() for n, p in net.named_parameters()}  # no wait_params(): the guard waits
+        opt.close()
+        return out
+
+    if reference_first:
+        reference = train(False)
+        hidden = train(True)
+    else:
+        hidden = train(True)
+        reference = train(False)
+    return {"hidden": hidden, "reference": reference}
+
+
+def _report_2_params() -> list[Any]:
+    """(case, n); the cases without inductor are also ``numerics`` (rerun under ATEN_CPU_CAPABILITY=default,
+    where torch 2.13's inductor generates C++ that does not compile: ``at::vec`` is not declared)."""
+    cases = [(case, 2) for case in COMPILED_CASES] + [("eager_compiled_first_small_bucket_sgd", 3)]
+    return [
+        pytest.param(case, n, marks=() if COMPILED_CASES[case][0] == "inductor" else pytest.mark.numerics)
+        for case, n in cases
+    ]
+
+
+@pytest.mark.parametrize(("case", "n"), _report_2_params())
+def test_report_2_a_compiled_model_trains_with_overlap_allgather(worlds, case, n):
+    # Compiled graphs with and without the hooks' graph breaks fuse differently under
+    # inductor (the last bits of tanh and the reductions): 1e-5 after 4 steps, the issue's bound.
+    results = worlds[n].run(_report_2_case, case)
+    for res in results:
+        assert max_rel_diff(res["hidden"], res["reference"]) <= 1e-5, case
+    for res in results[1:]:
+        assert_trees_equal(res["hidden"], results[0]["hidden"])

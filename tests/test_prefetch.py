@@ -3,8 +3,10 @@
 Against the eager gather: the same losses, params, master shards and optimizer state,
 bitwise, for both stages, with and without overlapped reduction, at N = 1..4; params read
 through ``wait_params()`` right after a step equal the eager ones; every reader of the
-params waits by itself; params of containers are written by the parent's forward; a
-forward that reads a param before its gather is written raises; the hooks do not keep
+params waits by itself, with no ``wait_params()`` (the guard), metadata reads do not;
+params of containers are written by the parent's forward, params read outside their
+module's forward by the guard; a forward that reads an alias of a param made before the
+step (which the guard cannot see) raises; the hooks do not keep
 the facade alive and ``close()`` removes them; a script that exits with gathers pending
 exits cleanly.
 
@@ -14,7 +16,11 @@ No timing here: speed is measured in ``benchmarks/``.
 from __future__ import annotations
 
 import copy
+import functools
 import gc
+import io
+import itertools
+import tempfile
 import weakref
 from typing import Any
 
@@ -22,7 +28,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from helpers import Net, Wide, assert_trees_equal, batches, gate_used
+from helpers import Net, Wide, assert_trees_equal, assert_within_floor, batches, ddp_noise_floor, gate_used
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import zerofn as zf
 
@@ -130,8 +138,41 @@ def test_overlap_allgather_with_large_buckets(world, dtype, wide):
         assert_trees_equal(hidden["state"], eager["state"])
 
 
+def _read_all(model: nn.Module, how: str, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The params (or what is computed from them) as a user reads them between ``step`` and the forward."""
+    params = dict(model.named_parameters())
+    if how == "detach":
+        return {n: p.detach().clone() for n, p in params.items()}
+    if how == "data":
+        return {n: p.data.clone() for n, p in params.items()}
+    if how == "norm":
+        return {n: p.norm() for n, p in params.items()}
+    if how == "foreach":
+        return dict(zip(params, torch._foreach_mul(list(params.values()), 1.0), strict=True))
+    if how == "other_path":  # an evaluation through another function than the model's forward
+        with torch.no_grad():
+            return {"out": torch.nn.functional.linear(torch.tanh(model.a(x)), model.b.weight[:, :13], model.b.bias)}
+    if how == "state_dict":
+        return {k: v.clone() for k, v in model.state_dict().items()}
+    if how == "deepcopy":
+        twin = copy.deepcopy(model)
+        assert all(type(p) is nn.Parameter for p in twin.parameters())
+        return {n: p.detach() for n, p in twin.named_parameters()}
+    if how == "torch.save":  # the params pickled themselves
+        buf = io.BytesIO()
+        torch.save(params, buf)
+        buf.seek(0)
+        loaded = torch.load(buf)
+        assert all(type(p) is nn.Parameter for p in loaded.values())
+        return {n: p.detach() for n, p in loaded.items()}
+    raise ValueError(how)
+
+
+READS = ("detach", "data", "norm", "foreach", "other_path", "state_dict", "deepcopy", "torch.save")
+
+
 def _readers() -> dict[str, Any]:
-    """After a step (no forward yet), each reader of the params sees the updated values."""
+    """After a step (no forward yet), each reader of the params sees the updated values, with no wait_params()."""
     torch.manual_seed(0)
     model = Net()
     eager_model = copy.deepcopy(model)
@@ -141,31 +182,33 @@ def _readers() -> dict[str, Any]:
         return zf.ZeroOptimizer(topt, partition_grad=True, overlap_allgather=allgather, module=m, reduce_bucket_size=64)
 
     opt, eager = build(model, True), build(eager_model, False)
-    data = list(batches(dist.get_rank(), 3))
+    data = list(batches(dist.get_rank(), len(READS) + 2))
 
     def one_step(m: nn.Module, o: zf.ZeroOptimizer, x: torch.Tensor, y: torch.Tensor) -> None:
         o.backward(((m(x) - y) ** 2).mean())
         o.step()
 
-    seen: dict[str, Any] = {}
-    one_step(model, opt, *data[0])
-    one_step(eager_model, eager, *data[0])
-    want = _snapshot(eager_model)
-    seen["stale_before_wait"] = any(not torch.equal(p, want[n]) for n, p in model.named_parameters())
-    seen["pending_before_wait"] = opt._prefetch.pending
-    # The model's own state_dict waits (a pre-hook), as do load_state_dict and the optimizer's readers.
-    sd = {k: v.clone() for k, v in model.state_dict().items()}
-    seen["model_state_dict"] = all(torch.equal(sd[n], want[n]) for n in want)
-    seen["pending_after_state_dict"] = opt._prefetch.pending
+    seen: dict[str, Any] = {"equal": {}, "pending": {}}
+    for how, (x, y) in zip(READS, data, strict=False):
+        one_step(model, opt, x, y)
+        one_step(eager_model, eager, x, y)
+        seen["pending"][how] = opt._prefetch.pending
+        seen["equal"][how] = _read_all(model, how, x), _read_all(eager_model, how, x)
 
-    one_step(model, opt, *data[1])
-    one_step(eager_model, eager, *data[1])
-    want = _snapshot(eager_model)
-    seen["optimizer_state_dict_equal"] = opt.state_dict()["state"].keys() == eager.state_dict()["state"].keys()
-    seen["after_optimizer_state_dict"] = all(torch.equal(p, want[n]) for n, p in model.named_parameters())
+    # Reading only metadata (zero_grad, .grad, .shape, hashing) leaves the gathers in flight;
+    # reading one param waits for its own bucket only.
+    x, y = data[-2]
+    one_step(model, opt, x, y)
+    one_step(eager_model, eager, x, y)
+    buckets = opt._prefetch.pending
+    opt.zero_grad()
+    model.zero_grad()
+    meta = [(p.grad, p.shape, p.dtype, p.device, p.requires_grad, p.numel(), hash(p)) for p in model.parameters()]
+    seen["metadata"] = (len(meta), buckets, opt._prefetch.pending)
+    seen["one_bucket"] = torch.equal(model.a.bias.detach(), eager_model.a.bias.detach()), opt._prefetch.pending
 
     # load_state_dict of the model right after a step: the late gather must not overwrite it.
-    one_step(model, opt, *data[2])
+    one_step(model, opt, *data[-1])
     zeros = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
     model.load_state_dict(zeros)
     seen["load_not_overwritten"] = all(not p.any() for p in model.parameters())
@@ -176,12 +219,13 @@ def _readers() -> dict[str, Any]:
 
 def test_every_reader_of_the_params_waits_for_the_pending_gathers(worlds):
     for seen in worlds[2].run(_readers):
-        assert seen["stale_before_wait"]  # the option does defer the write
-        assert seen["pending_before_wait"] > 0
-        assert seen["model_state_dict"]
-        assert seen["pending_after_state_dict"] == 0
-        assert seen["optimizer_state_dict_equal"]
-        assert seen["after_optimizer_state_dict"]
+        for how, (hidden, eager) in seen["equal"].items():
+            assert seen["pending"][how] > 1, how  # step() left several buckets in flight
+            assert_trees_equal(hidden, eager)
+        params, buckets, left = seen["metadata"]
+        assert params == 8 and left == buckets > 1
+        equal, left = seen["one_bucket"]
+        assert equal and 0 < left < buckets
         assert seen["load_not_overwritten"]
         assert seen["still_zero_after_wait"]
 
@@ -238,7 +282,7 @@ class Blocks(nn.Module):
 
 
 class Sneaky(nn.Module):
-    """Reads ``self.proj.weight`` without calling ``self.proj``: its pre-hook never runs."""
+    """Reads ``self.proj.weight`` without calling ``self.proj``: its pre-hook never runs, the guard waits."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -248,11 +292,23 @@ class Sneaky(nn.Module):
         return torch.nn.functional.linear(x, self.proj.weight) + self.proj.bias
 
 
+class Aliased(nn.Module):
+    """Reads its weight through a view made at construction: not the param, so the guard cannot see it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(7, 5, bias=False)
+        self.flat = self.proj.weight.view(-1)
+
+    def forward(self, x: torch.Tensor, use_gate: bool = True) -> torch.Tensor:
+        return x @ self.flat.view(5, 7).t()
+
+
 def _container_params() -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for allgather in (False, True):
+    for model_class, allgather in itertools.product((Blocks, Sneaky), (False, True)):
         torch.manual_seed(0)
-        model = Blocks()
+        model = model_class()
         opt = zf.ZeroOptimizer(
             torch.optim.AdamW(model.parameters(), lr=1e-2),
             partition_grad=True,
@@ -265,18 +321,21 @@ def _container_params() -> dict[str, Any]:
             opt.backward(loss)
             opt.step()
             losses.append(loss.detach())
-        out[allgather] = torch.stack(losses)
+        out[model_class.__name__, allgather] = torch.stack(losses)
     return out
 
 
-def test_params_of_containers_are_written_by_the_parents_forward(world):
+def test_params_read_outside_their_modules_forward_are_written_first(world):
+    # Blocks: params of containers, written by the parent's forward pre-hook; Sneaky: a
+    # param read without its module's forward, written by the guard on first use.
     for res in world.run(_container_params):
-        assert torch.equal(res[True], res[False])
+        for name in ("Blocks", "Sneaky"):
+            assert torch.equal(res[name, True], res[name, False]), name
 
 
 def _stale_read() -> dict[str, Any]:
     torch.manual_seed(0)
-    model = Sneaky()
+    model = Aliased()
     opt = zf.ZeroOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1), partition_grad=True, overlap_allgather=True, module=model
     )
@@ -301,10 +360,10 @@ def _stale_read() -> dict[str, Any]:
     return {"message": message, "current": current}
 
 
-def test_a_forward_that_reads_a_param_before_its_gather_is_written_raises(worlds):
+def test_a_forward_that_reads_an_alias_of_a_param_before_its_gather_is_written_raises(worlds):
     for res in worlds[2].run(_stale_read):
         assert "'proj.weight'" in res["message"] and "wait_params()" in res["message"]
-        assert "'proj.bias'" in res["message"]
+        assert "view" in res["message"]
         assert res["current"]
 
 
@@ -396,3 +455,174 @@ def test_exiting_with_gathers_pending_is_clean(tmp_path, end):
     # The one known teardown abort of gloo (see DESIGN.md) is not this test's business.
     known = "terminate called without an active exception" in proc.stderr
     assert proc.returncode == 0 or known, proc.stderr[-2000:]
+
+
+# --------------------------------------------------------------------------- issue 20, report 1
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(7, 16), nn.Tanh(), nn.Linear(16, 5))
+
+
+def _ema_script(system: str) -> dict[str, Any]:
+    """A user's EMA of the params, updated right after every ``step()`` (SGD lr 0.1, 4 steps).
+
+    ``system``: ``"ddp"`` (DistributedDataParallel + torch.optim.SGD), ``"zero"`` (the
+    facade at stage 2 with overlapped reduction) or ``"overlap_allgather"`` (the same, the
+    gathers left in flight by ``step``). No ``wait_params()``: the EMA and the logged norms
+    read the params as a DDP script does.
+    """
+    torch.manual_seed(0)
+    model = _mlp()
+    run: nn.Module = model
+    if system == "ddp":
+        run = nn.parallel.DistributedDataParallel(model)
+        opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    else:
+        opt = zf.ZeroOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            partition_grad=True,
+            overlap_communication=True,
+            overlap_allgather=system == "overlap_allgather",
+            module=model,
+        )
+    ema = [p.detach().clone() for p in model.parameters()]
+    norms, pending = [], []
+    for x, y in batches(dist.get_rank(), 4):
+        opt.zero_grad()
+        ((run(x) - y) ** 2).mean().backward()
+        opt.step()
+        prefetch = getattr(opt, "_prefetch", None)
+        pending.append(prefetch.pending if prefetch is not None else 0)
+        with torch.no_grad():
+            for e, p in zip(ema, model.parameters(), strict=True):
+                e.mul_(0.5).add_(p.detach(), alpha=0.5)
+        norms.append(torch.stack([p.norm() for p in model.parameters()]))
+    names = [n for n, _ in model.named_parameters()]
+    return {
+        "ema": dict(zip(names, ema, strict=True)),
+        "norms": {"norms": torch.stack(norms)},
+        "params": _snapshot(model),
+        "pending": pending,
+    }
+
+
+def _ema_systems() -> dict[str, Any]:
+    out = {s: _ema_script(s) for s in ("ddp", "zero", "overlap_allgather")}
+    # This machine's noise floor for the params (0.0 at N = 2, where zerofn is bitwise).
+    torch.manual_seed(0)
+    data = functools.partial(batches, dist.get_rank(), 4)
+    sgd = functools.partial(_sgd, lr=0.1)
+    out["floor"] = ddp_noise_floor(_mlp(), sgd, data, out["ddp"]["params"], steps=4, use_gate=None)
+    return out
+
+
+def _sgd(model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=lr)
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("n", [2, 3])
+def test_report_1_an_ema_read_right_after_step_sees_the_updated_params(worlds, n):
+    # Issue 20, report 1: the EMA averaged the params of the step before (9.7e-03 away from DDP).
+    for res in worlds[n].run(_ema_systems):
+        hidden, zero, ddp = res["overlap_allgather"], res["zero"], res["ddp"]
+        assert all(k > 0 for k in hidden["pending"])  # step() did leave the gathers in flight
+        for what in ("ema", "norms", "params"):
+            assert_trees_equal(hidden[what], zero[what])  # the same arithmetic: bitwise
+            # Against DDP: bitwise at N = 2 (a mean of two is order-free); at N = 3 gloo's ring
+            # sums the three gradients in another order than DDP's bucket: fp32's 1e-6, or
+            # the DDP-against-DDP floor measured in this run where that is larger.
+            if n == 2:
+                assert_trees_equal(hidden[what], ddp[what])
+            assert_within_floor(hidden[what], ddp[what], res["floor"], rel=1e-6, what=what)
+
+
+# --------------------------------------------------------------------------- property: the guard
+
+_NAMES = ("a.weight", "a.bias", "gate.weight", "gate.bias", "b.weight", "b.bias", "unused.weight", "unused.bias")
+_OPS = st.one_of(
+    st.just(("train",)),
+    st.tuples(st.just("read"), st.sampled_from(_NAMES)),
+    st.tuples(st.just("write"), st.sampled_from(_NAMES), st.sampled_from(["mul_", "copy_", "data.clamp_"])),
+    st.just(("state_dict",)),
+    st.just(("eval",)),
+    st.just(("save",)),
+    st.just(("load",)),
+)
+
+
+def _replay(ops: list[tuple[Any, ...]], path: str) -> dict[str, Any]:
+    """``ops`` on two facades side by side, overlap_allgather off and on; what each read saw.
+
+    ``train``: forward, ``backward``, ``step``, ``zero_grad``; ``read``: one param;
+    ``write``: one param in place (``p.mul_``, ``p.copy_`` under no_grad, or through
+    ``p.data``); ``state_dict``: the model's; ``eval``: a forward under no_grad; ``save`` /
+    ``load``: the facade's checkpoint (``load`` takes the last one saved). No wait_params().
+    """
+    rank = dist.get_rank()
+    systems = []
+    for allgather in (False, True):
+        torch.manual_seed(0)
+        model = Net()
+        opt = zf.ZeroOptimizer(
+            torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1),
+            partition_grad=True,
+            overlap_communication=True,
+            overlap_allgather=allgather,
+            reduce_bucket_size=64,
+            module=model,
+        )
+        systems.append((model, opt))
+    data = batches(rank, sum(op[0] == "train" for op in ops))
+    x_eval = torch.randn(3, 7, generator=torch.Generator().manual_seed(rank))
+    seen: list[list[dict[str, torch.Tensor]]] = [[], []]
+    pending_at_reads = 0
+    saved: list[str | None] = [None, None]
+    for i, op in enumerate(ops):
+        batch = next(data) if op[0] == "train" else None
+        for s, (model, opt) in enumerate(systems):
+            params = dict(model.named_parameters())
+            if s == 1 and op[0] in ("read", "write", "state_dict", "eval"):
+                pending_at_reads += opt._prefetch.pending > 0
+            if op[0] == "train":
+                x, y = batch
+                opt.backward(((model(x) - y) ** 2).mean())
+                opt.step()
+                opt.zero_grad()
+            elif op[0] == "read":
+                seen[s].append({op[1]: params[op[1]].detach().clone()})
+            elif op[0] == "write":
+                p = params[op[1]]
+                with torch.no_grad():
+                    if op[2] == "mul_":
+                        p.mul_(0.5)
+                    elif op[2] == "copy_":
+                        p.copy_(torch.full_like(p, 0.125))
+                    else:
+                        p.data.clamp_(-0.05, 0.05)
+            elif op[0] == "state_dict":
+                seen[s].append({k: v.clone() for k, v in model.state_dict().items()})
+            elif op[0] == "eval":
+                with torch.no_grad():
+                    seen[s].append({"out": model(x_eval)})
+            elif op[0] == "save":
+                saved[s] = opt.save_checkpoint(f"{path}/{s}-{i}")
+            elif op[0] == "load" and saved[s] is not None:
+                opt.load_checkpoint(saved[s])
+    for s, (model, _) in enumerate(systems):
+        seen[s].append(_snapshot(model))
+    return {"off": seen[0], "on": seen[1], "pending_at_reads": pending_at_reads}
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@settings(max_examples=4, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
+@given(ops=st.lists(_OPS, min_size=4, max_size=10).map(lambda ops: [("train",), *ops]))
+def test_with_the_guard_every_read_sees_what_it_sees_without_overlap_allgather(worlds, n, ops):
+    with tempfile.TemporaryDirectory() as path:
+        for res in worlds[n].run(_replay, ops, path):
+            assert len(res["on"]) == len(res["off"])
+            for on, off in zip(res["on"], res["off"], strict=True):
+                assert_trees_equal(on, off)
+            if ops[1][0] in ("read", "write", "state_dict", "eval"):  # right after the first step
+                assert res["pending_at_reads"] > 0

@@ -9,7 +9,7 @@ One file per concern (as FSDP2's ``_fully_shard/``):
 ``_reducer.py``        gradient hooks: which bucket is ready, when its reduction launches,
                        which staging buffer it uses, accumulation, replica sums
 ``_prefetch.py``       ``overlap_allgather``: gathers launched by ``step``, written by the
-                       next forward's hooks
+                       next forward's hooks or a param's first use (the guard)
 ``_state_dicts.py``    state dicts and checkpoints (a mixin of ``ZeroOptimizer``)
 ``_guards.py``         the params are the user's: writes made outside the facade, what the
                        masters do with them, porting mistakes refused

@@ -23,8 +23,9 @@ calls :meth:`ZeroOptimizer.check_params` (compares bytes) or
 What is refused: a param whose shape, dtype or device changed (``model.to(torch.float64)``,
 ``model.half()``, ``model.cuda()`` after building the optimizer), a param of ``module=``
 replaced by another tensor (a new ``nn.Parameter`` or submodule assigned), a write made
-while ``overlap_allgather``'s gather of that param was still pending (the write saw the
-values from before the last step), and ranks that changed different params or the same
+while ``overlap_allgather``'s gather of that param was still pending through a view made
+before the last step (the write saw the values from before that step; writes to the param
+itself wait for the gather, :mod:`~._prefetch`), and ranks that changed different params or the same
 params differently. Each raises :class:`ParamsChangedError` on every rank, saying what to
 do, with the state unchanged.
 
@@ -247,10 +248,11 @@ def params_verdict(reports: Sequence[dict[str, Any] | None], order: Sequence[str
         if rep["stale"]:
             raise ParamsChangedError(
                 f"ZeroOptimizer.step: on rank {rank}, params {_listing(rep['stale'])} were written in place after "
-                "the last step() and before the forward that writes their gathered values (overlap_allgather), so "
-                "the write was made to the values from before that step. Call optimizer.wait_params() before "
-                "editing params outside the forward; to keep the params as they are now, call "
-                "optimizer.update_master_params() on every rank, then step() again"
+                "the last step() and before their gathered values were written (overlap_allgather), through a "
+                "tensor that shares their storage made before that step (a view or p.detach() kept from earlier), "
+                "so the write was made to the values from before the step. Take such views again after step() (a "
+                "write to the param itself waits for its gather), or call optimizer.wait_params() first; to keep "
+                "the params as they are now, call optimizer.update_master_params() on every rank, then step() again"
             )
     first = full[0]["changed"]
     for rank, rep in enumerate(full[1:], start=1):

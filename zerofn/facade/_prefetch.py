@@ -1,4 +1,4 @@
-"""``overlap_allgather``: the param gathers launched by ``step``, written by the next forward.
+"""``overlap_allgather``: the param gathers launched by ``step``, written by the next forward or first use.
 
 ``step`` launches every bucket's gather asynchronously (:meth:`ParamPrefetcher.launch`:
 ``pack_shards`` and ``launch_gather`` into an ``(N, S)`` buffer borrowed from the gradient
@@ -6,18 +6,45 @@ reducer's staging pool, idle between ``step`` and the next ``backward``; with th
 broadcast realisation this rank's row is packed straight into it) and returns. A forward
 pre-hook on each module that owns params waits for exactly the buckets those params live
 in and writes them into the params (``unpack_rows``: the same pieces, and so the same
-bits, as :func:`~zerofn.gather_params`); the model's forward post-hook completes the rest
-and refuses a forward that read a param whose gather was still pending.
+bits, as :func:`~zerofn.gather_params`); the model's forward post-hook completes the rest.
 
-A param written by the user while its gather is pending (an in-place op after ``step``,
-before the forward) is not overwritten: the hook writes the bucket's other members and
-tells the :class:`~._guards.ParamGuard`, and the next ``step`` raises on every rank (the
-write was made to the values from before the step). ``model.load_state_dict`` is safe:
-its pre-hook completes the gathers first.
+Note (the guard): a param whose gather is in flight is never read or written stale. From
+``launch`` until its bucket is written, each param of the bucket is of a *pending*
+subclass of its own class (``p.__class__`` is swapped: the same tensor object, storage,
+``.grad`` and hooks; ``isinstance(p, nn.Parameter)`` holds; ``type(p)`` is
+``PendingParameter``). Its ``__torch_function__`` runs for every torch function, method
+and attribute given such a param (``p.detach()``, ``p.data``, ``p.mul_(...)``,
+``F.linear(x, p)``, ``torch._foreach_*``, ``p.norm()``, ``model.state_dict()``, a
+validation forward through another path, ``torch.save``, ``copy.deepcopy``): it first
+completes the gathers of the buckets of the params it was given, which makes them plain
+params again, then calls the function as usual. So an EMA, logging, clamping, a state
+dict, an evaluation or a checkpoint right after ``step`` sees the updated values, with
+no ``wait_params()``. Writes are covered the same way (``p.mul_``, ``p.copy_``,
+``p.data.copy_``: reaching ``p.data`` completes the bucket first, so the write lands on
+the updated values, as with DDP). Reading only metadata (``.grad``, ``.shape``,
+``.dtype``, ``.device``, ``.requires_grad``, ``size()``, ``numel()``, ``_version``,
+``data_ptr()``, ``hash(p)``) does not wait, so ``zero_grad()`` and the facade's own
+checks keep the overlap. The cost is a class swap per param at ``launch`` and at the
+write (well under a microsecond each); torch functions on other tensors pay nothing.
 
-The hooks are compile-safe: they run eagerly, outside any graph ``torch.compile`` makes
-of the model (``torch.compiler.disable``), so a model compiled before or after building
-the optimizer gets its params written before each compiled region reads them.
+What the guard cannot see: a write through an alias made *before* ``step`` (a view,
+``p.detach()`` or ``p.data`` kept from earlier) while the gather is pending. Views and
+detached aliases share the param's version counter, so the write is found when the
+bucket is written: the hook keeps the user's values for those params, writes the
+bucket's other members, and tells the :class:`~._guards.ParamGuard`, and the next
+``step`` raises on every rank (the write was made to the values from before the step).
+An old ``p.data`` alias has a version counter of its own: a write through it while the
+gather is pending is overwritten by the gather (keep no ``p.data`` across ``step``).
+A forward that reads such an alias is refused by the forward post-hook
+(:meth:`ParamPrefetcher._finish_forward`).
+
+Compiled models: the hooks and the guard run eagerly, outside any graph ``torch.compile``
+makes of the model (``torch.compiler.disable``: a graph break). A graph traced before the
+optimizer was built (the model ran compiled first) has none of its hooks, and dynamo does
+not guard on hooks; but it guards on the type of each param it reads, so the pending
+class makes it retrace on the next forward, which then sees the hooks. Without that, the
+old graph read the stale params, saved them for backward, and the write that followed
+(``backward`` waits) made autograd refuse them ("modified by an inplace operation").
 """
 
 from __future__ import annotations
@@ -36,7 +63,7 @@ from zerofn.facade._guards import ParamGuard
 from zerofn.layout import Bucket, ShardLayout
 from zerofn.state import ZeroState
 
-__all__ = ["ParamPrefetcher"]
+__all__ = ["PENDING_METADATA", "ParamPrefetcher"]
 
 
 class ParamPrefetcher:
@@ -87,12 +114,16 @@ class ParamPrefetcher:
         # Per bucket of several params: the row it sends, reused every step.
         self._rows: list[torch.Tensor | None] = [None] * len(buckets)
         self._hooks: list[Any] = []
+        self._me = weakref.ref(self)
+        _check_guardable(params)
         self._attach(module)
 
     def launch(self, state: ZeroState) -> None:
-        """Launch every bucket's gather of ``state``'s master shards, without waiting.
+        """Launch every bucket's gather of ``state``'s master shards, without waiting; guard its params.
 
-        Collectives: per bucket one all-gather (or one broadcast per rank), asynchronous.
+        Each bucket's params become ``Pending*`` until the bucket is written (the guard,
+        in the module docstring). Collectives: per bucket one all-gather (or one broadcast
+        per rank), asynchronous.
         """
         device = state.work_device
         n = self._layout.world_size
@@ -109,6 +140,10 @@ class ParamPrefetcher:
             pending = launch_gather(row, self._group, self._how, async_op=True, out=recv)
             self._gathers[b] = (pending, row, borrowed)
             self.pending += 1
+            for name in bucket.names:  # the guard: a read or write of these waits for this gather
+                p = self._params[name]
+                p.__class__ = _pending_class(type(p))
+                _IN_FLIGHT[id(p)] = (self._me, b)
 
     def _send_row(self, b: int, bucket: Bucket, dtype: torch.dtype, state: ZeroState) -> torch.Tensor | None:
         """Bucket ``b``'s ``(S,)`` send row, reused every step; ``None`` where ``pack_shards`` needs none.
@@ -135,8 +170,10 @@ class ParamPrefetcher:
                     continue
                 self._gathers[b] = None
                 self.pending -= 1
-                rows = entry[0].wait()
                 names = self._buckets[b].names
+                for name in names:  # plain params again, before anything here reads or writes them
+                    _unguard(self._params[name])
+                rows = entry[0].wait()
                 if self._guard is not None:
                     written = self._guard.written_since(names)  # by the user, after the step: keep theirs
                     if written:
@@ -204,12 +241,13 @@ class ParamPrefetcher:
     def _finish_forward(self, output: Any) -> None:
         """End of the model's forward with gathers still pending: write them, and check none was read.
 
-        Buckets still pending here were never waited for in this forward, so any use of
-        their params in it read the values from before the last step. Params that took no
-        part (layer drop, unused layers) are fine; a param that reached the autograd graph
-        of ``output`` is an error (raised after the params are written), as it would
-        otherwise train on stale weights silently. Forwards without autograd (``no_grad``)
-        cannot be checked this way.
+        Buckets still pending here were never touched in this forward: no pre-hook waited
+        for them, and no torch function was given one of their params (the guard would
+        have). Params that took no part (layer drop, unused layers) are fine; a param that
+        reached the autograd graph of ``output`` all the same was read through an alias made
+        before the last step (a view or ``p.detach()`` kept from earlier): that is an error
+        (raised after the params are written), as it would otherwise train on stale weights
+        silently. Forwards without autograd (``no_grad``) cannot be checked this way.
         """
         pending = {
             id(self._params[name]): name
@@ -235,20 +273,20 @@ class ParamPrefetcher:
             listing = ", ".join(repr(n) for n in stale[:5]) + (", ..." if len(stale) > 5 else "")
             raise RuntimeError(
                 f"ZeroOptimizer(overlap_allgather=True): this forward read {len(stale)} param(s) ({listing}) before "
-                "their gathered values were written: the forward pre-hook that writes a param sits on the module "
-                "that owns it, and that module's forward did not run before the param was used (e.g. "
-                "F.linear(x, self.proj.weight) without calling self.proj). The forward's result used the weights "
-                "from before the last step; they are current now. Call optimizer.wait_params() before such a "
-                "forward, or leave overlap_allgather off for this model. Under torch.compile: a forward compiled "
-                "before the optimizer was built runs without the hooks (dynamo does not guard on hooks added later); "
-                "build the optimizer before the first compiled forward, or call torch._dynamo.reset()."
+                "their gathered values were written, through a tensor that shares their storage made before the last "
+                "step (a view, p.detach() or p.data kept from earlier): such an alias is not the param, so reading it "
+                "cannot wait for the param's gather. The forward's result used the weights from before the last step; "
+                "they are current now. Take the view again after step() (or call optimizer.wait_params() before such "
+                "a forward), or leave overlap_allgather off for this model."
             )
 
 
 # The hooks wait for collectives and write params in place: under torch.compile they run
 # eagerly (a graph break), never traced into a graph. Traced, their writes would become
 # in-graph mutations of params the graph also saves for backward ("modified by an inplace
-# operation"), and a graph traced with nothing pending would skip them on later calls.
+# operation"), and a graph traced with nothing pending would skip them on later calls. A
+# graph traced before the hooks existed is retraced (the guard's class swap fails dynamo's
+# type guards on the params), and then sees them.
 
 
 def _pre_hook(me: weakref.ref[ParamPrefetcher], buckets: tuple[int, ...]) -> Any:
@@ -279,3 +317,126 @@ def _after_forward_hook(me: weakref.ref[ParamPrefetcher]) -> Any:
             prefetch._finish_forward(output)
 
     return after_forward
+
+
+# ------------------------------------------------------------------------------ the guard
+# (the module docstring's note says what it does and why)
+
+# Torch functions and attributes that read no values of a param: they pass a pending param
+# without waiting for its gather (zero_grad, the facade's checks, hashing it as a dict key).
+PENDING_METADATA: frozenset[Any] = frozenset(
+    [
+        *(
+            getattr(torch.Tensor, attr).__get__
+            for attr in (
+                "grad",
+                "_version",
+                "shape",
+                "dtype",
+                "device",
+                "layout",
+                "requires_grad",
+                "is_leaf",
+                "grad_fn",
+                "ndim",
+                "is_cuda",
+                "itemsize",
+                "nbytes",
+            )
+        ),
+        torch.Tensor.grad.__set__,
+        torch.Tensor.grad.__delete__,
+        torch.Tensor.__hash__,
+        torch.Tensor.data_ptr,
+        torch.Tensor.size,
+        torch.Tensor.dim,
+        torch.Tensor.numel,
+        torch.Tensor.nelement,
+        torch.Tensor.stride,
+        torch.Tensor.storage_offset,
+        torch.Tensor.element_size,
+        torch.Tensor.is_contiguous,
+        torch.Tensor.is_floating_point,
+        torch.Tensor.get_device,
+    ]
+)
+
+# id(param) -> (its prefetcher, its bucket) while the bucket's gather is in flight.
+_IN_FLIGHT: dict[int, tuple[weakref.ref[ParamPrefetcher], int]] = {}
+_PENDING_OF: dict[type, type] = {}  # a param class -> its pending subclass
+_BASE_OF: dict[type, type] = {}  # a pending subclass -> the param class it stands in for
+
+
+def _land(objs: Iterable[Any]) -> None:
+    """Complete the gathers of the pending params among ``objs`` (their whole buckets); they are plain after."""
+    for t in objs:
+        base = _BASE_OF.get(type(t))
+        if base is None:
+            continue
+        entry = _IN_FLIGHT.get(id(t))
+        prefetch = entry[0]() if entry is not None else None
+        if prefetch is not None and entry is not None:
+            prefetch.complete((entry[1],))
+        _unguard(t)  # e.g. a copy made of a pending param, or one whose optimizer is gone
+
+
+def _unguard(p: torch.Tensor) -> None:
+    """``p`` back to its own class, out of the in-flight registry."""
+    base = _BASE_OF.get(type(p))
+    if base is not None:
+        p.__class__ = base
+    _IN_FLIGHT.pop(id(p), None)
+
+
+@torch.compiler.disable  # a graph break under torch.compile: it waits and writes params, eagerly
+def _pending_torch_function(
+    cls: type, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+) -> Any:
+    """A pending param's ``__torch_function__``: land the gathers of the params given, then call ``func``."""
+    kwargs = {} if kwargs is None else kwargs
+    if func in PENDING_METADATA:
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+    _land(pytree.tree_leaves((args, kwargs)))
+    return func(*args, **kwargs)  # every param given is plain now: torch dispatches as usual
+
+
+def _pending_deepcopy(self: torch.Tensor, memo: dict[int, Any]) -> Any:
+    """``copy.deepcopy`` of a pending param: land it first, so the copy is of the updated, plain param."""
+    _land((self,))
+    return self.__deepcopy__(memo)  # its own class's now
+
+
+def _pending_class(cls: type) -> type:
+    """The pending subclass of the param class ``cls`` (made once per class)."""
+    cls = _BASE_OF.get(cls, cls)
+    sub = _PENDING_OF.get(cls)
+    if sub is None:
+        namespace = {
+            "__module__": __name__,
+            "__doc__": f"A {cls.__name__} whose gathered value is in flight (overlap_allgather): first use waits.",
+            "__torch_function__": classmethod(_pending_torch_function),
+            "__deepcopy__": _pending_deepcopy,
+        }
+        sub = type(cls)(f"Pending{cls.__name__}", (cls,), namespace)
+        _PENDING_OF[cls], _BASE_OF[sub] = sub, cls
+    return sub
+
+
+def _check_guardable(params: Mapping[str, torch.Tensor]) -> None:
+    """Refuse params whose class cannot be swapped for its pending subclass (e.g. one with ``__slots__``)."""
+    seen: set[type] = set()
+    for name, p in params.items():
+        cls = type(p)
+        if cls in seen:
+            continue
+        seen.add(cls)
+        try:
+            p.__class__ = _pending_class(cls)
+        except TypeError as e:
+            raise ValueError(
+                f"ZeroOptimizer(overlap_allgather=True): param {name!r} is a {cls.__name__}, whose objects cannot "
+                f"take a subclass for the time their gathered values are in flight ({e}). Leave overlap_allgather "
+                "off for this model"
+            ) from None
+        p.__class__ = cls

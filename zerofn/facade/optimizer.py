@@ -90,9 +90,12 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
         its gradients are ready during backward.
       overlap_allgather: hide the parameter gather behind the next forward (the seed's
         option; needs ``module=``, which must own every param). ``step`` launches the
-        gathers; each module's forward pre-hook writes its params (the same bits). Until
-        then ``p.data`` holds the *previous* values: read params outside the model's
-        forward only after :meth:`wait_params`. Details, limits and memory:
+        gathers; each module's forward pre-hook writes its params (the same bits). Any
+        other read or write of a param before then (an EMA, logging, clamping,
+        ``state_dict()``, an evaluation, a checkpoint) first waits for that param's
+        bucket, so it sees the updated values, as with DDP; until its bucket is written a
+        param's class is a ``PendingParameter`` (a subclass of its own). Details, the one
+        exception (aliases kept from before ``step``), limits and memory:
         :mod:`zerofn.facade._prefetch`.
       clip_grad_norm: clip by the global gradient norm when > 0.
       norm_type: 2.0 or ``math.inf`` for clipping and ``get_grad_norm``.
@@ -322,15 +325,17 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
         param that gets nothing more steps with a zero gradient, as with torch.optim); a
         stage-2 placeholder is removed.
         """
-        for p in self._params.values():
-            g = p.grad
-            if g is None:
-                continue
-            if set_to_none or type(g) is ShardedGrad:
-                p.grad = None
-            else:
-                g.detach_()
-                g.zero_()
+        # Params may be pending (overlap_allgather's guard): .grad reads no values, skip their check.
+        with torch._C.DisableTorchFunctionSubclass():
+            for p in self._params.values():
+                g = p.grad
+                if g is None:
+                    continue
+                if set_to_none or type(g) is ShardedGrad:
+                    p.grad = None
+                else:
+                    g.detach_()
+                    g.zero_()
         self._reducer.clear()
 
     def close(self) -> None:
@@ -354,11 +359,12 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
     def wait_params(self) -> None:
         """Complete the param gathers the last ``step`` left in flight (``overlap_allgather``).
 
-        After it, every param holds its updated value. Needed only before reading params
-        outside the model's forward (evaluation through another function, logging
-        ``p.data``); without ``overlap_allgather``, or when nothing is pending, it returns
-        at once. Not a collective: the peers launched their side of the gathers in their
-        own ``step``.
+        After it, every param holds its updated value. Never needed for correctness: the
+        first use of a param whose gather is in flight waits for it by itself
+        (:mod:`~zerofn.facade._prefetch`); call it to choose when the wait happens, or
+        before reading a view of a param kept from before ``step``. Without
+        ``overlap_allgather``, or when nothing is pending, it returns at once. Not a
+        collective: the peers launched their side of the gathers in their own ``step``.
         """
         if self._prefetch is not None:
             self._prefetch.wait()
