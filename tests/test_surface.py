@@ -31,6 +31,7 @@ PUBLIC = [
     "StepInfo",
     "ZeroOptimizer",
     "ZeroState",
+    "broadcast_params",
     "buckets",
     "check_ranks_agree",
     "checkpoint",

@@ -10,6 +10,7 @@ is the drop-in facade. ``__all__`` is the public surface (pinned by a test).
 from zerofn import buckets, checkpoint, optim, precision, torch_optim
 from zerofn._checks import RankMismatchError, check_ranks_agree
 from zerofn._comm import CommCounter, CommPolicy, count_bytes
+from zerofn._sync import broadcast_params
 from zerofn._tree import FrozenDict
 from zerofn.checkpoint import CheckpointError
 from zerofn.facade import ParamsChangedError, ShardedGradError, ZeroOptimizer
@@ -50,6 +51,7 @@ __all__ = [
     "StepInfo",
     "ZeroOptimizer",
     "ZeroState",
+    "broadcast_params",
     "buckets",
     "check_ranks_agree",
     "checkpoint",

@@ -58,6 +58,7 @@ __all__ = [
     "all_reduce_scalars",
     "barrier",
     "broadcast_object",
+    "broadcast_tensors_",
     "count_bytes",
     "dcp_load",
     "dcp_save",
@@ -378,6 +379,34 @@ def broadcast_object(obj: object, group: Group, src: int = 0) -> object:
     global_src = src if group is None else dist.get_global_rank(group, src)
     dist.broadcast_object_list(box, src=global_src, group=group)
     return box[0]
+
+
+def broadcast_tensors_(tensors: list[torch.Tensor], group: Group, src: int = 0) -> None:
+    """Overwrite ``tensors`` on every rank with group rank ``src``'s values, in place.
+
+    Tensors of one dtype and device travel flattened in one buffer (params and buffers
+    of a model: a few broadcasts in all, whatever their number). Every rank must pass
+    tensors of the same shapes and dtypes in the same order (the caller checks first).
+
+    Collectives: one ``broadcast`` per (dtype, device) of the tensors' total size; none
+    for a group of one.
+    """
+    n = group_size(group)
+    if n == 1 or not tensors:
+        return
+    global_src = src if group is None else dist.get_global_rank(group, src)
+    kinds: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        if t.numel():
+            kinds.setdefault((t.dtype, t.device), []).append(t)
+    for members in kinds.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in members])
+        dist.broadcast(flat, src=global_src, group=group)
+        _record("broadcast", (n - 1) * flat.numel() * flat.element_size() if group_rank(group) == src else 0)
+        offset = 0
+        for t in members:
+            t.detach().copy_(flat[offset : offset + t.numel()].view(t.shape))
+            offset += t.numel()
 
 
 def barrier(group: Group) -> None:

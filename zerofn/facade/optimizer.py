@@ -35,9 +35,10 @@ import torch
 import torch.distributed as dist
 
 from zerofn import _checks as checks
-from zerofn import optim, torch_optim
+from zerofn import _comm as comm
+from zerofn import _sync, optim, torch_optim
 from zerofn._comm import CommPolicy
-from zerofn.facade import _guards, _options
+from zerofn.facade import _buffers, _guards, _options
 from zerofn.facade._grad_methods import GradMethods
 from zerofn.facade._param_methods import ParamMethods
 from zerofn.facade._prefetch import ParamPrefetcher
@@ -110,6 +111,14 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
         named ``"group{g}.param{i}"``. The bare model, not a ``DistributedDataParallel``
         (refused: gradients would be reduced twice). With it, a param or submodule
         replaced after construction is refused at the next ``backward``/``step``.
+      init_sync: at construction, make every rank start from rank 0's params (and, with
+        ``module=``, its buffers), as DDP does when it is built (its ``init_sync``): one
+        broadcast per dtype over the data-parallel world (both groups of a hybrid
+        layout), after the ranks agreed on the layout and before the masters are used.
+        ``False``: each rank keeps its own values (they must then be equal already).
+      broadcast_buffers: with ``module=``, rank 0's buffers (BatchNorm running stats) are
+        broadcast before each forward of the module, as DDP's ``broadcast_buffers=True``
+        default (see :mod:`zerofn.facade._buffers` for its cost); ``False`` is DDP's opt-out.
       verbose: log skipped steps.
       communication_dtype, cpu_offload, forced_dtype, master_weights, nonfinite,
       grad_accum_dtype, initial_scale, min_scale, growth_factor, backoff_factor,
@@ -157,6 +166,8 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
         nonfinite: str = "skip",
         grad_accum_dtype: GradAccumDtype = "auto",
         precision: PrecisionPolicy | None = None,
+        init_sync: bool = True,
+        broadcast_buffers: bool = True,
     ) -> None:
         seed = {k: v for k, v in locals().items() if k in _options.PRECISION_DEFAULTS}  # precision keywords
         _options.check_settings(reduce_bucket_size, norm_type, clip_grad_norm)
@@ -185,15 +196,22 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
         self._group_names = [[n for n, _ in g] for g in named_groups]
         self._params = params
         self._name_of = {id(p): n for n, p in params.items()}
-        self._state: ZeroState = shard_params(params, fopt, self._group, precision=policy)
+        # The masters are cut here and made rank 0's below, once the ranks agree on the layout.
+        self._state: ZeroState = shard_params(params, fopt, self._group, precision=policy, check=False)
         layout = self._state.layout
         settings = {"stage": self._stage, "bucket_numel": reduce_bucket_size, "overlap": int(overlap_communication)}
         settings["precision"] = checks.text_hash(repr(policy))
         # Equal placements do not mean equal updates ([Adafactor, AdamW] vs [Muon, AdamW]).
         settings["optimizer"] = checks.text_hash(_options.update_rules(fopt, layout.names))
-        checks.check_ranks_agree(
-            layout, self._group, "ZeroOptimizer", settings=settings, device=self._state.work_device
-        )
+        # What the broadcasts below move must be alike everywhere (a mismatch inside them would hang).
+        module_states = _buffers.module_states(module, params, buffers=broadcast_buffers)
+        settings["module"] = _sync.structure_hash(module_states)
+        settings["init_sync"] = int(init_sync)
+        settings["broadcast_buffers"] = int(broadcast_buffers)
+        for g in (self._group, self._replicate) if self._replicate is not None else (self._group,):
+            checks.check_ranks_agree(layout, g, "ZeroOptimizer", settings=settings, device=self._state.work_device)
+        if init_sync:  # DDP's construction: every rank starts from rank 0's params and buffers
+            self._init_sync(module_states)
         self._gather_how = self._comm_policy.resolve(self._group)[1]
         self._hp_cache: tuple[Any, ...] | None = None
         self._last_info: StepInfo | None = None
@@ -212,6 +230,28 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
         # Params are the user's: writes made to them outside the facade are noticed at step.
         self._guard = _guards.ParamGuard(params, module)
         self._prefetch = self._make_prefetch(module) if overlap_allgather else None
+        self._module = module
+        self._buffer_sync = None
+        if module is not None and broadcast_buffers and self._world_size() > 1:
+            require_sync = _require_sync_of(weakref.ref(self._reducer))
+            self._buffer_sync = _buffers.BufferSync(module, self._group, self._replicate, require_sync)
+
+    def _init_sync(self, module_states: Mapping[str, torch.Tensor]) -> None:
+        """Broadcast rank 0's params and buffers over the data-parallel world; the masters take them.
+
+        Collectives: one broadcast per dtype over the replicate group (hybrid), then over
+        the shard group.
+        """
+        if self._world_size() == 1:
+            return
+        with torch.no_grad():
+            _sync.broadcast_(list(module_states.values()), self._group, self._replicate)
+        self._state = _guards.adopt_params(self._state, self._params, self._state.layout.names)
+
+    def _world_size(self) -> int:
+        """Ranks of the whole data-parallel world (shard group times replicas)."""
+        replicas = comm.group_size(self._replicate) if self._replicate is not None else 1
+        return comm.group_size(self._group) * replicas
 
     def _make_prefetch(self, module: torch.nn.Module | None) -> ParamPrefetcher:
         """``overlap_allgather``'s prefetcher over the layout's buckets (``module`` owns every param)."""
@@ -325,6 +365,8 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
             self._reducer.close()
             if self._prefetch is not None:
                 self._prefetch.close()
+            if self._buffer_sync is not None:
+                self._buffer_sync.close()
 
     def __del__(self) -> None:
         if sys.is_finalizing():
@@ -434,6 +476,16 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
             f"ZeroOptimizer(stage={self._stage}, optimizer={self._state.optimizer.name}, params={len(layout)}, "
             f"world_size={layout.world_size}, bucket_numel={self._bucket_numel}, overlap={self._overlap})"
         )
+
+
+def _require_sync_of(reducer: weakref.ref[GradReducer]) -> Any:
+    """Whether the reducer synchronises gradients now (False inside ``no_sync``), without a reference cycle."""
+
+    def require() -> bool:
+        me = reducer()
+        return me is not None and me.require_sync
+
+    return require
 
 
 def _loss_scale_of(opt: weakref.ref[ZeroOptimizer]) -> Any:
