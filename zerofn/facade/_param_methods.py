@@ -70,6 +70,27 @@ class ParamMethods:
         self._guard.record()
         return self._step_shards(None)
 
+    def _fold_writes(self: _Host, where: str) -> None:
+        """Make the masters follow what the user wrote into the params since the last step, as ``step`` would.
+
+        Called before anything reads or writes the optimizer state (``state_dict``,
+        ``save_checkpoint``, ``load_checkpoint``, ``load_state_dict``), so a checkpoint holds
+        what the model holds. The same detection as ``step`` (:meth:`~._guards.ParamGuard.inspect`)
+        and the same verdict, alike on every rank.
+
+        Collectives: one scalar all-reduce over the group (did any rank see a write?); only
+        when some did, one object all-gather of the reports.
+        """
+        self.wait_params()
+        report = self._guard.inspect()
+        flag = torch.tensor([0.0 if report is None else 1.0], dtype=torch.float64, device=self._state.work_device)
+        if float(comm.all_reduce_scalars(flag, "max", self._group)[0]) == 0.0:
+            return
+        reports = comm.all_gather_objects(report, self._group)
+        adopt = _guards.params_verdict(reports, self._state.layout.names, where)  # type: ignore[arg-type]
+        self._state = _guards.adopt_params(self._state, self._params, adopt)
+        self._guard.record()
+
     def _params_written(self: _Host) -> None:
         """The facade has just written every param (e.g. a checkpoint's weights): its write, not the user's."""
         self._guard.record()

@@ -43,6 +43,8 @@ class _Host(Protocol):
 
     def _params_written(self) -> None: ...
 
+    def _fold_writes(self, where: str) -> None: ...
+
     def state_dict(self) -> dict[str, Any]: ...
 
 
@@ -57,9 +59,12 @@ class StateDictMethods:
         ``muon.load_state_dict(sd[0])`` works on a plain ``torch.optim.Muon`` over the same
         params.
 
+        Weights written into the model since the last step (``model.load_state_dict``,
+        in-place edits) are first taken into the masters, as ``step`` would take them.
+
         Collective: every rank gathers the full state (all ranks must call it).
         """
-        self.wait_params()
+        self._fold_writes("ZeroOptimizer.state_dict")
         self._state = self._state.replace(optimizer=self._current_optimizer())
         return checkpoint.full_state_dict(self._state, self._group, bucket_numel=self._bucket_numel)
 
@@ -83,7 +88,8 @@ class StateDictMethods:
         group (and the replicate group of a hybrid layout), so a rank whose state dict does
         not load makes every rank raise instead of leaving the others to train on.
         """
-        self.wait_params()  # master weights may come from the params, and a late gather would overwrite them
+        # master weights may come from the params (the user's writes first), and a late gather would overwrite them
+        self._fold_writes("ZeroOptimizer.load_state_dict")
         try:
             sizes = _check_list_shape(self, state_dict)
             new = checkpoint.shard_state_dict(
@@ -149,9 +155,11 @@ class StateDictMethods:
     def save_checkpoint(self: _Host, path: str, *, with_model: bool = True) -> str:
         """Sharded, atomic checkpoint of the optimizer state (and the model weights) at ``path``.
 
-        See :func:`zerofn.checkpoint.save`. Every rank must call it.
+        See :func:`zerofn.checkpoint.save`. Weights written into the model since the last
+        step are first taken into the masters (as ``step`` would), so the checkpoint holds
+        what the model holds. Every rank must call it.
         """
-        self.wait_params()
+        self._fold_writes("ZeroOptimizer.save_checkpoint")
         self._state = self._state.replace(optimizer=self._current_optimizer())
         return checkpoint.save(
             path, self._state, self._group, params=self._params if with_model else None, replicate_group=self._replicate
@@ -164,7 +172,7 @@ class StateDictMethods:
         rank raises :class:`~zerofn.checkpoint.CheckpointError` and the state, the masters,
         the ``param_groups`` and the model are what they were.
         """
-        self.wait_params()  # a late gather would overwrite the loaded weights
+        self._fold_writes("ZeroOptimizer.load_checkpoint")  # waits for a late gather, which would overwrite them
         params_out = self._params if with_model else None
         new = checkpoint.load(path, self._params, self._group, optimizer=self._state.optimizer, params_out=params_out)
         self._adopt(new)

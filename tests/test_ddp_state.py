@@ -1,0 +1,227 @@
+"""State as DDP keeps it, against DDP + the same torch optimizer on real gloo ranks.
+
+Every rank builds its model from its own seed (``torch.manual_seed(100 + rank)``, as
+scripts that seed per rank for data augmentation do), the model has BatchNorm buffers, and
+each test runs DDP and the facade side by side in the same process on the same batches,
+comparing params and buffers after every operation:
+
+* construction: every rank starts from rank 0's params and buffers (DDP's broadcast);
+  the functional path checks the ranks' values (``RankMismatchError``) or syncs them;
+* buffers: rank 0's broadcast before each training forward (``broadcast_buffers``), saved
+  and restored by checkpoints;
+* gradients never zeroed carry into the next step as DDP's do;
+* user writes before a checkpoint are in the checkpoint;
+* a collective entry point called on some ranks only fails in bounded time.
+
+Tolerance: bitwise at N = 1, 2 (fp32: the mean of two gradients does not depend on the
+order of the sum); at N = 3, 4 within the noise floor measured in the same run (DDP
+against DDP with its gradients jittered by one ulp).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from conftest import get_world
+from helpers import bits
+
+import zerofn as zf
+
+
+class BNNet(nn.Module):
+    """Two linear layers around a BatchNorm1d: params and buffers (float running stats, an int64 counter)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.b = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.bn(self.a(x))))
+
+
+def _seeded_model() -> BNNet:
+    """A BNNet seeded per rank (different initial weights on every rank, as DDP scripts allow)."""
+    torch.manual_seed(100 + dist.get_rank())
+    return BNNet()
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 * step + dist.get_rank())
+    return torch.randn(5, 6, generator=gen), torch.randn(5, 3, generator=gen)
+
+
+def _states(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: t.detach().clone() for n, t in model.state_dict().items()}
+
+
+def _diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """Largest relative difference over every entry (ints compared exactly: any difference is inf)."""
+    worst = 0.0
+    for n, x in a.items():
+        y = b[n]
+        if not x.is_floating_point():
+            worst = max(worst, 0.0 if torch.equal(x, y) else float("inf"))
+            continue
+        scale = y.abs().max().item() or 1.0
+        worst = max(worst, (x - y).abs().max().item() / scale)
+    return worst
+
+
+def _equal_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
+    return [n for n in a if not torch.equal(bits(a[n]), bits(b[n]))]
+
+
+def _twins(stage: int, **options: Any) -> tuple[nn.Module, Any, nn.Module, zf.ZeroOptimizer]:
+    """(DDP model, its AdamW, the facade's model, the facade), each built from this rank's own seed."""
+    ref = _seeded_model()
+    ddp = nn.parallel.DistributedDataParallel(ref)
+    ref_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.1)
+    model = _seeded_model()
+    zopt = zf.ZeroOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1),
+        partition_grad=stage == 2,
+        module=model,
+        reduce_bucket_size=64,
+        **options,
+    )
+    return ddp, ref_opt, model, zopt
+
+
+def _train_step(model: nn.Module, opt: Any, step: int, *, zero: bool = True) -> None:
+    x, y = _batch(step)
+    if zero:
+        opt.zero_grad()
+    ((model(x) - y) ** 2).mean().backward()
+    opt.step()
+
+
+def _jitter_grads(model: nn.Module) -> None:
+    """Move every averaged gradient element by one ulp (the noise floor's DDP twin)."""
+    for p in model.parameters():
+        p.grad.copy_(torch.nextafter(p.grad, torch.full_like(p.grad, float("inf"))))
+
+
+def _seeded_per_rank_run(stage: int, steps: int) -> dict[str, Any]:
+    """DDP and the facade from per-rank seeds: params and buffers after construction and each step.
+
+    Also two DDP twins for the noise floor: one with other buckets, one whose averaged
+    gradients move by one ulp before each step.
+    """
+    ddp, ref_opt, model, zopt = _twins(stage)
+    other = nn.parallel.DistributedDataParallel(_seeded_model(), bucket_cap_mb=1e-4)
+    other_opt = torch.optim.AdamW(other.parameters(), lr=1e-2, weight_decay=0.1)
+    jitter = nn.parallel.DistributedDataParallel(_seeded_model())
+    jitter_opt = torch.optim.AdamW(jitter.parameters(), lr=1e-2, weight_decay=0.1)
+    out: dict[str, Any] = {"init": _equal_bits(_states(ddp.module), _states(model)), "diffs": [], "floor": 0.0}
+    for step in range(steps):
+        _train_step(ddp, ref_opt, step)
+        _train_step(model, zopt, step)
+        _train_step(other, other_opt, step)
+        x, y = _batch(step)
+        jitter_opt.zero_grad()
+        ((jitter(x) - y) ** 2).mean().backward()
+        _jitter_grads(jitter)
+        jitter_opt.step()
+        ref = _states(ddp.module)
+        out["diffs"].append(_diff(_states(model), ref))
+        out["floor"] = max(out["floor"], _diff(_states(other.module), ref), _diff(_states(jitter.module), ref))
+    out["final"] = _equal_bits(_states(ddp.module), _states(model))
+    zopt.close()
+    return out
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_per_rank_seeded_batchnorm_model_trains_as_ddp(n, stage):
+    """Params and buffers equal DDP's on every rank: bitwise at N = 1, 2, within DDP's own jitter at 3, 4."""
+    results = get_world(n).run(_seeded_per_rank_run, stage, 3)
+    for rank, r in enumerate(results):
+        assert r["init"] == [], f"rank {rank}: construction left {r['init']} different from DDP's (rank 0's)"
+        if n <= 2:
+            assert r["final"] == [], f"rank {rank}: {r['final']} differ from DDP after 3 steps ({r['diffs']})"
+        else:
+            assert max(r["diffs"]) <= r["floor"], f"rank {rank}: {r['diffs']} against DDP, floor {r['floor']:.3g}"
+
+
+def _functional_start() -> dict[str, Any]:
+    """shard_params over per-rank params: the default check raises; sync=True and broadcast_params agree."""
+    model = _seeded_model()
+    params = dict(model.named_parameters())
+    out: dict[str, Any] = {}
+    try:
+        zf.shard_params(params, zf.optim.adamw(lr=1e-2))
+    except zf.RankMismatchError as e:
+        out["error"] = str(e)
+    before = {n: p.detach().clone() for n, p in params.items()}
+    state = zf.shard_params(params, zf.optim.adamw(lr=1e-2), sync=True)
+    out["unchanged"] = _equal_bits(before, {n: p.detach() for n, p in params.items()}) == []
+    out["gathered"] = zf.gather_params(state)
+    synced = zf.broadcast_params(params, out=params)  # into the model, in place
+    out["model"] = _states(model)
+    out["same_tensors"] = all(synced[n] is params[n] for n in params)
+    out["checks"] = zf.shard_params(params, zf.optim.adamw(lr=1e-2)).step == 0  # agrees now: no error
+    return out
+
+
+def test_functional_start_checks_values_or_syncs_them():
+    results = get_world(2).run(_functional_start)
+    for r in results:
+        assert "param 'a.weight' holds different values on rank 0 and rank 1" in r["error"], r.get("error")
+        assert "zf.broadcast_params(params, group)" in r["error"] and "sync=True" in r["error"]
+        assert r["unchanged"] and r["same_tensors"] and r["checks"]
+    torch.manual_seed(100)
+    rank0 = _states(BNNet())
+    for r in results:
+        assert _equal_bits(r["gathered"], rank0) == []
+        assert _equal_bits(r["model"], rank0) == []  # buffers were not in params: BNNet's initial buffers alike
+
+
+def _pretrained() -> dict[str, torch.Tensor]:
+    torch.manual_seed(7)
+    return BNNet().state_dict()
+
+
+def _edit(model: nn.Module, edit: str) -> None:
+    if edit == "load":
+        model.load_state_dict(_pretrained())
+    else:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.clamp_(-0.1, 0.1)
+
+
+def _writes_then_checkpoint(stage: int, edit: str, path: str) -> list[str]:
+    """Weights written, then a checkpoint saved and loaded (or a state-dict round trip), then a step, as DDP."""
+    ddp, ref_opt, model, zopt = _twins(stage)
+    for step in range(2):
+        _train_step(ddp, ref_opt, step)
+        _train_step(model, zopt, step)
+    _edit(ddp.module, edit)
+    _edit(model, edit)
+    if path:
+        zopt.save_checkpoint(path)
+        zopt.load_checkpoint(path)
+    else:
+        zopt.load_state_dict(zopt.state_dict())
+        ref_opt.load_state_dict(ref_opt.state_dict())
+    _train_step(ddp, ref_opt, 2)
+    _train_step(model, zopt, 2)
+    zopt.close()
+    return _equal_bits(_states(ddp.module), _states(model))
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("edit", ["load", "clamp"])
+def test_weights_written_before_a_checkpoint_are_in_it(tmp_path, stage, edit):
+    """model.load_state_dict / in-place clamp, then save and load (or state-dict round trip), then a step: as DDP."""
+    for path in (str(tmp_path / "ckpt"), ""):
+        for rank, differ in enumerate(get_world(2).run(_writes_then_checkpoint, stage, edit, path)):
+            assert differ == [], f"rank {rank} ({'checkpoint' if path else 'state_dict'}): {differ} differ from DDP"
