@@ -317,8 +317,10 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
         stage 2 a rank keeps its shards and ``p.grad`` a placeholder that holds nothing
         (torch's functions on it raise, naming :meth:`clip_grad_norm_`,
         :meth:`get_grad_norm`, :meth:`get_param_grad`). A second backward before ``step``
-        adds its averaged gradient to the first's; the first backward after ``step``
-        starts from zero (``step`` consumes the gradients).
+        adds its averaged gradient to the first's. After ``step``, call ``zero_grad()`` (or
+        ``model.zero_grad()``) before the next backward, as with DDP; without it, at stage 1
+        the new gradients add to the step's in ``p.grad`` as with DDP, and at stage 2 (or
+        under loss scaling) the backward raises on every rank saying so.
 
         Collectives: per bucket one reduction, and one tiny rank-agreement all-gather.
         """
@@ -414,9 +416,10 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
         ``step`` applies the gradients the user left: stage 1, each ``p.grad`` (clipped,
         edited, replaced; ``None`` leaves the param out, as torch.optim), cut into this
         rank's shards; stage 2, the shards (a placeholder set to ``None`` drops its
-        param's). It consumes them, as ZeRO implementations do: the next ``backward``
-        starts from zero whether or not ``zero_grad`` is called (plain torch would keep
-        accumulating into ``p.grad``); until then ``p.grad`` keeps its values, as with DDP.
+        param's). ``p.grad`` keeps its values after the step, as with DDP, until
+        ``zero_grad``: a backward before it accumulates into them at stage 1 (as DDP), and
+        raises on every rank at stage 2 or under loss scaling (the step consumed the
+        shards), saying to call ``zero_grad()``.
 
         Params are the user's: a param written outside the facade since its last write
         (``model.load_state_dict``, ``p.copy_``, in-place ops under ``no_grad``) is noticed here,
