@@ -225,3 +225,130 @@ def test_weights_written_before_a_checkpoint_are_in_it(tmp_path, stage, edit):
     for path in (str(tmp_path / "ckpt"), ""):
         for rank, differ in enumerate(get_world(2).run(_writes_then_checkpoint, stage, edit, path)):
             assert differ == [], f"rank {rank} ({'checkpoint' if path else 'state_dict'}): {differ} differ from DDP"
+
+
+def _without_zero_grad(stage: int, overlap: bool, how: str) -> dict[str, Any]:
+    """4 steps with no zero_grad (``how="none"``), or with model.zero_grad() / zero_grad(set_to_none=False)."""
+    ddp, ref_opt, model, zopt = _twins(stage, overlap_communication=overlap)
+    out: dict[str, Any] = {"error": None}
+    for step in range(4):
+        for m, opt in ((ddp, ref_opt), (model, zopt)):
+            if how == "model":
+                (m.module if m is ddp else m).zero_grad()
+            elif how == "keep":
+                opt.zero_grad(set_to_none=False)
+            x, y = _batch(step)
+            loss = ((m(x) - y) ** 2).mean()
+            try:
+                zopt.backward(loss) if opt is zopt and step % 2 else loss.backward()
+            except RuntimeError as e:
+                out["error"] = out["error"] or str(e)
+                out.setdefault("step", step)
+                zopt.zero_grad()  # what the message says: zero, run forward and backward again
+                ((m(x) - y) ** 2).mean().backward()
+            opt.step()
+    out["differ"] = _equal_bits(_states(ddp.module), _states(model))
+    zopt.close()
+    return out
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_gradients_not_zeroed_carry_as_ddp_or_raise(stage, overlap):
+    """Stage 1: the sum of every gradient since the last zeroing, bitwise DDP's; stage 2: every rank raises."""
+    world = get_world(2)
+    for rank, r in enumerate(world.run(_without_zero_grad, stage, overlap, "none")):
+        if stage == 1:
+            assert r["error"] is None and r["differ"] == [], (rank, r)
+        else:
+            assert r["step"] == 1 and "backward after step() without zero_grad()" in r["error"], (rank, r)
+            assert "optimizer.zero_grad()" in r["error"] and "stage 2" in r["error"]
+    for how in ("model", "keep"):
+        for rank, r in enumerate(world.run(_without_zero_grad, stage, overlap, how)):
+            assert r["error"] is None and r["differ"] == [], (how, rank, r)
+
+
+def _facade_of(model: nn.Module, stage: int) -> zf.ZeroOptimizer:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    return zf.ZeroOptimizer(opt, partition_grad=stage == 2, module=model, reduce_bucket_size=64)
+
+
+def _save_load_continue(stage: int, fmt: str, path: str) -> dict[str, Any]:
+    """2 steps, save, 2 more; a fresh model (other seed) loads and does the same 2: bitwise, buffers included."""
+    model = _seeded_model()
+    zopt = _facade_of(model, stage)
+    for step in range(2):
+        _train_step(model, zopt, step)
+    if fmt == "full":  # every rank gathers it, rank 0 saves it, every rank reads rank 0's file
+        sd = zopt.state_dict()
+        if dist.get_rank() == 0:
+            torch.save(sd, path)
+        dist.barrier()
+        sd = torch.load(path, weights_only=False)
+    else:
+        zopt.save_checkpoint(path)
+    saved_buffers = {n: b.clone() for n, b in zf.checkpoint.persistent_buffers(model).items()}
+    for step in (2, 3):
+        _train_step(model, zopt, step)
+    torch.manual_seed(999 + dist.get_rank())
+    fresh = BNNet()
+    fopt = _facade_of(fresh, stage)
+    if fmt == "full":
+        fresh.load_state_dict({n: p for n, p in sd["zerofn"]["master"].items()}, strict=False)
+        fopt.load_state_dict(sd)
+    else:
+        fopt.load_checkpoint(path)
+    loaded = dict(zf.checkpoint.persistent_buffers(fresh))
+    torch.distributed.broadcast_object_list(box := [saved_buffers], src=0)
+    out = {"loaded_rank0": _equal_bits({n: b.clone() for n, b in loaded.items()}, box[0])}
+    for step in (2, 3):
+        _train_step(fresh, fopt, step)
+    out["differ"] = _equal_bits(_states(model), _states(fresh))
+    zopt.close()
+    fopt.close()
+    return out
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("fmt", ["sharded", "full"])
+def test_save_load_continue_is_bitwise_a_run_that_never_stopped_buffers_included(tmp_path, stage, fmt):
+    for rank, r in enumerate(get_world(2).run(_save_load_continue, stage, fmt, str(tmp_path / "ckpt"))):
+        assert r["loaded_rank0"] == [], f"rank {rank}: loaded buffers are not rank 0's saved ones: {r}"
+        assert r["differ"] == [], f"rank {rank}: {r['differ']} differ from the run that never stopped"
+
+
+def _old_and_mismatched_checkpoints(path: str) -> dict[str, Any]:
+    """A checkpoint without buffers loads and leaves them; one whose buffers do not fit fails, changing nothing."""
+    model = _seeded_model()
+    zopt = _facade_of(model, 2)
+    _train_step(model, zopt, 0)
+    # As checkpoints were written before buffers were saved: the functional save without buffers=.
+    zf.checkpoint.save(path + "_old", zopt.state, params=dict(model.named_parameters()))
+    zopt.close()
+    out: dict[str, Any] = {}
+    fresh = _seeded_model()
+    fopt = _facade_of(fresh, 2)
+    before = _states(fresh)
+    fopt.load_checkpoint(path + "_old")
+    after = _states(fresh)
+    out["buffers_kept"] = _equal_bits({n: before[n] for n in ("bn.running_mean", "bn.num_batches_tracked")}, after)
+    out["params_loaded"] = _equal_bits(dict(model.named_parameters()), dict(fresh.named_parameters())) == []
+    fopt.save_checkpoint(path)
+    fresh.register_buffer("extra", torch.zeros(2))  # the model now has a buffer the checkpoint lacks
+    master = {n: t.clone() for n, t in fopt.state.master.items()}
+    try:
+        fopt.load_checkpoint(path)
+    except zf.CheckpointError as e:
+        out["error"] = str(e)
+    out["unchanged"] = _equal_bits(after, _states(fresh)) == [] and _equal_bits(master, dict(fopt.state.master)) == []
+    fopt.close()
+    return out
+
+
+def test_checkpoints_without_buffers_load_and_mismatched_buffers_fail_on_every_rank(tmp_path):
+    for r in get_world(2).run(_old_and_mismatched_checkpoints, str(tmp_path / "ckpt")):
+        assert r["buffers_kept"] == [] and r["params_loaded"], r
+        assert "buffers do not match the model's" in r.get("error", ""), r
+        assert r["unchanged"], r
