@@ -352,3 +352,62 @@ def test_checkpoints_without_buffers_load_and_mismatched_buffers_fail_on_every_r
         assert r["buffers_kept"] == [] and r["params_loaded"], r
         assert "buffers do not match the model's" in r.get("error", ""), r
         assert r["unchanged"], r
+
+
+ENTRY_CALLS = ["state_dict", "save_checkpoint", "load_checkpoint", "load_state_dict", "check_params"]
+
+
+def _called_on_rank_0_only(path: str) -> dict[str, Any]:
+    """Each collective entry point on rank 0 only, with a 1 s entry_timeout: each fails in bounded time, saying why.
+
+    Each call gets its own facade over its own group (a failed wait leaves its group unusable),
+    so the pool's default group stays intact.
+    """
+    import time
+
+    facades = {}
+    for call in ENTRY_CALLS:
+        model = _seeded_model()
+        group = dist.new_group([0, 1])
+        zopt = zf.ZeroOptimizer(
+            torch.optim.AdamW(model.parameters()), module=model, entry_timeout=1.0, dp_process_group=group
+        )
+        _train_step(model, zopt, 0)
+        facades[call] = zopt
+    facades["load_checkpoint"].save_checkpoint(path)  # every rank: the checkpoint the load below reads
+    out: dict[str, Any] = {}
+    if dist.get_rank() != 0:
+        return out
+    actions = {
+        "state_dict": facades["state_dict"].state_dict,
+        "save_checkpoint": lambda: facades["save_checkpoint"].save_checkpoint(path),
+        "load_checkpoint": lambda: facades["load_checkpoint"].load_checkpoint(path),
+        "load_state_dict": lambda: facades["load_state_dict"].load_state_dict({}),
+        "check_params": facades["check_params"].check_params,
+    }
+    for call in ENTRY_CALLS:
+        start = time.monotonic()
+        try:
+            actions[call]()
+            out[call] = {"error": None}
+        except zf.NotJoinedError as e:
+            out[call] = {"error": str(e), "missing": e.missing}
+        out[call]["seconds"] = time.monotonic() - start
+    return out
+
+
+def test_collectives_called_on_rank_0_only_fail_in_bounded_time_naming_the_missing_ranks(tmp_path):
+    r0, r1 = get_world(2).run(_called_on_rank_0_only, str(tmp_path / "ckpt"))
+    assert r1 == {}
+    advice = {
+        "state_dict": "sd = opt.state_dict()` on every rank, then save on rank 0 only",
+        "save_checkpoint": "opt.save_checkpoint(path)` on every rank",
+        "load_checkpoint": "opt.load_checkpoint(path)` on every rank",
+        "load_state_dict": "on every rank",
+        "check_params": "opt.check_params()` on every rank",
+    }
+    for call in ENTRY_CALLS:
+        r = r0[call]
+        assert r["error"] is not None and r["seconds"] < 20, (call, r)
+        assert f"ZeroOptimizer.{call}: this is a collective, and rank(s) 1 of the group did not call it" in r["error"]
+        assert advice[call] in r["error"] and r["missing"] == [1], (call, r)

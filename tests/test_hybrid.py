@@ -154,6 +154,7 @@ def _facade_hybrid_vs_ddp(how: str, overlap: bool) -> float:
     for x, y in batches(dist.get_rank(), 10):
         zopt.backward(((model(x) - y) ** 2).mean())
         zopt.step()
+        zopt.zero_grad()
     mine = {n: p.detach() for n, p in model.named_parameters()}
     return max_rel_diff(mine, ref["params"])
 

@@ -472,6 +472,7 @@ def _inf_on_last_rank(api: str, variant: str) -> dict[str, Any]:
     )
     opt.backward(_loss(model(x.half()), y.half()))
     opt.step()
+    opt.zero_grad()
     x, y = next(data)
     params_before = {k: p.detach().clone() for k, p in model.named_parameters()}
     before = Snapshot((opt.state.master, opt.state.opt_state))
@@ -480,6 +481,7 @@ def _inf_on_last_rank(api: str, variant: str) -> dict[str, Any]:
     if hook is not None:
         hook.remove()
     opt.step()
+    opt.zero_grad()
     before.assert_unchanged((opt.state.master, opt.state.opt_state), "master and optimizer state after the skip")
     assert_trees_equal({k: p.detach() for k, p in model.named_parameters()}, params_before)
     return {"info": opt.last_step_info, "loss_scale": opt.state.loss_scale, "step": opt.state.step, "local_bad": None}
@@ -553,6 +555,7 @@ def _nan_in_bf16(api: str, nonfinite: str) -> dict[str, Any]:
             hook.remove()
         try:
             opt.step()
+            opt.zero_grad()
         except NonFiniteGradError as e:
             out["error"] = str(e)
             continue

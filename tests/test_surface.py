@@ -21,6 +21,7 @@ PUBLIC = [
     "MixedDtypeError",
     "NoLossScaling",
     "NonFiniteGradError",
+    "NotJoinedError",
     "ParamSpec",
     "ParamsChangedError",
     "PrecisionPolicy",

@@ -32,6 +32,7 @@ class _Host(Protocol):
     _norm_type: float
     _reducer: Any
     _guard: _guards.ParamGuard
+    _entry: Any
 
     def wait_params(self) -> None: ...
 
@@ -115,6 +116,7 @@ class ParamMethods:
         every param (each rank hashes all its params: O(params) work, not for every step).
         With ``overlap_allgather`` it first completes the pending gathers (``wait_params``).
         """
+        self._entry.join("check_params")  # a collective: every rank must call it (bounded wait)
         self.wait_params()
         reports = comm.all_gather_objects(_guards.byte_report(self._state, self._params), self._group)
         adopt = _guards.byte_verdict(reports, self._state.layout.names)  # type: ignore[arg-type]

@@ -32,6 +32,7 @@ class _Host(Protocol):
     _hp_cache: tuple[Any, ...] | None
     _reducer: Any
     _module: torch.nn.Module | None
+    _entry: Any
     param_groups: list[dict[str, Any]]
 
     def wait_params(self) -> None: ...
@@ -65,6 +66,7 @@ class StateDictMethods:
 
         Collective: every rank gathers the full state (all ranks must call it).
         """
+        self._entry.join("state_dict")  # a collective: every rank must call it (bounded wait)
         self._fold_writes("ZeroOptimizer.state_dict")
         self._state = self._state.replace(optimizer=self._current_optimizer())
         buffers = checkpoint.persistent_buffers(self._module) if self._module is not None else None
@@ -93,6 +95,7 @@ class StateDictMethods:
         not load makes every rank raise instead of leaving the others to train on.
         """
         # master weights may come from the params (the user's writes first), and a late gather would overwrite them
+        self._entry.join("load_state_dict")  # a collective: every rank must call it (bounded wait)
         self._fold_writes("ZeroOptimizer.load_state_dict")
         try:
             sizes = _check_list_shape(self, state_dict)
@@ -178,6 +181,7 @@ class StateDictMethods:
         step are first taken into the masters (as ``step`` would), so the checkpoint holds
         what the model holds. Every rank must call it.
         """
+        self._entry.join("save_checkpoint")  # a collective: every rank must call it (bounded wait)
         self._fold_writes("ZeroOptimizer.save_checkpoint")
         self._state = self._state.replace(optimizer=self._current_optimizer())
         buffers = checkpoint.persistent_buffers(self._module) if with_model and self._module is not None else None
@@ -201,6 +205,7 @@ class StateDictMethods:
         rank raises :class:`~zerofn.checkpoint.CheckpointError` and the state, the masters,
         the ``param_groups`` and the model are what they were.
         """
+        self._entry.join("load_checkpoint")  # a collective: every rank must call it (bounded wait)
         self._fold_writes("ZeroOptimizer.load_checkpoint")  # waits for a late gather, which would overwrite them
         params_out = self._params if with_model else None
         buffers_out = checkpoint.persistent_buffers(self._module) if with_model and self._module is not None else None

@@ -38,7 +38,7 @@ from zerofn import _checks as checks
 from zerofn import _comm as comm
 from zerofn import _sync, optim, torch_optim
 from zerofn._comm import CommPolicy
-from zerofn.facade import _buffers, _guards, _options
+from zerofn.facade import _buffers, _entry, _guards, _options
 from zerofn.facade._grad_methods import GradMethods
 from zerofn.facade._param_methods import ParamMethods
 from zerofn.facade._prefetch import ParamPrefetcher
@@ -119,6 +119,10 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
       broadcast_buffers: with ``module=``, rank 0's buffers (BatchNorm running stats) are
         broadcast before each forward of the module, as DDP's ``broadcast_buffers=True``
         default (see :mod:`zerofn.facade._buffers` for its cost); ``False`` is DDP's opt-out.
+      entry_timeout: seconds that a collective entry point (``state_dict``,
+        ``save_checkpoint``, ``load_checkpoint``, ``load_state_dict``, ``check_params``)
+        waits for every rank to call it before raising, naming the ranks that did not and
+        what to write instead (:mod:`zerofn.facade._entry`); ``None``: no such wait.
       verbose: log skipped steps.
       communication_dtype, cpu_offload, forced_dtype, master_weights, nonfinite,
       grad_accum_dtype, initial_scale, min_scale, growth_factor, backoff_factor,
@@ -168,6 +172,7 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
         precision: PrecisionPolicy | None = None,
         init_sync: bool = True,
         broadcast_buffers: bool = True,
+        entry_timeout: float | None = 300.0,
     ) -> None:
         seed = {k: v for k, v in locals().items() if k in _options.PRECISION_DEFAULTS}  # precision keywords
         _options.check_settings(reduce_bucket_size, norm_type, clip_grad_norm)
@@ -179,6 +184,8 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
         policy = _options.precision_policy(params, precision, seed)
         _options.cast_params(params, policy)  # validated: now cast, before anything reads them
         self._group, self._replicate = _options.hybrid_groups(dp_process_group, sub_dp_size, replicate_group)
+        groups = (self._group,) if self._replicate is None else (self._group, self._replicate)
+        self._entry = _entry.EntryGuard(groups, entry_timeout)
         self._stage = 2 if partition_grad else 1
         self._bucket_numel = reduce_bucket_size
         self._overlap = overlap_communication
