@@ -28,6 +28,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from conftest import get_world
 from helpers import bits
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import zerofn as zf
 
@@ -411,3 +413,89 @@ def test_collectives_called_on_rank_0_only_fail_in_bounded_time_naming_the_missi
         assert r["error"] is not None and r["seconds"] < 20, (call, r)
         assert f"ZeroOptimizer.{call}: this is a collective, and rank(s) 1 of the group did not call it" in r["error"]
         assert advice[call] in r["error"] and r["missing"] == [1], (call, r)
+
+
+# --------------------------------------------------------------------------- random op sequences
+
+OPS = ("step", "clipped_step", "no_sync_step", "scheduler", "lr", "load", "clamp", "state_dict", "checkpoint", "eval")
+CLIP = 0.05
+
+
+def _op(name: str, i: int, ddp: Any, ref_opt: Any, ref_sched: Any, model: nn.Module, zopt: Any, zsched: Any) -> None:
+    """One operation of a DDP script, done to DDP + torch.optim and to the facade alike."""
+    from helpers import clip_in_float64
+
+    x, y = _batch(i)
+    if name in ("step", "clipped_step", "no_sync_step"):
+        for m, opt in ((ddp, ref_opt), (model, zopt)):
+            opt.zero_grad()
+            if name == "no_sync_step":  # accumulation: one micro-batch locally, then a synced one
+                with m.no_sync() if m is ddp else zopt.no_sync():
+                    ((m(x) - y) ** 2).mean().backward()
+                x2, y2 = _batch(i + 500)
+                ((m(x2) - y2) ** 2).mean().backward()
+            else:
+                ((m(x) - y) ** 2).mean().backward()
+            if name == "clipped_step":  # zerofn's float64 arithmetic on DDP's side (torch's rounds in fp32)
+                clip_in_float64(m.parameters(), CLIP) if m is ddp else zopt.clip_grad_norm_(CLIP)
+            opt.step()
+    elif name == "scheduler":
+        ref_sched.step()
+        zsched.step()
+    elif name == "lr":
+        for opt in (ref_opt, zopt):
+            for g in opt.param_groups:
+                g["lr"] *= 0.5
+    elif name in ("load", "clamp"):
+        _edit(ddp.module, name)
+        _edit(model, name)
+    elif name == "state_dict":
+        zopt.load_state_dict(zopt.state_dict())
+        ref_opt.load_state_dict(ref_opt.state_dict())
+    elif name == "checkpoint":  # DDP's: rank 0 saves the model and the optimizer, every rank loads them
+        zopt.save_checkpoint(_S_PATH[0])
+        zopt.load_checkpoint(_S_PATH[0])
+        box = [(ddp.module.state_dict(), ref_opt.state_dict())]
+        dist.broadcast_object_list(box, src=0)
+        ddp.module.load_state_dict(box[0][0])
+        ref_opt.load_state_dict(box[0][1])
+    elif name == "eval":
+        for m in (ddp, model):
+            m.eval()
+            with torch.no_grad():
+                m(x)
+            m.train()
+
+
+_S_PATH: list[str] = [""]
+
+
+def _sequence(stage: int, ops: list[str], path: str) -> dict[str, Any]:
+    """Run ``ops`` on DDP and the facade; after each, params and buffers bitwise (stage-2 clipping: 1e-6)."""
+    _S_PATH[0] = path
+    ddp, ref_opt, model, zopt = _twins(stage)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=1, gamma=0.7)
+    zsched = torch.optim.lr_scheduler.StepLR(zopt, step_size=1, gamma=0.7)
+    clipped = False
+    first: dict[str, Any] = {}
+    for i, name in enumerate(ops):  # every rank runs every op (a rank that stopped early would strand the others)
+        _op(name, i, ddp, ref_opt, ref_sched, model, zopt, zsched)
+        clipped = clipped or (name == "clipped_step" and stage == 2)
+        ref, mine = _states(ddp.module), _states(model)
+        if clipped:
+            if _diff(mine, ref) > 1e-6 and not first:
+                first = {"at": i, "op": name, "diff": _diff(mine, ref)}
+        elif _equal_bits(ref, mine) and not first:
+            first = {"at": i, "op": name, "differ": _equal_bits(ref, mine)}
+    zopt.close()
+    return first
+
+
+@pytest.mark.numerics
+@settings(max_examples=8, deadline=None)
+@given(stage=st.sampled_from([1, 2]), ops=st.lists(st.sampled_from(OPS), min_size=3, max_size=8))
+def test_random_op_sequences_match_ddp_after_every_op(tmp_path_factory, stage, ops):
+    """Any order of a DDP script's operations: the facade equals DDP + the same torch optimizer after each."""
+    path = str(tmp_path_factory.mktemp("seq") / "ckpt")
+    for rank, r in enumerate(get_world(2).run(_sequence, stage, ["step", *ops], path)):
+        assert r == {}, f"rank {rank}, stage {stage}, ops {['step', *ops]}: {r}"

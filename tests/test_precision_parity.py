@@ -547,6 +547,7 @@ def _nan_in_bf16(api: str, nonfinite: str) -> dict[str, Any]:
         torch.optim.AdamW(model.parameters(), lr=1e-2), forced_dtype=torch.bfloat16, nonfinite=nonfinite, module=model
     )
     for step, (x, y) in enumerate(data):
+        opt.zero_grad()  # also after a refused step: its gradients are still in p.grad, as with DDP
         hook = None
         if step == 1 and rank == n - 1:
             hook = model.a.weight.register_hook(lambda g: g.index_fill(1, torch.tensor([3]), math.nan))
@@ -555,7 +556,6 @@ def _nan_in_bf16(api: str, nonfinite: str) -> dict[str, Any]:
             hook.remove()
         try:
             opt.step()
-            opt.zero_grad()
         except NonFiniteGradError as e:
             out["error"] = str(e)
             continue
