@@ -499,3 +499,29 @@ def test_random_op_sequences_match_ddp_after_every_op(tmp_path_factory, stage, o
     path = str(tmp_path_factory.mktemp("seq") / "ckpt")
     for rank, r in enumerate(get_world(2).run(_sequence, stage, ["step", *ops], path)):
         assert r == {}, f"rank {rank}, stage {stage}, ops {['step', *ops]}: {r}"
+
+
+def _hybrid_start(path: str) -> dict[str, Any]:
+    """A hybrid facade (2 shard groups of 2) from per-rank seeds; then the functional save/load of buffers."""
+    model = _seeded_model()
+    zopt = zf.ZeroOptimizer(torch.optim.AdamW(model.parameters()), partition_grad=True, module=model, sub_dp_size=2)
+    out = {"start": _states(model)}
+    with torch.no_grad():
+        model.bn.running_mean.fill_(float(dist.get_rank()))  # each rank's own, rank 0's are saved
+    buffers = zf.checkpoint.persistent_buffers(model)
+    state = zf.shard_params(dict(model.named_parameters()), zf.optim.adamw())  # the params agree now: no error
+    zf.checkpoint.save(path, state, params=dict(model.named_parameters()), buffers=buffers)
+    with torch.no_grad():
+        model.bn.running_mean.fill_(-1.0)
+    zf.checkpoint.load(path, dict(model.named_parameters()), buffers_out=buffers)
+    out["loaded"] = model.bn.running_mean.clone()
+    zopt.close()
+    return out
+
+
+def test_hybrid_layouts_start_from_world_rank_0_and_functional_checkpoints_carry_buffers(tmp_path):
+    torch.manual_seed(100)
+    rank0 = _states(BNNet())
+    for rank, r in enumerate(get_world(4).run(_hybrid_start, str(tmp_path / "ckpt"))):
+        assert _equal_bits(r["start"], rank0) == [], f"rank {rank}"
+        assert torch.equal(r["loaded"], torch.zeros(8)), f"rank {rank}: {r['loaded']}"
