@@ -90,7 +90,8 @@ def _step_times(name: str, steps: int, reps: int, quick: bool) -> dict[str, Any]
         runs[flag] = (model, opt, data, loss)
     times: dict[bool, list[float]] = {True: [], False: []}
     for rep in range(reps + 1):
-        for flag, (model, opt, data, loss) in runs.items():
+        for flag in (True, False) if rep % 2 else (False, True):  # each side first in every other block
+            model, opt, data, loss = runs[flag]
             dist.barrier()
             start = time.perf_counter()
             for i in range(steps):
@@ -100,12 +101,21 @@ def _step_times(name: str, steps: int, reps: int, quick: bool) -> dict[str, Any]
                 opt.zero_grad()
             if rep:  # the first block warms up
                 times[flag].append((time.perf_counter() - start) / steps)
+    # The work the option adds to a step, alone: the pre-forward broadcast (a collective).
+    sync = runs[True][1]._buffer_sync
+    calls = 200
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(calls):
+        sync.sync()
+    sync_s = (time.perf_counter() - start) / calls
     buffers = sum(b.numel() * b.element_size() for b in runs[True][0].buffers())
     on, off = statistics.median(times[True]), statistics.median(times[False])
     for _, opt, _, _ in runs.values():
         opt.close()
     return {
         "buffer_bytes": buffers,
+        "sync_s": sync_s,
         "step_s_broadcast": on,
         "step_s_off": off,
         "cost_s": on - off,
@@ -169,14 +179,18 @@ def _start_costs(reps: int, quick: bool) -> dict[str, Any]:
     return out
 
 
-def measure(steps: int, reps: int, quick: bool) -> dict[str, Any]:
+PARTS = ("transformer", "resnet_bn", "entry", "start")
+
+
+def measure(steps: int, reps: int, quick: bool, parts: tuple[str, ...] = PARTS) -> dict[str, Any]:
     torch.set_num_threads(1)
-    return {
-        "transformer": _step_times("transformer", steps, reps, quick),
-        "resnet_bn": _step_times("resnet", steps, reps, quick),
-        "entry": _entry_costs(reps, quick),
-        "start": _start_costs(reps, quick),
+    run = {
+        "transformer": lambda: _step_times("transformer", steps, reps, quick),
+        "resnet_bn": lambda: _step_times("resnet", steps, reps, quick),
+        "entry": lambda: _entry_costs(reps, quick),
+        "start": lambda: _start_costs(reps, quick),
     }
+    return {part: run[part]() for part in parts}
 
 
 def main() -> None:
@@ -185,9 +199,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--parts", nargs="*", choices=PARTS, default=list(PARTS))
     args = ap.parse_args()
     with World(args.n, timeout=600.0) as world:
-        results = world.run(measure, args.steps, args.reps, args.quick)
+        results = world.run(measure, args.steps, args.reps, args.quick, tuple(args.parts))
     print(json.dumps({"n": args.n, "rank0": results[0]}, indent=1))
 
 
