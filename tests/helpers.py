@@ -270,7 +270,6 @@ def _finish_step(
             norm = float(torch.nn.utils.clip_grad_norm_(module.parameters(), clip))
     for o in opts:
         o.step()
-        o.zero_grad()
     for s in scheds:
         s.step()
     return norm

@@ -148,7 +148,6 @@ def _train_ddp(
             _clip_as_zerofn(list(ddp.parameters()), MAX_NORM)
         for o in opts:
             o.step()
-            o.zero_grad()
         for s in scheds:
             s.step()
     params = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}

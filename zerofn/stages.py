@@ -2,7 +2,7 @@
 
 ::
 
-    params --shard_params--> ZeroState                         (no communication)
+    params --shard_params--> ZeroState                         (a tiny value check; sync=True: broadcast)
     grads  --reduce_grads--> grad shards                       (reduce-scatter, bucketed)
     state, grad shards --step_shards--> new state, StepInfo    (one scalar all-reduce)
     state  --gather_params--> params                           (all-gather, bucketed)

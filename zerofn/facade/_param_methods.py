@@ -112,7 +112,8 @@ class ParamMethods:
         Raises:
           ParamsChangedError: on every rank, when the ranks' params are not equal (nothing changed).
 
-        Collectives: one object all-gather of each rank's differing names and a digest of
+        Collectives: the entry wait (one monitored barrier, :mod:`zerofn.facade._entry`),
+        one object all-gather of each rank's differing names and a digest of
         every param (each rank hashes all its params: O(params) work, not for every step).
         With ``overlap_allgather`` it first completes the pending gathers (``wait_params``).
         """

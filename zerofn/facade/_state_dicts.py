@@ -64,7 +64,10 @@ class StateDictMethods:
         Weights written into the model since the last step (``model.load_state_dict``,
         in-place edits) are first taken into the masters, as ``step`` would take them.
 
-        Collective: every rank gathers the full state (all ranks must call it).
+        Collective: every rank gathers the full state (all ranks must call it; on some
+        ranks only it raises :class:`~zerofn.NotJoinedError` after ``entry_timeout``:
+        :mod:`zerofn.facade._entry`). Before the gathers: the entry wait (one monitored
+        barrier) and one scalar all-reduce (did any rank's params change since the step).
         """
         self._entry.join("state_dict")  # a collective: every rank must call it (bounded wait)
         self._fold_writes("ZeroOptimizer.state_dict")
