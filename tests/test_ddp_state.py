@@ -168,7 +168,13 @@ def _functional_start() -> dict[str, Any]:
     state = zf.shard_params(params, zf.optim.adamw(lr=1e-2), sync=True)
     out["unchanged"] = _equal_bits(before, {n: p.detach() for n, p in params.items()}) == []
     out["gathered"] = zf.gather_params(state)
-    synced = zf.broadcast_params(params, out=params)  # into the model, in place
+    from zerofn import _comm
+
+    _comm.BROADCAST_NUMEL, numel = 7, _comm.BROADCAST_NUMEL  # several flat buffers (and one param alone)
+    try:
+        synced = zf.broadcast_params(params, out=params)  # into the model, in place
+    finally:
+        _comm.BROADCAST_NUMEL = numel
     out["model"] = _states(model)
     out["same_tensors"] = all(synced[n] is params[n] for n in params)
     out["checks"] = zf.shard_params(params, zf.optim.adamw(lr=1e-2)).step == 0  # agrees now: no error
@@ -363,7 +369,7 @@ ENTRY_CALLS = ["state_dict", "save_checkpoint", "load_checkpoint", "load_state_d
 
 
 def _called_on_rank_0_only(path: str) -> dict[str, Any]:
-    """Each collective entry point on rank 0 only, with a 1 s entry_timeout: each fails in bounded time, saying why.
+    """Each collective entry point on rank 0 only, with a 0.5 s entry_timeout: each fails in bounded time, saying why.
 
     Each call gets its own facade over its own group (a failed wait leaves its group unusable),
     so the pool's default group stays intact.
@@ -375,7 +381,7 @@ def _called_on_rank_0_only(path: str) -> dict[str, Any]:
         model = _seeded_model()
         group = dist.new_group([0, 1])
         zopt = zf.ZeroOptimizer(
-            torch.optim.AdamW(model.parameters()), module=model, entry_timeout=1.0, dp_process_group=group
+            torch.optim.AdamW(model.parameters()), module=model, entry_timeout=0.5, dp_process_group=group
         )
         _train_step(model, zopt, 0)
         facades[call] = zopt

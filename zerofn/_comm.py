@@ -386,15 +386,21 @@ def broadcast_object(obj: object, group: Group, src: int = 0) -> object:
     return box[0]
 
 
+# Elements per flat buffer of broadcast_tensors_ (2**26: 256 MiB in float32, as DDP's
+# 250 MB broadcast buckets at construction).
+BROADCAST_NUMEL = 2**26
+
+
 def broadcast_tensors_(tensors: list[torch.Tensor], group: Group, src: int = 0) -> None:
     """Overwrite ``tensors`` on every rank with group rank ``src``'s values, in place.
 
-    Tensors of one dtype and device travel flattened in one buffer (params and buffers
-    of a model: a few broadcasts in all, whatever their number). Every rank must pass
+    Tensors of one dtype and device travel flattened in buffers of at most
+    ``BROADCAST_NUMEL`` elements (params and buffers of a model: a few broadcasts in all,
+    whatever their number; the extra memory is one such buffer). Every rank must pass
     tensors of the same shapes and dtypes in the same order (the caller checks first).
 
-    Collectives: one ``broadcast`` per (dtype, device) of the tensors' total size; none
-    for a group of one.
+    Collectives: one ``broadcast`` per (dtype, device) and ``BROADCAST_NUMEL`` elements;
+    none for a group of one.
     """
     n = group_size(group)
     if n == 1 or not tensors:
@@ -404,7 +410,16 @@ def broadcast_tensors_(tensors: list[torch.Tensor], group: Group, src: int = 0) 
     for t in tensors:
         if t.numel():
             kinds.setdefault((t.dtype, t.device), []).append(t)
-    for members in kinds.values():
+    chunks: list[list[torch.Tensor]] = []
+    for members in kinds.values():  # flat buffers of at most BROADCAST_NUMEL elements (a bigger tensor alone)
+        chunk: list[torch.Tensor] = []
+        for t in members:
+            if chunk and sum(c.numel() for c in chunk) + t.numel() > BROADCAST_NUMEL:
+                chunks.append(chunk)
+                chunk = []
+            chunk.append(t)
+        chunks.append(chunk)
+    for members in chunks:
         flat = torch.cat([t.detach().reshape(-1) for t in members])
         dist.broadcast(flat, src=global_src, group=group)
         _record("broadcast", (n - 1) * flat.numel() * flat.element_size() if group_rank(group) == src else 0)
