@@ -524,6 +524,14 @@ def _hybrid_start(path: str) -> dict[str, Any]:
         model.bn.running_mean.fill_(-1.0)
     zf.checkpoint.load(path, dict(model.named_parameters()), buffers_out=buffers)
     out["loaded"] = model.bn.running_mean.clone()
+    # The full format: full_state_dict(buffers=) holds this rank's; shard_state_dict(buffers_out=) restores them.
+    with torch.no_grad():
+        model.bn.running_mean.fill_(float(dist.get_rank()) + 0.5)
+    full = zf.checkpoint.full_state_dict(state, buffers=buffers)
+    with torch.no_grad():
+        model.bn.running_mean.fill_(-1.0)
+    zf.checkpoint.shard_state_dict(full, dict(model.named_parameters()), buffers_out=buffers)
+    out["full"] = model.bn.running_mean.clone()
     zopt.close()
     return out
 
@@ -534,3 +542,26 @@ def test_hybrid_layouts_start_from_world_rank_0_and_functional_checkpoints_carry
     for rank, r in enumerate(get_world(4).run(_hybrid_start, str(tmp_path / "ckpt"))):
         assert _equal_bits(r["start"], rank0) == [], f"rank {rank}"
         assert torch.equal(r["loaded"], torch.zeros(8)), f"rank {rank}: {r['loaded']}"
+        assert torch.equal(r["full"], torch.full((8,), rank + 0.5)), f"rank {rank}: {r['full']}"
+
+
+def _fp16_without_zero_grad() -> str | None:
+    """Stage 1 under fp16 loss scaling: p.grad is unscaled, the next backward's gradients scaled: it raises."""
+    torch.manual_seed(0)
+    model = nn.Linear(6, 3)
+    zopt = zf.ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), forced_dtype=torch.float16, module=model)
+    x, y = _batch(0)
+    for _ in range(2):
+        try:
+            zopt.backward(((model(x.half()) - y.half()).float() ** 2).mean())
+        except RuntimeError as e:
+            zopt.close()
+            return str(e)
+        zopt.step()
+    zopt.close()
+    return None
+
+
+def test_gradients_not_zeroed_under_loss_scaling_raise_on_every_rank():
+    for message in get_world(2).run(_fp16_without_zero_grad):
+        assert message is not None and "under loss scaling p.grad holds unscaled gradients" in message, message
