@@ -1,7 +1,8 @@
 # zerofn: set up, demo, test, lint. Every target installs what it needs into .venv first.
 #
 #   make demo                 # python -m zerofn demo (ARGS="--world-size 3 --stage 1")
-#   make test                 # python -m pytest      (PYTEST_ARGS="-k demo -x")
+#   make test                 # python -m pytest      (PYTEST_ARGS="-k demo -x"), then make test-numerics
+#   make test-numerics        # the float-sensitive checks again on another CPU kernel family
 #   make lint                 # ruff check + ruff format --check
 #   make notebooks            # execute notebooks/NN_*.py into NN_*.ipynb (ARGS="03")
 #
@@ -16,13 +17,16 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 ARGS ?=
 PYTEST_ARGS ?=
+# The kernel family the numerics checks run on a second time: torch's portable kernels
+# (no AVX2/AVX-512), so every run of `make test` sees two machines' worth of rounding.
+NUMERICS_CPU_CAPABILITY ?= default
 
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.zerofn-installed
 TORCH_STAMP := $(VENV)/.torch-spec
 
-.PHONY: install demo test lint notebooks clean FORCE
+.PHONY: install demo test test-numerics lint notebooks clean FORCE
 
 install: $(STAMP)
 
@@ -45,6 +49,12 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
+	$(MAKE) --no-print-directory test-numerics
+
+# A noise floor is a property of the machine's kernels: the tests marked `numerics` measure
+# theirs in the same run, and this runs them once more with other kernels to show it.
+test-numerics: $(STAMP)
+	ATEN_CPU_CAPABILITY=$(NUMERICS_CPU_CAPABILITY) $(PY) -m pytest -m numerics -p no:cacheprovider
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

@@ -30,13 +30,16 @@ settings.register_profile(
 settings.load_profile("ci" if os.environ.get("CI") else os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 WORLD_SIZES = (1, 2, 3, 4)
+# Intra-op threads per rank: 1 keeps ranks from competing for cores; the numerics checks
+# also run with 2 (ZEROFN_TEST_THREADS=2), where torch's kernels split work differently.
+THREADS = int(os.environ.get("ZEROFN_TEST_THREADS", "1"))
 _pools: dict[int, World] = {}
 
 
 def get_world(n: int) -> World:
     """The session's pool of ``n`` gloo ranks (started on first use)."""
     if n not in _pools:
-        _pools[n] = World(n, timeout=60.0).start()
+        _pools[n] = World(n, timeout=60.0, threads=THREADS).start()
     return _pools[n]
 
 

@@ -345,7 +345,7 @@ def ddp_reference(
             with ddp.no_sync() if micro < accumulate - 1 else contextlib.nullcontext():
                 loss = loss_fn(_forward(ddp, x, use_gate, step), y)
                 loss.backward()
-            step_losses.append(float(loss))
+            step_losses.append(float(loss.detach()))
         losses.append(step_losses)
         norm = _finish_step(ddp.module, opts, scheds, clip=clip, clip_dtype=clip_dtype, grad_edit=grad_edit)
         if norm is not None:
@@ -406,7 +406,7 @@ def functional_reference(
             x, y = next(data)
             grads, loss = torch.func.grad_and_value(loss_of)(params, x, y, step)
             total = {n: total[n] + g if n in total else g for n, g in grads.items()}
-            step_losses.append(float(loss))
+            step_losses.append(float(loss.detach()))
         losses.append(step_losses)
         skip = set(no_grad(step))
         for n, p in module.named_parameters():
@@ -428,12 +428,6 @@ WHOLE_RECIPES = ("muon", "adafactor", "muon_adamw")
 WHOLE_MUON = dict(lr=0.02, momentum=0.95, weight_decay=0.01)
 WHOLE_ADAFACTOR = dict(lr=0.01, weight_decay=0.01)
 WHOLE_ADAMW = dict(lr=1e-2, weight_decay=0.1)
-# The DDP-against-DDP noise floor per recipe (max_rel_diff, fp32, 24 steps, the largest
-# over N = 3 and 4, clipping on and off, and the three DDP variants of
-# tests/test_whole_parity.py's _floor_pairs), as measured: muon 1.33e-2, adafactor
-# 1.62e-7, muon_adamw 5.72e-3. The tests recompute it and check zerofn within it; these
-# bounds catch a drift of the measurement itself.
-WHOLE_FLOOR = {"muon": 1.4e-2, "adafactor": 1.7e-7, "muon_adamw": 6.0e-3}
 
 
 class Mats(nn.Module):
@@ -476,3 +470,120 @@ def whole_torch_optimizers(
         torch.optim.Muon([p for n, p in named if is_matrix(n)], **WHOLE_MUON),
         torch.optim.AdamW([p for n, p in named if not is_matrix(n)], **adamw),
     ]
+
+
+# --------------------------------------------------------------------------- the noise floor
+#
+# Where zerofn cannot be bitwise equal to DDP (3+ ranks: gloo adds an element's addends in
+# an order that depends on its offset in the flat buffer, and zerofn's rank-major rows put
+# elements elsewhere than DDP's buckets), it is judged against DDP against DDP: the same
+# DDP script trained again with other last bits in its averaged gradients. The floor is a
+# property of this machine's kernels (BLAS blocking, vector width, how a bfloat16 matmul
+# accumulates), so it is measured in the same test run, never recorded: on one machine a
+# perturbation can leave every rounding downstream unchanged (1e-7) and on another flip a
+# bfloat16 rounding in Muon's Newton-Schulz (1e-2). Each test measures several variants
+# (other buckets, the gradients rounded twice, one ulp on every element) over every
+# configuration it runs and takes the largest.
+
+
+def jitter_rounded_twice(module: nn.Module) -> None:
+    """``grad_edit``: each averaged gradient rounded twice, ``g * 3 / 3`` (some elements move one ulp)."""
+    for p in module.parameters():
+        if p.grad is not None:
+            p.grad.copy_(p.grad * 3.0 / 3.0)
+
+
+def jitter_one_ulp(module: nn.Module) -> None:
+    """``grad_edit``: every averaged gradient element moved by one ulp, up at even flat
+    positions and down at odd ones: the largest difference another summation order of a
+    few addends leaves, on every element at once."""
+    for p in module.parameters():
+        if p.grad is not None:
+            g = p.grad.reshape(-1)
+            up = torch.arange(g.numel(), device=g.device) % 2 == 0
+            away = torch.where(up, torch.full_like(g, math.inf), torch.full_like(g, -math.inf))
+            p.grad.copy_(torch.nextafter(g, away).reshape(p.grad.shape))
+
+
+# DDP variants whose distance to plain DDP is the floor: ``name -> ddp_reference`` options.
+FLOOR_VARIANTS: dict[str, dict[str, Any]] = {
+    "other buckets": {"bucket_cap_mb": 1e-9},  # one bucket per param: other offsets, other sum orders
+    "rounded twice": {"grad_edit": jitter_rounded_twice},
+    "one ulp": {"grad_edit": jitter_one_ulp},
+}
+
+
+# zerofn's distance to DDP may reach FLOOR_FACTOR times the floor. The floor and zerofn's
+# distance are samples of one process (a last-bit difference that an optimizer may or may
+# not amplify, depending on whether it crosses a rounding boundary downstream), and where
+# a bfloat16 rounding flips, the size of the step that follows varies with the element
+# (a factor of up to about 2 between the variants of one run, measured under every
+# kernel setting of the numerics suite). A real error (a wrong mean, a dropped or stale
+# param, a skipped step) moves params by whole updates, which the sanity bound below
+# keeps far above any such floor.
+FLOOR_FACTOR = 2.0
+# The floor must stay well below how far training moved the params (max_rel_diff between
+# the trained and the initial params), or the comparison could not tell zerofn from a
+# run that did not train: machine-independent, since both are measured in the same run.
+FLOOR_BELOW_MOVEMENT = 0.1
+
+
+def noise_floor(reference: Mapping[str, torch.Tensor], variants: Mapping[str, Mapping[str, torch.Tensor]]) -> float:
+    """The largest ``max_rel_diff`` of a DDP variant against the plain DDP run ``reference``."""
+    return max(max_rel_diff(v, reference) for v in variants.values())
+
+
+def ddp_noise_floor(
+    model: nn.Module,
+    make_optimizer: Callable[[nn.Module], Optimizers],
+    make_batches: Callable[[], Iterable[tuple[torch.Tensor, torch.Tensor]]],
+    reference: Mapping[str, torch.Tensor],
+    *,
+    variants: Mapping[str, Mapping[str, Any]] = FLOOR_VARIANTS,
+    **options: Any,
+) -> float:
+    """This machine's noise floor for a ``ddp_reference`` run: 0.0 where zerofn is bitwise.
+
+    At 1 and 2 ranks without clipping zerofn gives DDP's bits, so there is no floor. At 3+
+    ranks it trains ``ddp_reference(model, make_optimizer, make_batches(), **options)``
+    once per variant; with clipping (any world size) also with float64 clipping, zerofn's
+    arithmetic for the coefficient. Returns the largest ``max_rel_diff`` against
+    ``reference`` (the plain run's params). Collectives: those of each DDP run.
+    """
+    runs = dict(variants) if dist.get_world_size() > 2 else {}
+    if options.get("clip"):
+        runs["float64 clipping"] = {"clip_dtype": torch.float64}
+    if not runs:
+        return 0.0
+    trained = {k: ddp_reference(model, make_optimizer, make_batches(), **options, **v) for k, v in runs.items()}
+    return noise_floor(reference, {k: r["params"] for k, r in trained.items()})
+
+
+def assert_floor_is_noise(
+    floor: float, reference: Mapping[str, torch.Tensor], initial: Mapping[str, torch.Tensor]
+) -> None:
+    """The measured floor is below ``FLOOR_BELOW_MOVEMENT`` of what training moved."""
+    moved = max_rel_diff(reference, initial)
+    assert floor <= FLOOR_BELOW_MOVEMENT * moved, (
+        f"DDP against DDP differs by {floor:.3g}, training moved the params by {moved:.3g}: "
+        "the noise floor is not noise here"
+    )
+
+
+def assert_within_floor(
+    actual: Mapping[str, torch.Tensor],
+    reference: Mapping[str, torch.Tensor],
+    floor: float,
+    *,
+    rel: float = 0.0,
+    what: str = "",
+) -> float:
+    """``max_rel_diff(actual, reference) <= max(rel, FLOOR_FACTOR * floor)``; returns the distance.
+
+    ``rel`` is the dtype's own tolerance (fp32: 1e-6) where the test states one, so a
+    floor of 0 (no variant moved a bit) still allows what the dtype allows.
+    """
+    diff = max_rel_diff(actual, reference)
+    bound = max(rel, FLOOR_FACTOR * floor)
+    assert diff <= bound, f"{what}: {diff:.3g} against DDP; DDP against DDP {floor:.3g}, bound {bound:.3g}"
+    return diff

@@ -1,7 +1,10 @@
 """ZeroOptimizer against DDP + the same torch optimizer, on real gloo ranks.
 
 Tolerance: fp32, max relative param difference (``helpers.max_rel_diff``) <= 1e-6 after
-20+ steps. At N = 1 and 2 without clipping the facade is *bitwise* equal to DDP: both
+20+ steps, or, where this machine's noise floor is above it, ``helpers.FLOOR_FACTOR`` times
+the floor measured in the same run (``helpers.ddp_noise_floor``: DDP against DDP with
+other last bits in its averaged gradients, at 3+ ranks and with clipping). At N = 1
+and 2 without clipping the facade is *bitwise* equal to DDP: both
 multiply by 1/N before summing and a sum of two numbers does not depend on order. At N = 3
 and 4 gloo's ring adds the ranks' contributions in another order than DDP's bucket does;
 with clipping, torch computes the norm in fp32 and zerofn in float64.
@@ -21,7 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from helpers import Net, assert_trees_equal, batches, ddp_reference, gate_used, max_rel_diff
+from helpers import Net, assert_trees_equal, assert_within_floor, batches, ddp_noise_floor, ddp_reference, gate_used
 
 import zerofn as zf
 from zerofn.facade._reducer import ShardedGrad
@@ -72,15 +75,11 @@ def _train_pair(
         make_scheduler = functools.partial(torch.optim.lr_scheduler.StepLR, step_size=4, gamma=0.5)
     elif scheduler == "onecycle":
         make_scheduler = functools.partial(torch.optim.lr_scheduler.OneCycleLR, max_lr=2e-2, total_steps=steps)
-    ref = ddp_reference(
-        model,
-        functools.partial(_torch_optimizer, kind),
-        batches(dist.get_rank(), steps * accumulate),
-        steps=steps,
-        accumulate=accumulate,
-        clip=clip or None,
-        scheduler=make_scheduler,
-    )
+    options = dict(steps=steps, accumulate=accumulate, clip=clip or None, scheduler=make_scheduler)
+    make_optimizer = functools.partial(_torch_optimizer, kind)
+    data = functools.partial(batches, dist.get_rank(), steps * accumulate)
+    ref = ddp_reference(model, make_optimizer, data(), **options)
+    floor = ddp_noise_floor(model, make_optimizer, data, ref["params"], **options)
     zopt = zf.ZeroOptimizer(
         _torch_optimizer(kind, model),
         partition_grad=stage == 2,
@@ -105,19 +104,24 @@ def _train_pair(
         zopt.zero_grad()
         for s in scheds:
             s.step()
-    return {"zero": _named(model), "ref": ref["params"], "no_sync_bytes": no_sync_bytes}
+    return {"zero": _named(model), "ref": ref["params"], "floor": floor, "no_sync_bytes": no_sync_bytes}
+
+
+def _assert_parity(res: dict[str, Any], what: Any) -> None:
+    assert_within_floor(res["zero"], res["ref"], res["floor"], rel=PARITY, what=str(what))
 
 
 def _train_matrix(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [_train_pair(**cfg) for cfg in configs]
 
 
+@pytest.mark.numerics
 def test_facade_matches_ddp_for_both_stages_with_and_without_overlap_and_clipping(world):
     configs = [{"stage": s, "overlap": o, "clip": c} for s in (1, 2) for o in (False, True) for c in (0.0, 0.05)]
     results = world.run(_train_matrix, configs)
     for rank_results in results:
         for cfg, res in zip(configs, rank_results, strict=True):
-            assert max_rel_diff(res["zero"], res["ref"]) <= PARITY, cfg
+            _assert_parity(res, cfg)
             if world.world_size <= 2 and not cfg["clip"]:
                 assert_trees_equal(res["zero"], res["ref"])
     # Every rank ends with the same params.
@@ -133,26 +137,29 @@ def test_facade_matches_ddp_for_both_stages_with_and_without_overlap_and_clippin
                 assert_trees_equal(by_cfg[(stage, overlap, clip)], base)
 
 
+@pytest.mark.numerics
 def test_gradient_accumulation_under_no_sync_matches_ddp_and_sends_nothing(world):
     configs = [{"stage": s, "overlap": o, "accumulate": 3, "steps": 8} for s in (1, 2) for o in (False, True)]
     for rank_results in world.run(_train_matrix, configs):
         for cfg, res in zip(configs, rank_results, strict=True):
             assert res["no_sync_bytes"] == 0, cfg
-            assert max_rel_diff(res["zero"], res["ref"]) <= PARITY, cfg
+            _assert_parity(res, cfg)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("scheduler", ["step", "onecycle"])
 @pytest.mark.parametrize("kind", ["adamw", "sgd"])
 def test_torch_lr_scheduler_drives_the_facade_like_plain_torch(worlds, scheduler, kind):
     for res in worlds[3].run(_train_pair, kind=kind, scheduler=scheduler, steps=12):
-        assert max_rel_diff(res["zero"], res["ref"]) <= PARITY
+        _assert_parity(res, (kind, scheduler))
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("kind", ["Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam"])
 def test_generic_path_optimizers_match_torch(worlds, kind):
     for n in (2, 3):
         for res in worlds[n].run(_train_pair, kind=kind, stage=2, overlap=True, steps=12):
-            assert max_rel_diff(res["zero"], res["ref"]) <= PARITY, (n, kind)
+            _assert_parity(res, (n, kind))
 
 
 def _functional_vs_torch_constructor() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:

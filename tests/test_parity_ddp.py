@@ -14,7 +14,12 @@ dropped every third step (its grads are *missing* from the dict; DDP sees it unu
 
 Tolerances (fp32), with ``max_rel_diff`` = max over tensors of ``max|a-b| / max|b|``:
 
-* 1e-6 everywhere.
+* 1e-6 everywhere (the fp32 tolerance), or, where this machine's own noise floor is
+  above it, ``helpers.FLOOR_FACTOR`` times that floor: DDP against DDP with other last
+  bits in its averaged gradients (``helpers.FLOOR_VARIANTS``, and float64 clipping when
+  clipping), measured in the same run at 3 and 4 ranks and whenever clipping. AdamW with
+  eps 1e-8 turns a last-bit difference of a near-zero mean gradient into a different
+  update of that element, so how far the last bits travel depends on the machine.
 * bitwise at 1 and 2 ranks without clipping. The optimizer kernels are torch's own and
   element-wise, and the mean gradient has the same bits: at 1 rank there is no sum; at 2
   ranks each element is ``g0 * 0.5 + g1 * 0.5`` (DDP divides by 2, zerofn multiplies by
@@ -40,9 +45,11 @@ import torch.distributed as dist
 from conftest import get_world
 from helpers import (
     Net,
-    assert_trees_close,
+    assert_floor_is_noise,
     assert_trees_equal,
+    assert_within_floor,
     batches,
+    ddp_noise_floor,
     ddp_reference,
     functional_reference,
     gate_used,
@@ -51,6 +58,8 @@ from helpers import (
 from torch.func import functional_call, grad
 
 import zerofn as zf
+
+pytestmark = pytest.mark.numerics
 
 STEPS = 24
 BUCKET = 64  # small, so several buckets are used and a.weight (91 elements) travels alone
@@ -130,6 +139,9 @@ def _train_both(opt_name, clip, policy_name):
         clip=MAX_NORM if clip else None,
     )
     out["ddp"] = ddp_reference(model, batches=batches(dist.get_rank(), STEPS), **reference)["params"]
+    data = functools.partial(batches, dist.get_rank(), STEPS)
+    out["floor"] = ddp_noise_floor(model, reference.pop("make_optimizer"), data, out["ddp"], **reference)
+    reference["make_optimizer"] = lambda m: _optimizers(opt_name, m.named_parameters())[1]
     out["func"] = functional_reference(model, batches=batches(dist.get_rank(), STEPS), no_grad=_no_grad, **reference)[
         "params"
     ]
@@ -154,12 +166,13 @@ def _assert_identical_on_every_rank(results, which):
 
 @pytest.mark.parametrize("clip", [False, True], ids=["noclip", "clip"])
 @pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
-def test_both_stages_match_ddp_within_1e_6(world, opt_name, clip):
+def test_both_stages_match_ddp_within_1e_6_or_the_measured_floor(world, opt_name, clip):
     results = _results(world.world_size, opt_name, clip)
-    ref = results[0]["ddp"]
+    ref, floor = results[0]["ddp"], results[0]["floor"]
+    assert_floor_is_noise(floor, ref, results[0]["initial"])
     for stage in (1, 2):
         _assert_identical_on_every_rank(results, stage)
-        assert_trees_close(results[0][stage], ref, rel=1e-6)
+        assert_within_floor(results[0][stage], ref, floor, rel=1e-6, what=f"stage {stage}")
         # The check is not vacuous: training moved every param that got gradients.
         for name, p in ref.items():
             moved = not torch.equal(p, results[0]["initial"][name])
@@ -187,17 +200,18 @@ def test_stage_1_and_stage_2_give_bitwise_equal_params(world, opt_name, clip):
 
 
 @pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
-def test_byte_optimal_policy_matches_ddp_within_1e_6(world, opt_name):
+def test_byte_optimal_policy_matches_ddp_within_1e_6_or_the_measured_floor(world, opt_name):
     results = _results(world.world_size, opt_name, True, "byte_optimal")
+    floor = results[0]["floor"]
     for stage in (1, 2):
         _assert_identical_on_every_rank(results, stage)
-        assert max_rel_diff(results[0][stage], results[0]["ddp"]) <= 1e-6
+        assert_within_floor(results[0][stage], results[0]["ddp"], floor, rel=1e-6, what=f"stage {stage}")
     # Here stage 2 really reduce-scatters while stage 1 all-reduces. With two addends per
     # element the order cannot matter, so up to 2 ranks the two stages agree bitwise.
     if world.world_size <= 2:
         assert_trees_equal(results[0][2], results[0][1])
-    else:
-        assert max_rel_diff(results[0][2], results[0][1]) <= 1e-6
+    else:  # two zerofn runs whose sums differ in order: the same floor as against DDP
+        assert_within_floor(results[0][2], results[0][1], floor, rel=1e-6, what="stage 2 against stage 1")
 
 
 def test_param_groups_match_ddp_with_torch_param_groups(world):
@@ -207,7 +221,8 @@ def test_param_groups_match_ddp_with_torch_param_groups(world):
         if world.world_size <= 2:
             assert_trees_equal(results[0][stage], results[0]["ddp"])
         else:
-            assert_trees_close(results[0][stage], results[0]["ddp"], rel=1e-6)
+            floor = results[0]["floor"]
+            assert_within_floor(results[0][stage], results[0]["ddp"], floor, rel=1e-6, what=f"stage {stage}")
     # The groups changed the result: it differs from plain AdamW.
     plain = _results(world.world_size, "adamw", False)[0][2]
     assert max_rel_diff(results[0][2], plain) > 1e-3

@@ -81,6 +81,8 @@ from torch.func import functional_call, grad
 import zerofn as zf
 from zerofn.precision import DynamicLossScaler, MixedDtypeError, NoLossScaling, NonFiniteGradError, PrecisionPolicy
 
+pytestmark = pytest.mark.numerics
+
 STEPS = 12
 BUCKET = 128  # a few buckets per step
 # AdamW updates the fp32 masters (eps 1e-3: with the default 1e-8 an element whose mean

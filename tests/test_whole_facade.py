@@ -9,14 +9,15 @@ The facade maps the wrapped optimizers onto the functional path of
   accumulation against DDP's ``no_sync``, clipping (``clip_grad_norm=`` and
   ``opt.clip_grad_norm_``) against DDP clipping with zerofn's float64 coefficient, and an
   LR scheduler on the wrapped Muon against the same scheduler on DDP's Muon;
-* at 3 and 4 ranks, within the DDP-against-DDP noise floor measured in the test for the
-  same optimizer (DDP with one bucket per param, DDP with gradients rounded twice), which
-  stays under ``WHOLE_FLOOR`` of ``tests/helpers.py`` (the figures measured at 4
-  ranks are in ``MEASURED_N4``);
-* at 4 ranks with a float64 wire on both sides (``communication_dtype=torch.float64``,
-  and a DDP communication hook that sums in float64): bitwise, stage 1 and 2. Four
-  float32 addends then sum exactly, so the order of the sum (DDP's buckets, zerofn's
-  rank-major rows) cannot show: what is left to differ is zerofn's own arithmetic.
+* at 3 and 4 ranks with a float64 wire on both sides (``communication_dtype=torch.float64``,
+  and a DDP communication hook that sums in float64): bitwise, stage 1 and 2. Three or
+  four float32 addends then sum exactly, so the order of the sum (DDP's buckets, zerofn's
+  rank-major rows) cannot show: what is left to differ is zerofn's own arithmetic. With
+  a float32 wire the sums differ in the last bit and Muon's bfloat16 Newton-Schulz can
+  turn that into a 1e-2 difference on one machine and none on another (see
+  ``tests/test_whole_parity.py``, which judges the functional path against the noise
+  floor measured over 24 steps); over these 9 steps a bitwise check is the one that
+  holds on every machine.
 
 The state dicts are torch's: each dict of ``state_dict()`` equals, bitwise, the state of
 the plain torch optimizer that trained next to DDP, and loads into it.
@@ -35,31 +36,22 @@ from conftest import get_world
 from helpers import (
     WHOLE_ADAFACTOR,
     WHOLE_ADAMW,
-    WHOLE_FLOOR,
     WHOLE_MUON,
     WHOLE_RECIPES,
     assert_trees_equal,
     batches,
     gate_used,
-    max_rel_diff,
     whole_model,
     whole_torch_optimizers,
 )
 
 import zerofn as zf
 
+pytestmark = pytest.mark.numerics
+
 STEPS = 9  # three layer drops
 BUCKET = 64  # small: several buckets, split and whole
 MAX_NORM = 0.05  # below every step's gradient norm here: clipping acts
-# At 4 ranks (9 steps, max_rel_diff against DDP), as measured on this 2-core machine: the
-# DDP-against-DDP floor and zerofn's distance at stage 1 / stage 2 (overlap). Muon's floor
-# is 0 there (neither DDP variant moves a bit), so its parity is asserted bitwise; the test
-# prints the figures of each run (``pytest -s``).
-MEASURED_N4 = {
-    "muon": {"floor": 0.0, "stage1": 0.0, "stage2": 0.0},
-    "adafactor": {"floor": 8.08e-08, "stage1": 8.08e-08, "stage2": 8.08e-08},
-    "muon_adamw": {"floor": 6.41e-08, "stage1": 1.54e-08, "stage2": 1.54e-08},
-}
 
 
 def _micro(x: torch.Tensor, y: torch.Tensor, accumulate: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -125,7 +117,7 @@ def _wire64_hook(state, bucket):  # unannotated on purpose: DDP checks the annot
 
 
 def _train_ddp(
-    recipe, *, accumulate=False, clip64=False, schedule=False, bucket_cap_mb=None, jitter=False, wire64=False
+    recipe, *, accumulate=False, clip64=False, schedule=False, bucket_cap_mb=None, grad_edit=None, wire64=False
 ):
     """DDP + the torch optimizers: params, the optimizers' state dicts, their lrs."""
     kw = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
@@ -140,10 +132,8 @@ def _train_ddp(
         for i, (xm, ym) in enumerate(micro):
             with ddp.no_sync() if i < len(micro) - 1 else contextlib.nullcontext():
                 ((ddp(xm, use_gate=gate_used(step)) - ym) ** 2).mean().backward()
-        if jitter:  # the last-bit noise of another summation order
-            for p in ddp.parameters():
-                if p.grad is not None:
-                    p.grad.copy_(p.grad * 3.0 / 3.0)
+        if grad_edit is not None:  # a floor variant: other last bits in the averaged gradients
+            grad_edit(ddp.module)
         if clip64:
             _clip_as_zerofn(list(ddp.parameters()), MAX_NORM)
         for o in opts:
@@ -199,54 +189,25 @@ def test_bitwise_equal_to_ddp_with_the_same_torch_optimizers_at_one_and_two_rank
             assert sched_lrs[-1] == WHOLE_ADAMW["lr"]
 
 
-def _run_three(recipe):
-    facade = {stage: _train_facade(recipe, stage, overlap=stage == 2)[0] for stage in (1, 2)}
-    ddp = _train_ddp(recipe)[0]
-    other_buckets = _train_ddp(recipe, bucket_cap_mb=1e-9)[0]
-    jittered = _train_ddp(recipe, jitter=True)[0]
-    floor = max(max_rel_diff(other_buckets, ddp), max_rel_diff(jittered, ddp))
-    return facade, ddp, floor
-
-
-@pytest.mark.parametrize("recipe", WHOLE_RECIPES)
-def test_within_the_ddp_noise_floor_at_three_ranks(recipe):
-    results = get_world(3).run(_run_three, recipe)
-    facade, ddp, floor = results[0]
-    assert floor <= WHOLE_FLOOR[recipe]
-    for stage in (1, 2):
-        for other in results[1:]:
-            assert_trees_equal(other[0][stage], facade[stage])  # identical on every rank
-        diff = max_rel_diff(facade[stage], ddp)
-        assert diff <= floor, f"stage {stage}: {diff:.3g} against DDP, DDP against DDP {floor:.3g}"
-
-
-def _run_four(recipe):
-    facade = {stage: _train_facade(recipe, stage, overlap=stage == 2)[0] for stage in (1, 2)}
-    ddp = _train_ddp(recipe)[0]
-    other_buckets = _train_ddp(recipe, bucket_cap_mb=1e-9)[0]
-    jittered = _train_ddp(recipe, jitter=True)[0]
-    floor = max(max_rel_diff(other_buckets, ddp), max_rel_diff(jittered, ddp))
+def _run_wide(recipe):
+    """The facade at stage 1 and 2 and DDP, both with a float64 wire."""
     wide = {stage: _train_facade(recipe, stage, overlap=stage == 2, wire=torch.float64) for stage in (1, 2)}
-    return facade, ddp, floor, wide, _train_ddp(recipe, wire64=True)
+    return wide, _train_ddp(recipe, wire64=True)
 
 
 @pytest.mark.parametrize("recipe", WHOLE_RECIPES)
-def test_four_ranks_within_the_ddp_noise_floor_and_bitwise_with_a_float64_wire(recipe):
-    results = get_world(4).run(_run_four, recipe)
-    facade, ddp, floor, wide, (ddp64, ddp64_state, ddp64_lrs) = results[0]
-    assert floor <= WHOLE_FLOOR[recipe], f"DDP against DDP at 4 ranks: {floor:.3g}"
-    diffs = {}
-    for stage in (1, 2):
-        for other in results[1:]:
-            assert_trees_equal(other[0][stage], facade[stage])  # identical on every rank
-        diffs[stage] = max_rel_diff(facade[stage], ddp)
-        assert diffs[stage] <= floor, f"stage {stage}: {diffs[stage]:.3g} against DDP, DDP against DDP {floor:.3g}"
-        # A float64 wire: the sums are exact on both sides, and zerofn gives DDP's bits.
-        params, state, lrs = wide[stage]
-        assert_trees_equal(params, ddp64)
-        _states_equal(state, ddp64_state)
-        assert lrs == ddp64_lrs
-    print(f"N=4 {recipe}: DDP floor {floor:.3g}, stage 1 {diffs[1]:.3g}, stage 2 {diffs[2]:.3g}")
+@pytest.mark.parametrize("n", [3, 4], ids=["N3", "N4"])
+def test_bitwise_equal_to_ddp_at_three_and_four_ranks_with_a_float64_wire(n, recipe):
+    results = get_world(n).run(_run_wide, recipe)
+    for wide, (ddp64, ddp64_state, ddp64_lrs) in results:
+        assert not torch.equal(ddp64["a.weight"], whole_model(recipe).a.weight.detach())
+        for stage in (1, 2):
+            # Three or four float32 addends sum exactly in float64 on both sides, and
+            # zerofn gives DDP's bits.
+            params, state, lrs = wide[stage]
+            assert_trees_equal(params, ddp64)
+            _states_equal(state, ddp64_state)
+            assert lrs == ddp64_lrs
 
 
 def _round_trip():

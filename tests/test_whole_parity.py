@@ -20,17 +20,33 @@ Tolerances (fp32), ``max_rel_diff`` = max over tensors of ``max|a-b| / max|b|``:
   as DDP's (one addend, or two in either order) and the torch class runs unchanged on the
   full tensor on its owner. With clipping, bitwise against DDP clipping with zerofn's
   float64 coefficient (torch's ``clip_grad_norm_`` rounds it in float32);
-* at 3 and 4 ranks: within the DDP-against-DDP noise floor for the same optimizer. Gloo
-  adds three or four addends in an order that depends on an element's offset in the flat
-  buffer, and zerofn's rows place elements elsewhere than DDP's buckets; Muon then
-  orthogonalises in bfloat16 (torch's Newton-Schulz), which turns a last-bit difference of
-  one gradient element into a bfloat16 rounding flip that momentum carries on (about 1 %
-  after 24 steps). The floor is measured in the test as the largest difference between
-  DDP and DDP with other last bits: one bucket per param (other offsets), the gradients
-  rounded twice (``g * 3 / 3``), and float64 clipping; figures in ``helpers.WHOLE_FLOOR``. zerofn's
-  largest differences (N, clip): muon 1.33e-2 (4, on; DDP with jittered gradients: the
-  same 1.33e-2), muon_adamw 5.72e-3 (3, off; DDP with other buckets: the same 5.72e-3),
-  adafactor 1.26e-7.
+* at 3 and 4 ranks: within the DDP-against-DDP noise floor for the same optimizer,
+  measured in the same run (``helpers.FLOOR_VARIANTS``: other buckets, the gradients
+  rounded twice, one ulp on every element; the largest over N = 3 and 4, clipping on and
+  off, and float64 clipping), times ``helpers.FLOOR_FACTOR``.
+  Gloo adds three or four addends in an order that depends on an element's offset in the
+  flat buffer, and zerofn's rows place elements elsewhere than DDP's buckets, so some
+  averaged gradient elements differ in the last bit.
+
+Why the floor of Muon is 1e-2 and not 1e-7, and why it differs between machines: the
+difference stays at the fp32 last bit (about 1e-7) until a Newton-Schulz step of
+``torch.optim.Muon`` casts the momentum to bfloat16 (``_zeropower_via_newtonschulz``:
+``grad.bfloat16()`` and five bfloat16 matmul iterations). When a last-bit difference puts
+one momentum element on the other side of a bfloat16 rounding boundary, that element
+changes by 2^-8 relative, the bfloat16 iterations spread it over the whole matrix, and
+momentum carries it on. Traced on an AMD EPYC (AVX-512 with bf16), N = 3, Muon + AdamW,
+no clipping, DDP against DDP with other buckets: 1e-7 until step 9, then 1.2e-3 at step
+10 in ``a.weight`` (a Muon param), 4.7e-3 in ``gate.weight`` at step 11, 1.1e-2 after
+24 steps; with Newton-Schulz in float32 instead, the same run stays at 1e-6. Whether and
+when such a flip happens depends on the exact bits of the trajectory, i.e. on the
+machine's kernels: under ``ATEN_CPU_CAPABILITY=default`` the same two variants give
+7.3e-3 and 8.6e-8 (the rounded-twice gradients flip nothing there). So the floor is
+measured, never recorded. A flip is a discrete event: the floor is the largest of
+fourteen DDP-against-DDP runs (four configurations, three or four variants each) over 24
+steps, long enough that several of them flip on any machine (here: 6 of the 8 plain
+variant runs at N = 3 under the best kernels, 2 of 4 under ``default``), and the facade's
+own path is checked bitwise with a float64 wire in ``tests/test_whole_facade.py``.
+Adafactor runs in float32 throughout and its floor stays near 1e-7.
 """
 
 from __future__ import annotations
@@ -42,23 +58,28 @@ import torch
 import torch.distributed as dist
 from conftest import get_world
 from helpers import (
+    FLOOR_VARIANTS,
     WHOLE_ADAFACTOR,
     WHOLE_ADAMW,
-    WHOLE_FLOOR,
     WHOLE_MUON,
     WHOLE_RECIPES,
+    assert_floor_is_noise,
     assert_trees_equal,
+    assert_within_floor,
     batches,
     ddp_reference,
     gate_used,
     is_matrix,
     max_rel_diff,
+    noise_floor,
     whole_model,
     whole_torch_optimizers,
 )
 from torch.func import functional_call, grad
 
 import zerofn as zf
+
+pytestmark = pytest.mark.numerics
 
 STEPS = 24
 BUCKET = 64  # small: several buckets, split and whole
@@ -107,14 +128,7 @@ def _train_zero(recipe, stage, clip, accumulate):
     return params, clipped, dict(state.layout.owners)
 
 
-def _jitter(module):
-    """The last-bit noise of another summation order: ``(g * 3) / 3`` rounds twice."""
-    for p in module.parameters():
-        if p.grad is not None:
-            p.grad.copy_(p.grad * 3.0 / 3.0)
-
-
-def _train_ddp(recipe, clip, accumulate, bucket_cap_mb=None, clip64=False, jitter=False):
+def _train_ddp(recipe, clip, accumulate, clip64=False, **variant):
     micro = (m for x, y in batches(dist.get_rank(), STEPS) for m in _micro(x, y, accumulate))
     return ddp_reference(
         whole_model(recipe),
@@ -124,8 +138,7 @@ def _train_ddp(recipe, clip, accumulate, bucket_cap_mb=None, clip64=False, jitte
         accumulate=2 if accumulate else 1,
         clip=MAX_NORM if clip else None,
         clip_dtype=torch.float64 if clip64 else torch.float32,
-        grad_edit=_jitter if jitter else None,
-        bucket_cap_mb=bucket_cap_mb,
+        **variant,
     )["params"]
 
 
@@ -137,8 +150,7 @@ def _train_all(recipe, clip, accumulate):
     if clip:  # DDP clipping with zerofn's float64 arithmetic (the last bits of the coefficient)
         out["ddp_clip64"] = _train_ddp(recipe, clip, accumulate, clip64=True)
     if dist.get_world_size() > 2:  # the noise floor: DDP against DDP with other last bits
-        out["ddp_other_buckets"] = _train_ddp(recipe, clip, accumulate, bucket_cap_mb=1e-9)
-        out["ddp_jitter"] = _train_ddp(recipe, clip, accumulate, jitter=True)
+        out["floor"] = {k: _train_ddp(recipe, clip, accumulate, **v) for k, v in FLOOR_VARIANTS.items()}
     return out
 
 
@@ -178,27 +190,27 @@ def test_accumulation_is_bitwise_equal_to_ddp_no_sync_at_one_and_two_ranks(n, re
         assert_trees_equal(r[2], r["ddp"])
 
 
-def _floor_pairs(r):
-    """DDP against DDP for the same optimizer: other bucket offsets, last-bit jitter, clip arithmetic."""
-    pairs = [max_rel_diff(r["ddp_other_buckets"], r["ddp"]), max_rel_diff(r["ddp_jitter"], r["ddp"])]
+def _floor(r):
+    """DDP against DDP for the same optimizer: the floor variants, and the clip arithmetic."""
+    variants = dict(r["floor"])
     if "ddp_clip64" in r:
-        pairs.append(max_rel_diff(r["ddp_clip64"], r["ddp"]))
-    return pairs
+        variants["float64 clipping"] = r["ddp_clip64"]
+    return noise_floor(r["ddp"], variants)
 
 
 @pytest.mark.parametrize("recipe", WHOLE_RECIPES)
 def test_within_the_ddp_noise_floor_at_three_and_four_ranks_stage_1_and_2_clip_on_and_off(recipe):
     runs = {(n, clip): _results(n, recipe, clip) for n in (3, 4) for clip in (False, True)}
-    floor = max(d for results in runs.values() for d in _floor_pairs(results[0]))
-    assert floor <= WHOLE_FLOOR[recipe], f"DDP against DDP: {floor:.3g}, recorded {WHOLE_FLOOR[recipe]}"
+    floor = max(_floor(results[0]) for results in runs.values())
     for (n, clip), results in runs.items():
         r0 = results[0]
         _check_moved(r0)
+        assert_floor_is_noise(floor, r0["ddp"], r0["initial"])
         for stage in (1, 2):
             for r in results[1:]:
                 assert_trees_equal(r[stage], r0[stage])  # identical on every rank
-            diff = max_rel_diff(r0[stage], r0["ddp"])
-            assert diff <= floor, f"N={n} clip={clip} stage {stage}: {diff:.3g} against DDP, floor {floor:.3g}"
+            diff = assert_within_floor(r0[stage], r0["ddp"], floor, what=f"N={n} clip={clip} stage {stage}")
+            print(f"{recipe} N={n} clip={clip} stage {stage}: {diff:.3g} against DDP, floor {floor:.3g}")
             assert r0["clipped"][stage] == (STEPS if clip else 0)
 
 
