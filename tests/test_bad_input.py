@@ -167,6 +167,7 @@ def _tiny_params_vs_ddp() -> float:
     for x, y in itertools.islice(data(), 5):
         zopt.backward(((model(x) - y) ** 2).mean())
         zopt.step()
+        zopt.zero_grad()
     mine = {n: p.detach() for n, p in model.named_parameters()}
     return max_rel_diff(mine, ref["params"])
 

@@ -151,6 +151,7 @@ def test_zerofn_state_dict_continues_in_torch_adamw_and_back():
         opt.zero_grad()
         ((model(x) - y) ** 2).mean().backward()
         opt.step()
+        opt.zero_grad()
     torch_params = {n: p.detach().clone() for n, p in model.named_parameters()}
     # zerofn continuing itself, for comparison.
     reference = get_world(2).run(_continue_from_torch, full, {n: full["zerofn"]["master"][n] for n in names}, 5, 5)[0]
@@ -164,6 +165,7 @@ def test_zerofn_state_dict_continues_in_torch_adamw_and_back():
         opt.zero_grad()
         ((model(x) - y) ** 2).mean().backward()
         opt.step()
+        opt.zero_grad()
     torch_continued = {n: p.detach() for n, p in model.named_parameters()}
     for params in zerofn_continued:
         assert max_rel_diff(params, torch_continued) <= PARITY
@@ -235,6 +237,7 @@ def _facade_run(path: str, phase: str, steps: int, dtype: str = "float32") -> di
     for x, y in data[start : start + steps]:
         opt.backward(((model(x) - y) ** 2).mean())
         opt.step()
+        opt.zero_grad()
     if phase == "first":
         opt.save_checkpoint(path)
     return {
@@ -268,6 +271,7 @@ def _facade_state_dict_api(max_shard: int) -> dict[str, Any]:
     x, y = next(batches(dist.get_rank(), 1))
     opt.backward(((model(x) - y) ** 2).mean())  # `unused` gets no grad: it has no state
     opt.step()
+    opt.zero_grad()
     sd = opt.state_dict()
     blocks = list(opt.state_dict_shard(max_shard))
     other = Net()

@@ -59,6 +59,7 @@ def _train(options: dict[str, Any], backend: str | None, compile_first: bool = F
     for x, y in batches(dist.get_rank(), 3):
         opt.backward(((run(x) - y) ** 2).mean())
         opt.step()
+        opt.zero_grad()
     opt.wait_params()
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 

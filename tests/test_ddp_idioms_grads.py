@@ -145,6 +145,7 @@ def _report2(stage: int, overlap: bool) -> dict[str, Any]:
         ref_norm = float(torch.nn.utils.clip_grad_norm_(ddp.parameters(), 0.1))
         assert norm == ref_norm or abs(norm - ref_norm) <= PARITY * ref_norm, (norm, ref_norm)
         zopt.step()
+        zopt.zero_grad()
         topt.step()
         topt.zero_grad()
     return {"diff": max_rel_diff(_named(model), _named(ddp.module)), "error": None}
@@ -246,6 +247,7 @@ def _clip_with_the_facade(stage: int, overlap: bool) -> dict[str, Any]:
         theirs = torch.nn.utils.clip_grad_norm_(ddp.parameters(), MAX_NORM)
         norms.append((ours, float(theirs)))
         zopt.step()
+        zopt.zero_grad()
         topt.step()
         topt.zero_grad()
     return {"norms": norms, "zero": _named(model), "ref": _named(ddp.module)}
@@ -309,6 +311,7 @@ def _grad_norm_before_and_after(stage: int, overlap: bool) -> dict[str, Any]:
         again = zopt.get_grad_norm()
         theirs = float(torch.nn.utils.clip_grad_norm_(ddp.parameters(), MAX_NORM))
         zopt.step()
+        zopt.zero_grad()
         topt.step()
         topt.zero_grad()
         rows.append((before, again, theirs, zopt.get_grad_norm(), zopt.last_step_info.grad_norm))
@@ -426,6 +429,7 @@ def _torch_on_stage2_grads(overlap: bool) -> dict[str, Any]:
     # The facade's way works right after, and the next step trains.
     norm = float(zopt.clip_grad_norm_(1.0))
     zopt.step()
+    zopt.zero_grad()
     return {"errors": errors, "kept": kept, "unscale": unscale_error, "placeholders": placeholders, "norm": norm}
 
 
@@ -495,6 +499,7 @@ def _accumulate_over_placeholders(overlap: bool) -> dict[str, Any]:
             with contextlib.nullcontext() if sync else ddp.no_sync():
                 _loss(ddp(x, gate_used(step)), y).backward()
         zopt.step()
+        zopt.zero_grad()
         topt.step()
         topt.zero_grad()
     with torch._C.DisableTorchFunctionSubclass():
@@ -549,6 +554,7 @@ def _zero_grad_and_cleared_placeholders() -> dict[str, Any]:
             model.b.weight.grad = None
             ddp.module.b.weight.grad = None
             zopt.step()
+            zopt.zero_grad()
             topt.step()
             topt.zero_grad()
         model.zero_grad()  # torch's own zero_grad at stage 2 clears the placeholders
@@ -578,6 +584,7 @@ def _hybrid_stage1_p_grad(overlap: bool) -> dict[str, Any]:
         torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
         torch.nn.utils.clip_grad_norm_(ddp.parameters(), MAX_NORM)
         zopt.step()
+        zopt.zero_grad()
         topt.step()
         topt.zero_grad()
     return {"diffs": diffs, "zero": _named(model), "ref": _named(ddp.module)}
@@ -646,6 +653,7 @@ def _backwards_before_step_stage1(overlap: bool) -> dict[str, Any]:
         diffs = _grad_diffs(model, ddp)
         worst = max([worst, *(d for d in diffs.values() if d is not None)])
         zopt.step()
+        zopt.zero_grad()
         topt.step()
         topt.zero_grad()
     return {"zero": _named(model), "ref": _named(ddp.module), "worst_grad": worst}

@@ -99,6 +99,7 @@ def _edit_and_train(cfg: dict[str, Any], edit: str) -> dict[str, Any]:
             apply(model, True)  # overlap_allgather: no wait_params(); the write waits for the gather first
         zopt.backward(_loss(model, x, y))
         zopt.step()
+        zopt.zero_grad()
     zopt.wait_params()
     return {"zero": _named(model), "ref": ref["params"], "floor": floor, "found": found}
 
@@ -140,6 +141,7 @@ def _report_1(cfg: dict[str, Any]) -> dict[str, Any]:
     x, y = next(batches(dist.get_rank(), 1))
     opt.backward(_loss(model, x, y))
     opt.step()
+    opt.zero_grad()
     opt.wait_params()
     return {"weight00": model.a.weight[0, 0].item(), "params": _named(model), "pretrained": pretrained}
 
@@ -166,18 +168,21 @@ def _bf16_adoption() -> dict[str, Any]:
     for _ in range(3):
         opt.backward(_loss(model, x.bfloat16(), y.bfloat16()))
         opt.step()
+        opt.zero_grad()
     opt.param_groups[0]["lr"] = 0.0
     before = {n: m.clone() for n, m in opt.state.master.items()}
     # Writing the model's own values back moves every version counter and loses nothing.
     model.load_state_dict(model.state_dict())
     opt.backward(_loss(model, x.bfloat16(), y.bfloat16()))
     opt.step()
+    opt.zero_grad()
     kept = all(torch.equal(opt.state.master[n], before[n]) for n in before)
     # A real change: the written bf16 values replace the masters' elements that no longer round to them.
     with torch.no_grad():
         model.a.weight.add_(0.5)
     opt.backward(_loss(model, x.bfloat16(), y.bfloat16()))
     opt.step()
+    opt.zero_grad()
     master = opt.state.master["a.weight"]
     spec = opt.state.layout["a.weight"]
     start, stop = spec.owned_range(opt.state.rank)
@@ -203,6 +208,7 @@ def _disagree(how: str) -> dict[str, Any]:
     x, y = next(batches(dist.get_rank(), 1))
     zopt.backward(_loss(model, x, y))
     zopt.step()
+    zopt.zero_grad()
     masters = {n: m.clone() for n, m in zopt.state.master.items()}
     if how == "only_rank_0" and dist.get_rank() == 0:
         model.load_state_dict(_pretrained())
@@ -212,6 +218,7 @@ def _disagree(how: str) -> dict[str, Any]:
     zopt.backward(_loss(model, x, y))
     try:
         zopt.step()
+        zopt.zero_grad()
     except ParamsChangedError as e:
         message = str(e)
     else:
@@ -221,6 +228,7 @@ def _disagree(how: str) -> dict[str, Any]:
     model.load_state_dict(_pretrained())
     zopt.update_master_params()
     zopt.step()  # the gradients of the refused step were kept
+    zopt.zero_grad()
     return {"message": message, "unchanged": unchanged, "params": _named(model)}
 
 
@@ -244,11 +252,13 @@ def _write_while_pending() -> dict[str, Any]:
     row = model.a.weight[0]  # a view, taken before the step
     zopt.backward(_loss(model, x, y))
     zopt.step()  # gathers launched, written by the next forward
+    zopt.zero_grad()
     with torch.no_grad():
         row.mul_(0.5)  # made to the values from before the step
     zopt.backward(_loss(model, x, y))
     try:
         zopt.step()
+        zopt.zero_grad()
     except ParamsChangedError as e:
         message = str(e)
     else:
@@ -257,6 +267,7 @@ def _write_while_pending() -> dict[str, Any]:
     kept = model.a.weight.detach().clone()
     zopt.update_master_params()
     zopt.step()  # the refused step's gradients were kept
+    zopt.zero_grad()
     zopt.wait_params()
     return {"message": message, "trained_from_kept": not torch.equal(model.a.weight, kept)}
 
@@ -307,6 +318,7 @@ def _mistake(kind: str, stage: int) -> str:
     _loss(model, x.to(dtype), y.to(dtype)).backward()  # plain torch backward at stage 1: step finds it alike
     try:
         opt.step()
+        opt.zero_grad()
     except ParamsChangedError as e:
         return message + " | " + str(e)
     return ""
@@ -344,6 +356,7 @@ def _hybrid_round_trip(path: str) -> dict[str, Any]:
     x, y = next(batches(dist.get_rank(), 1))
     opt.backward(_loss(model, x, y))
     opt.step()
+    opt.zero_grad()
     before = _named(model)
     where = opt.save_checkpoint(path)
     with torch.no_grad():

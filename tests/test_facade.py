@@ -199,6 +199,7 @@ def _functional_vs_torch_constructor() -> tuple[dict[str, torch.Tensor], dict[st
         for x, y in batches(dist.get_rank(), 6):
             opt.backward(((model(x) - y) ** 2).mean())
             opt.step()
+            opt.zero_grad()
         outs.append(_named(model))
     return outs[0], outs[1]
 
@@ -223,6 +224,7 @@ def _count_step_bytes(policy: str, stage: int, bucket: int) -> dict[str, Any]:
         # `unused` never gets a gradient: the layer-drop path is in the count too.
         opt.backward(((model(x) - y) ** 2).mean())
         opt.step()
+        opt.zero_grad()
     layout = opt.state.layout
     return {
         "by": dict(counter.by_collective),
@@ -341,11 +343,13 @@ def _misc_api() -> dict[str, Any]:
     out: dict[str, Any] = {"names": list(opt.state.master), "repr": repr(opt)}
     try:
         opt.step()
+        opt.zero_grad()
     except RuntimeError as e:
         out["step_first"] = str(e)
     x, y = next(batches(dist.get_rank(), 1))
     opt.backward(((model(x) - y) ** 2).mean())
     opt.step()
+    opt.zero_grad()
     out["frozen_unchanged"] = torch.equal(model.a.weight, frozen)
     out["norm"] = opt.get_grad_norm()
     w2m = opt.get_working_to_master_map()

@@ -29,6 +29,7 @@ def _trained_facade(path: str) -> tuple[Net, zf.ZeroOptimizer]:
         x, y = next(data)
         opt.backward(((model(x) - y) ** 2).mean())
         opt.step()
+        opt.zero_grad()
     opt.save_checkpoint(path)
     x, y = next(data)
     opt.backward(((model(x) - y) ** 2).mean())
@@ -44,6 +45,7 @@ def _fail_mid_step(path: str, how: str) -> dict[str, Any]:
         return {"outcome": "stalled"}
     try:
         opt.step()
+        opt.zero_grad()
     except Exception as e:  # the collective's error, whatever its type
         return {"outcome": "raised", "error": f"{type(e).__name__}: {e}"}
     return {"outcome": "returned"}

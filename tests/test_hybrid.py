@@ -156,6 +156,7 @@ def _facade_hybrid_vs_ddp(how: str, overlap: bool) -> tuple[dict[str, torch.Tens
     for x, y in batches(dist.get_rank(), 10):
         zopt.backward(((model(x) - y) ** 2).mean())
         zopt.step()
+        zopt.zero_grad()
     mine = {n: p.detach() for n, p in model.named_parameters()}
     return mine, ref["params"], floor
 

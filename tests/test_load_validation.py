@@ -166,6 +166,7 @@ def _torch_side(kind: str, mutated: dict[str, Any]) -> dict[str, Any]:
         opt.load_state_dict(copy.deepcopy(mutated))
         _loss(model, second).backward()
         opt.step()
+        opt.zero_grad()
     except Exception as e:  # torch's verdict, whatever form it takes
         return {"accepted": False, "why": f"{type(e).__name__}: {e}"}
     return {"accepted": True, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
@@ -179,6 +180,7 @@ def _zerofn_side(kind: str, mutated: dict[str, Any]) -> dict[str, Any]:
     opt = zf.ZeroOptimizer(OPTIMIZERS[kind](model.parameters()), partition_grad=True, module=model)
     opt.backward(_loss(model, first))
     opt.step()
+    opt.zero_grad()
     before = Snapshot({"state": opt.state, "params": dict(model.named_parameters())})
     groups_before = copy.deepcopy([{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups])
     try:
@@ -190,6 +192,7 @@ def _zerofn_side(kind: str, mutated: dict[str, Any]) -> dict[str, Any]:
         return {"loaded": False, "why": str(e)}
     opt.backward(_loss(model, second))
     opt.step()
+    opt.zero_grad()
     return {"loaded": True, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
@@ -199,6 +202,7 @@ def _valid_state_dict(kind: str) -> dict[str, Any]:
     opt = OPTIMIZERS[kind](model.parameters())
     _loss(model, _two_batches()[0]).backward()
     opt.step()
+    opt.zero_grad()
     return opt.state_dict()
 
 
@@ -234,6 +238,7 @@ def _another_models_state_dict() -> dict[str, Any]:
     opt = torch.optim.AdamW(src.parameters())
     src(torch.randn(3, 4)).sum().backward()
     opt.step()
+    opt.zero_grad()
     return opt.state_dict()
 
 
@@ -324,6 +329,7 @@ def _facade(seed: int = 0) -> tuple[torch.nn.Module, zf.ZeroOptimizer]:
     opt = zf.ZeroOptimizer(OPTIMIZERS["adamw"](model.parameters()), partition_grad=True, module=model)
     opt.backward(_loss(model, _two_batches()[0]))
     opt.step()
+    opt.zero_grad()
     return model, opt
 
 
@@ -346,6 +352,7 @@ def _failed_loads(path: str) -> dict[str, Any]:
     other = zf.ZeroOptimizer(torch.optim.AdamW(other_model.parameters()), partition_grad=True, module=other_model)
     other_model(torch.randn(2, 3)).sum().backward()
     other.step()
+    other.zero_grad()
     other_sd = other.state_dict()
     # A corrupt rank file of the sharded checkpoint (same size, other bytes): the SHA-256 check.
     if rank == 0:
@@ -375,6 +382,7 @@ def _failed_loads(path: str) -> dict[str, Any]:
     # After all that the facade still trains (nothing was left half-loaded).
     opt.backward(_loss(model, _two_batches()[1]))
     opt.step()
+    opt.zero_grad()
     return out
 
 

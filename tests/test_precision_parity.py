@@ -474,6 +474,7 @@ def _inf_on_last_rank(api: str, variant: str) -> dict[str, Any]:
     )
     opt.backward(_loss(model(x.half()), y.half()))
     opt.step()
+    opt.zero_grad()
     x, y = next(data)
     params_before = {k: p.detach().clone() for k, p in model.named_parameters()}
     before = Snapshot((opt.state.master, opt.state.opt_state))
@@ -482,6 +483,7 @@ def _inf_on_last_rank(api: str, variant: str) -> dict[str, Any]:
     if hook is not None:
         hook.remove()
     opt.step()
+    opt.zero_grad()
     before.assert_unchanged((opt.state.master, opt.state.opt_state), "master and optimizer state after the skip")
     assert_trees_equal({k: p.detach() for k, p in model.named_parameters()}, params_before)
     return {"info": opt.last_step_info, "loss_scale": opt.state.loss_scale, "step": opt.state.step, "local_bad": None}
@@ -547,6 +549,7 @@ def _nan_in_bf16(api: str, nonfinite: str) -> dict[str, Any]:
         torch.optim.AdamW(model.parameters(), lr=1e-2), forced_dtype=torch.bfloat16, nonfinite=nonfinite, module=model
     )
     for step, (x, y) in enumerate(data):
+        opt.zero_grad()  # also after a refused step: its gradients are still in p.grad, as with DDP
         hook = None
         if step == 1 and rank == n - 1:
             hook = model.a.weight.register_hook(lambda g: g.index_fill(1, torch.tensor([3]), math.nan))

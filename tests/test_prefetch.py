@@ -187,6 +187,7 @@ def _readers() -> dict[str, Any]:
     def one_step(m: nn.Module, o: zf.ZeroOptimizer, x: torch.Tensor, y: torch.Tensor) -> None:
         o.backward(((m(x) - y) ** 2).mean())
         o.step()
+        o.zero_grad()
 
     seen: dict[str, Any] = {"equal": {}, "pending": {}}
     for how, (x, y) in zip(READS, data, strict=False):
@@ -244,12 +245,14 @@ def _checkpoint_round_trip(path: str) -> dict[str, Any]:
         for x, y in data[:2]:
             o.backward(((m(x) - y) ** 2).mean())
             o.step()
+            o.zero_grad()
     opts[0].save_checkpoint(path)
     saved = _snapshot(eager_model)
     # Train on, then load: the loaded weights stand even though a gather was pending.
     x, y = data[2]
     opts[0].backward(((model(x) - y) ** 2).mean())
     opts[0].step()
+    opts[0].zero_grad()
     opts[0].load_checkpoint(path)
     loaded = _snapshot(model)
     # One more step on both from the saved point: equal.
@@ -257,6 +260,7 @@ def _checkpoint_round_trip(path: str) -> dict[str, Any]:
     for m, o in zip((model, eager_model), opts, strict=True):
         o.backward(((m(x) - y) ** 2).mean())
         o.step()
+        o.zero_grad()
     opts[0].wait_params()
     return {"saved": saved, "loaded": loaded, "hidden": _snapshot(model), "eager": _snapshot(eager_model)}
 
@@ -320,6 +324,7 @@ def _container_params() -> dict[str, Any]:
             loss = ((model(x) - y) ** 2).mean()
             opt.backward(loss)
             opt.step()
+            opt.zero_grad()
             losses.append(loss.detach())
         out[model_class.__name__, allgather] = torch.stack(losses)
     return out
@@ -343,6 +348,7 @@ def _stale_read() -> dict[str, Any]:
     x, y = data[0]
     opt.backward(((model(x) - y) ** 2).mean())
     opt.step()
+    opt.zero_grad()
     message = ""
     try:
         model(data[1][0])
@@ -354,6 +360,7 @@ def _stale_read() -> dict[str, Any]:
     x, y = data[2]
     opt.backward(((model(x) - y) ** 2).mean())
     opt.step()
+    opt.zero_grad()
     opt.wait_params()
     with torch.no_grad():
         model(x)  # nothing pending: no check, no error
@@ -379,6 +386,7 @@ def _lifetime() -> dict[str, Any]:
     for m, o in ((model, opt), (eager_model, eager)):
         o.backward(((m(x) - y) ** 2).mean())
         o.step()
+        o.zero_grad()
     hooked = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
     ref = weakref.ref(opt)
     del opt
@@ -433,6 +441,7 @@ opt = zf.ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), partition_gr
                        overlap_allgather=True, module=model)
 opt.backward(model(torch.randn(4, 8)).square().mean())
 opt.step()
+opt.zero_grad()
 assert opt._prefetch.pending > 0
 {end}
 """

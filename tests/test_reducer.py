@@ -113,6 +113,7 @@ def _staging_reuse(overlap: bool, wire: str | None) -> dict[str, Any]:
     for step, (x, y) in enumerate(batches(dist.get_rank(), 6)):
         opt.backward(((model(x, gate_used(step)) - y) ** 2).mean())
         opt.step()
+        opt.zero_grad()
         sizes.append(opt.staging_bytes())
         ptrs.append(sorted(b.data_ptr() for b in opt._reducer.staging.buffers()))
     n = opt.state.layout.world_size

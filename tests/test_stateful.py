@@ -74,9 +74,10 @@ def _step() -> None:
         torch.nn.utils.clip_grad_norm_(_S["ddp"].parameters(), _S["clip"])
     _S["topt"].step()
     _S["zopt"].step()
-    # step() consumes the reduced gradients (documented: the next backward starts from
-    # zero, as in the seed); model that on the DDP side.
+    # A loop zeroes after each step (without it, DDP accumulates into p.grad; the facade does
+    # the same at stage 1 and raises at stage 2: tests/test_ddp_state.py).
     _S["topt"].zero_grad()
+    _S["zopt"].zero_grad()
 
 
 def _zero_grad() -> None:

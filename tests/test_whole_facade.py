@@ -218,6 +218,7 @@ def _round_trip():
     for step, (x, y) in enumerate(batches(dist.get_rank(), 4)):
         zo.backward(((model(x, use_gate=gate_used(step)) - y) ** 2).mean())
         zo.step()
+        zo.zero_grad()
     saved = zo.state_dict()
     blocks = {key: entry for block, _ in zo.state_dict_shard(max_shard_size=100) for key, entry in block.items()}
     assert blocks.keys() == {(k, i) for k, sd in enumerate(saved) for i in sd["state"]}

@@ -263,6 +263,7 @@ def _facade_hybrid(recipe: str, how: str, stage: int) -> dict:
     for step, (x, y) in enumerate(batches(dist.get_rank(), STEPS)):
         zo.backward(_loss(model(x, gate_used(step)), y))
         zo.step()
+        zo.zero_grad()
     whole = sorted(n for n in zo.state.master if zo.state.layout[n].placement == "whole")
     zo.close()
     return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "whole": whole}

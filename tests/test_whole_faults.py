@@ -221,6 +221,7 @@ def _facade_desync_step() -> dict[str, Any]:
     def step() -> None:
         zo.backward(((model(x, use_gate) - y) ** 2).mean())
         zo.step()
+        zo.zero_grad()
 
     out = _raised(step)
     out["unchanged"] = all(torch.equal(p, before[n]) for n, p in model.named_parameters())

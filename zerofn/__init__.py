@@ -9,7 +9,8 @@ is the drop-in facade. ``__all__`` is the public surface (pinned by a test).
 
 from zerofn import buckets, checkpoint, optim, precision, torch_optim
 from zerofn._checks import RankMismatchError, check_ranks_agree
-from zerofn._comm import CommCounter, CommPolicy, count_bytes
+from zerofn._comm import CommCounter, CommPolicy, NotJoinedError, count_bytes
+from zerofn._sync import broadcast_params
 from zerofn._tree import FrozenDict
 from zerofn.checkpoint import CheckpointError
 from zerofn.facade import ParamsChangedError, ShardedGradError, ZeroOptimizer
@@ -40,6 +41,7 @@ __all__ = [
     "MixedDtypeError",
     "NoLossScaling",
     "NonFiniteGradError",
+    "NotJoinedError",
     "ParamSpec",
     "ParamsChangedError",
     "PrecisionPolicy",
@@ -50,6 +52,7 @@ __all__ = [
     "StepInfo",
     "ZeroOptimizer",
     "ZeroState",
+    "broadcast_params",
     "buckets",
     "check_ranks_agree",
     "checkpoint",

@@ -52,7 +52,16 @@ from zerofn.precision import PrecisionPolicy
 from zerofn.stages import DEFAULT_BUCKET_NUMEL
 from zerofn.state import DEFAULT_POLICY, ZeroState
 
-__all__ = ["CheckpointError", "full_state_dict", "load", "raise_alike", "save", "shard_state_dict"]
+__all__ = [
+    "CheckpointError",
+    "check_buffers",
+    "full_state_dict",
+    "load",
+    "persistent_buffers",
+    "raise_alike",
+    "save",
+    "shard_state_dict",
+]
 
 FORMAT_VERSION = 1
 META_FILE = "zerofn.json"
@@ -271,7 +280,11 @@ def _gather_whole(
 
 
 def full_state_dict(
-    state: ZeroState, group: Group = None, *, bucket_numel: int = DEFAULT_BUCKET_NUMEL
+    state: ZeroState,
+    group: Group = None,
+    *,
+    bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+    buffers: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, Any] | list[dict[str, Any]]:
     """The whole optimizer state in ``torch.optim.Optimizer.state_dict()`` format, on every rank.
 
@@ -288,9 +301,23 @@ def full_state_dict(
     part order, each numbering only that part's params (each loads into the matching
     plain torch optimizer built over those params in order).
 
+    ``buffers`` (the model's persistent buffers, :func:`persistent_buffers`): CPU copies of
+    this rank's go in ``"zerofn"["buffers"]`` (of the first dict of a partition's list),
+    for :func:`shard_state_dict`'s ``buffers_out``; rank 0's dict holds rank 0's, which is
+    what a rank-0 save writes, as DDP's rank-0 ``model.state_dict()``.
+
     Collectives: bucketed all-gathers of every shard-shaped state field and the masters of
     the split params; with whole params one object all-gather of the owners' state.
     """
+    result = _full_state_dict(state, group, bucket_numel)
+    if buffers is not None:
+        first = result[0] if isinstance(result, list) else result
+        first["zerofn"]["buffers"] = {n: b.detach().to("cpu", copy=True) for n, b in buffers.items()}
+    return result
+
+
+def _full_state_dict(state: ZeroState, group: Group, bucket_numel: int) -> dict[str, Any] | list[dict[str, Any]]:
+    """:func:`full_state_dict` without the buffers."""
     layout = state.layout
     entries = _per_param(state.opt_state, layout.names)
     split = {n for n in layout.names if not layout[n].is_whole}
@@ -600,6 +627,7 @@ def shard_state_dict(
     master_dtype: torch.dtype = torch.float32,
     precision: PrecisionPolicy | None = None,
     group_sizes: list[int] | None = None,
+    buffers_out: Mapping[str, torch.Tensor] | None = None,
     policy: Any = UNSET,
 ) -> ZeroState:
     """A ZeroState for this rank, at the group's world size, from a full state dict.
@@ -618,6 +646,9 @@ def shard_state_dict(
         the saved loss-scale state is restored into it.
       group_sizes: params per param group of the optimizer loading it, when known (the
         facade passes its own): the state dict must have the same grouping.
+      buffers_out: the model's buffers, filled in place from ``"zerofn"["buffers"]`` once
+        everything else has been checked and built (names, shapes and dtypes must be the
+        saved ones); a state dict without buffers leaves them as they are.
       policy: the old name of ``precision`` (deprecated, warns).
 
     Raises:
@@ -632,6 +663,37 @@ def shard_state_dict(
     Collectives: none (every rank cuts its own shards out of ``full``).
     """
     precision = renamed("shard_state_dict", "policy", "precision", policy, precision)
+    first = full[0] if isinstance(full, (list, tuple)) and full else full
+    zfirst = first.get("zerofn") if isinstance(first, Mapping) else None
+    saved_buffers = zfirst.get("buffers") if isinstance(zfirst, Mapping) else None
+    if buffers_out is not None and saved_buffers is not None:
+        check_buffers(_buffer_meta(saved_buffers), buffers_out, "shard_state_dict")
+    state = _shard_state_dict(
+        full,
+        like,
+        group,
+        optimizer=optimizer,
+        master_dtype=master_dtype,
+        precision=precision,
+        group_sizes=group_sizes,
+    )
+    if buffers_out is not None and saved_buffers is not None:
+        for name, value in saved_buffers.items():
+            buffers_out[name].detach().copy_(value)
+    return state
+
+
+def _shard_state_dict(
+    full: Mapping[str, Any] | list[Mapping[str, Any]],
+    like: ShardLayout | Mapping[str, torch.Tensor],
+    group: Group,
+    *,
+    optimizer: optim.Optimizer | None,
+    master_dtype: torch.dtype,
+    precision: PrecisionPolicy | None,
+    group_sizes: list[int] | None,
+) -> ZeroState:
+    """:func:`shard_state_dict` without the buffers."""
     if isinstance(full, (list, tuple)):
         return _shard_state_dicts(
             full,
@@ -929,6 +991,7 @@ def _write_meta(
     kinds: Mapping[str, Any],
     master_dtypes: Mapping[str, str],
     model: list[str] | None,
+    buffers: dict[str, list[Any]] | None = None,
 ) -> None:
     """Rank 0: ``zerofn.json`` in ``target``, with every file's size and SHA-256, fsynced."""
     layout = state.layout
@@ -950,6 +1013,7 @@ def _write_meta(
         "loss_scale": _loss_scale_to_dict(state),
         "saved_world_size": layout.world_size,
         "model": model,
+        "buffers": buffers,
         "files": {
             f: {"bytes": os.path.getsize(os.path.join(target, f)), "sha256": _file_digest(os.path.join(target, f))}
             for f in [*files, ".metadata"]
@@ -961,6 +1025,46 @@ def _write_meta(
         f.flush()
         os.fsync(f.fileno())
     _fsync_dir(target)
+
+
+def persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers ``module.state_dict()`` holds (persistent ones), by their state-dict names."""
+    out: dict[str, torch.Tensor] = {}
+    for prefix, mod in module.named_modules():
+        for name, b in mod._buffers.items():
+            if b is not None and name not in mod._non_persistent_buffers_set:
+                out[f"{prefix}.{name}" if prefix else name] = b
+    return out
+
+
+def _buffer_meta(buffers: Mapping[str, torch.Tensor] | None) -> dict[str, list[Any]] | None:
+    """name -> [shape, dtype] of the buffers saved (``None``: saved without buffers)."""
+    if buffers is None:
+        return None
+    return {n: [list(b.shape), str(b.dtype).removeprefix("torch.")] for n, b in buffers.items()}
+
+
+def check_buffers(saved: Mapping[str, Any] | None, buffers: Mapping[str, torch.Tensor], where: str) -> None:
+    """The model's buffers must be exactly the saved ones (names, shapes, dtypes), or raise ``CheckpointError``.
+
+    ``saved`` is ``None`` for a checkpoint written without buffers (before they were
+    saved): nothing to check, the model's buffers stay. No collectives.
+    """
+    if saved is None:
+        return
+    mine = _buffer_meta(buffers) or {}
+    if set(saved) != set(mine):
+        missing, extra = sorted(set(saved) - set(mine)), sorted(set(mine) - set(saved))
+        raise CheckpointError(
+            f"{where}: the checkpoint's buffers do not match the model's (in the checkpoint only: {missing[:5]}; in "
+            f"the model only: {extra[:5]}): load it into the model it was saved from"
+        )
+    for name, (shape, dtype) in saved.items():
+        if [list(mine[name][0]), mine[name][1]] != [list(shape), dtype]:
+            raise CheckpointError(
+                f"{where}: buffer {name!r} was saved as {tuple(shape)} {dtype}, the model's is "
+                f"{tuple(mine[name][0])} {mine[name][1]}: load it into the model it was saved from"
+            )
 
 
 def _commit(path: str, target: str) -> None:
@@ -980,6 +1084,7 @@ def save(
     group: Group = None,
     *,
     params: Mapping[str, torch.Tensor] | None = None,
+    buffers: Mapping[str, torch.Tensor] | None = None,
     replicate_group: Group = None,
     _before_commit: Callable[[], None] | None = None,
 ) -> str:
@@ -994,6 +1099,9 @@ def save(
       state: this rank's ZeroState.
       group: the sharding group; every rank of it must call ``save``.
       params: optional full model weights (name -> tensor) to store alongside.
+      buffers: optional model buffers (name -> tensor, any dtype: BatchNorm's running
+        stats and counters; :func:`persistent_buffers` lists a module's) to store
+        alongside, written once; their names, shapes and dtypes go in the metadata.
       replicate_group: for a hybrid layout, the ranks holding the same shards as this
         one; only the shard group whose members are rank 0 of their replicate groups
         writes, the others wait for the commit. Every rank of the world calls ``save``.
@@ -1021,6 +1129,10 @@ def save(
     if params is not None:
         for name, t in params.items():
             sd[f"model/{name}"] = t.detach()
+    # Buffers may differ between ranks (each forward updates its own): rank 0's are saved, as DDP's
+    # `if rank == 0: torch.save(model.state_dict())` saves them.
+    for name, t in (buffers or {}).items() if rank == 0 else ():
+        sd[f"buffer/{name}"] = t.detach()
     if layout.has_whole:  # rank 0 writes the metadata: it learns the owners' kinds and dtypes
         owned = {n: (kinds[n], master_dtypes[n]) for n in layout.owners if n in kinds}
         for theirs in comm.all_gather_objects(owned, group):
@@ -1028,7 +1140,9 @@ def save(
                 kinds[n], master_dtypes[n] = k, d
     comm.dcp_save(sd, target, group)
     if rank == 0:
-        _write_meta(target, state, kinds, master_dtypes, sorted(params) if params is not None else None)
+        _write_meta(
+            target, state, kinds, master_dtypes, sorted(params) if params is not None else None, _buffer_meta(buffers)
+        )
     comm.barrier(group)
     if _before_commit is not None:
         _before_commit()
@@ -1187,6 +1301,7 @@ def load(
     *,
     optimizer: optim.Optimizer | None = None,
     params_out: Mapping[str, torch.Tensor] | None = None,
+    buffers_out: Mapping[str, torch.Tensor] | None = None,
     verify: bool = True,
     precision: PrecisionPolicy | None = None,
     policy: Any = UNSET,
@@ -1200,6 +1315,9 @@ def load(
       optimizer: the functional optimizer to continue with (default: the saved kind);
         the saved hyperparameters are applied to it.
       params_out: model tensors to fill in place with the saved weights (if saved).
+      buffers_out: model buffers to fill in place with the saved ones: their names,
+        shapes and dtypes must be the saved ones (checked with everything else, before
+        anything changes). A checkpoint saved without buffers leaves them as they are.
       verify: check every file's SHA-256 (sizes and presence are always checked).
       precision: the precision policy to continue with; the saved loss-scale state is restored.
       policy: the old name of ``precision`` (deprecated, warns).
@@ -1215,6 +1333,8 @@ def load(
     # rank's verdict before DCP's collectives start: a rank that cannot load makes all raise.
     try:
         meta, layout, fopt = _checked_meta(path, like, group, optimizer, verify, params_out is not None)
+        if buffers_out is not None:
+            check_buffers(meta.get("buffers"), buffers_out, path)
         failure: Exception | None = None
     except (CheckpointError, KeyError, TypeError, ValueError) as e:
         failure = e if isinstance(e, CheckpointError) else CheckpointError(f"{path}: unreadable metadata ({e!r})")
@@ -1231,6 +1351,11 @@ def load(
         for name in meta["model"]:
             staged[name] = torch.empty_like(params_out[name].detach())
             sd[f"model/{name}"] = staged[name]
+    staged_buffers: dict[str, torch.Tensor] = {}
+    if buffers_out is not None and meta.get("buffers") is not None:
+        for name in meta["buffers"]:
+            staged_buffers[name] = torch.empty_like(buffers_out[name].detach())
+            sd[f"buffer/{name}"] = staged_buffers[name]
     state: ZeroState | None = None
     try:
         comm.dcp_load(sd, path, group)
@@ -1260,4 +1385,6 @@ def load(
         with torch.no_grad():  # params_out may be leaf params that require grad
             for name, value in staged.items():
                 params_out[name].copy_(value)  # type: ignore[index]
+    for name, value in staged_buffers.items():
+        buffers_out[name].detach().copy_(value)  # type: ignore[index]
     return _with_loss_scale(state, meta.get("loss_scale"))

@@ -2,7 +2,7 @@
 
 ::
 
-    params --shard_params--> ZeroState                         (no communication)
+    params --shard_params--> ZeroState                         (a tiny value check; sync=True: broadcast)
     grads  --reduce_grads--> grad shards                       (reduce-scatter, bucketed)
     state, grad shards --step_shards--> new state, StepInfo    (one scalar all-reduce)
     state  --gather_params--> params                           (all-gather, bucketed)
@@ -34,7 +34,7 @@ import torch
 
 from zerofn import _checks as checks
 from zerofn import _comm as comm
-from zerofn import _placement
+from zerofn import _placement, _sync
 from zerofn._comm import CommPolicy, Group, Pending
 from zerofn._deprecation import UNSET, renamed
 from zerofn._norm import local_norm_term
@@ -105,6 +105,8 @@ def shard_params(
     master_dtype: torch.dtype = torch.float32,
     precision: PrecisionPolicy | None = None,
     placement: Mapping[str, str] | Callable[[str, torch.Tensor], str] | None = None,
+    sync: bool = False,
+    check: bool = True,
     policy: Any = UNSET,
 ) -> ZeroState:
     """The first ZeroState: this rank's master shards of ``params`` and fresh optimizer state.
@@ -133,6 +135,15 @@ def shard_params(
         or a function ``(name, param) -> "split" | "whole"``. It may place whole what the
         optimizer would split, never the reverse (a whole-tensor update never runs on
         shards).
+      sync: cut the master shards from group rank 0's values (one broadcast of every
+        param, as DDP's construction makes every rank start from rank 0's weights). The
+        params themselves are not changed: for the first forward take rank 0's params
+        from :func:`zerofn.broadcast_params` (``out=params`` writes them into the model)
+        or from ``gather_params(state, group)``.
+      check: without ``sync``, confirm that the ranks' params hold the same values (a
+        checksum per param, compared in one tiny all-gather), and raise
+        :class:`~zerofn.RankMismatchError` naming the first param that differs and what
+        to write instead. ``False`` skips it (no collective at all).
       policy: the old name of ``precision`` (deprecated, warns).
 
     Returns:
@@ -141,11 +152,16 @@ def shard_params(
       param (its shape) on its owner rank, absent on the others. ``precision`` is the
       policy used.
 
-    Collectives: none. Ranks' layouts are compared by the first ``reduce_grads`` /
+    Collectives: with ``check`` (the default) one all-gather of two int64 values (the
+    layout fingerprint and a digest of the params' checksums); with ``sync`` one tiny
+    all-gather and one ``broadcast`` per dtype of all the params instead; with
+    ``check=False`` none. Ranks' layouts are compared by the first ``reduce_grads`` /
     ``gather_params`` (or call :func:`zerofn.check_ranks_agree` yourself).
     """
     precision = renamed("shard_params", "policy", "precision", policy, precision)
     checks.validate_params(params, "shard_params")
+    if sync:
+        params = _sync.broadcast_params(params, group)
     policy = _policy_for(precision, master_dtype)
     dtypes = resolve_param_dtypes(params, policy)
     rank = comm.group_rank(group)
@@ -153,6 +169,8 @@ def shard_params(
     state_device = torch.device(policy.state_device) if policy.state_device is not None else param_device
     working = {n: torch.empty(p.shape, dtype=dtypes[n], device="meta") for n, p in params.items()}
     layout = make_layout(working, comm.group_size(group), placement=resolve_placement(params, optimizer, placement))
+    if check and not sync:
+        _sync.check_values_agree(layout, params, group, "shard_params")
     master = FrozenDict(
         {
             s.name: cut_shard(

@@ -231,7 +231,9 @@ def _listing(names: Sequence[str], limit: int = 5) -> str:
     return ", ".join(repr(n) for n in names[:limit]) + (f", ... ({len(names)} in all)" if len(names) > limit else "")
 
 
-def params_verdict(reports: Sequence[dict[str, Any] | None], order: Sequence[str]) -> list[str]:
+def params_verdict(
+    reports: Sequence[dict[str, Any] | None], order: Sequence[str], where: str = "ZeroOptimizer.step"
+) -> list[str]:
     """Every rank's :meth:`ParamGuard.inspect` report -> the params whose masters follow, or raise.
 
     A pure function of the list, which every rank holds alike (it travelled in one
@@ -243,11 +245,11 @@ def params_verdict(reports: Sequence[dict[str, Any] | None], order: Sequence[str
     for rank, rep in enumerate(full):
         if rep["problems"]:
             more = f" (and {len(rep['problems']) - 1} more)" if len(rep["problems"]) > 1 else ""
-            raise ParamsChangedError(f"ZeroOptimizer.step: on rank {rank}, {rep['problems'][0]}{more}.")
+            raise ParamsChangedError(f"{where}: on rank {rank}, {rep['problems'][0]}{more}.")
     for rank, rep in enumerate(full):
         if rep["stale"]:
             raise ParamsChangedError(
-                f"ZeroOptimizer.step: on rank {rank}, params {_listing(rep['stale'])} were written in place after "
+                f"{where}: on rank {rank}, params {_listing(rep['stale'])} were written in place after "
                 "the last step() and before their gathered values were written (overlap_allgather), through a "
                 "tensor that shares their storage made before that step (a view or p.detach() kept from earlier), "
                 "so the write was made to the values from before the step. Take such views again after step() (a "
@@ -268,7 +270,7 @@ def params_verdict(reports: Sequence[dict[str, Any] | None], order: Sequence[str
             differ = [n for n in order if n in first and first[n] != rep["changed"][n]]
             what = f"ranks 0 and {rank} wrote different values into {_listing(differ)}"
         raise ParamsChangedError(
-            f"ZeroOptimizer.step: {what}. The params are replicated: every rank must make the same change (load "
+            f"{where}: {what}. The params are replicated: every rank must make the same change (load "
             "the same weights on every rank, not only on rank 0), or the masters would mix the ranks' values. "
             "Make the params equal on every rank, then call optimizer.update_master_params() on every rank and "
             "step() again"

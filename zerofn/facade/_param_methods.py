@@ -32,6 +32,7 @@ class _Host(Protocol):
     _norm_type: float
     _reducer: Any
     _guard: _guards.ParamGuard
+    _entry: Any
 
     def wait_params(self) -> None: ...
 
@@ -70,6 +71,27 @@ class ParamMethods:
         self._guard.record()
         return self._step_shards(None)
 
+    def _fold_writes(self: _Host, where: str) -> None:
+        """Make the masters follow what the user wrote into the params since the last step, as ``step`` would.
+
+        Called before anything reads or writes the optimizer state (``state_dict``,
+        ``save_checkpoint``, ``load_checkpoint``, ``load_state_dict``), so a checkpoint holds
+        what the model holds. The same detection as ``step`` (:meth:`~._guards.ParamGuard.inspect`)
+        and the same verdict, alike on every rank.
+
+        Collectives: one scalar all-reduce over the group (did any rank see a write?); only
+        when some did, one object all-gather of the reports.
+        """
+        self.wait_params()
+        report = self._guard.inspect()
+        flag = torch.tensor([0.0 if report is None else 1.0], dtype=torch.float64, device=self._state.work_device)
+        if float(comm.all_reduce_scalars(flag, "max", self._group)[0]) == 0.0:
+            return
+        reports = comm.all_gather_objects(report, self._group)
+        adopt = _guards.params_verdict(reports, self._state.layout.names, where)  # type: ignore[arg-type]
+        self._state = _guards.adopt_params(self._state, self._params, adopt)
+        self._guard.record()
+
     def _params_written(self: _Host) -> None:
         """The facade has just written every param (e.g. a checkpoint's weights): its write, not the user's."""
         self._guard.record()
@@ -90,10 +112,12 @@ class ParamMethods:
         Raises:
           ParamsChangedError: on every rank, when the ranks' params are not equal (nothing changed).
 
-        Collectives: one object all-gather of each rank's differing names and a digest of
+        Collectives: the entry wait (one monitored barrier, :mod:`zerofn.facade._entry`),
+        one object all-gather of each rank's differing names and a digest of
         every param (each rank hashes all its params: O(params) work, not for every step).
         With ``overlap_allgather`` it first completes the pending gathers (``wait_params``).
         """
+        self._entry.join("check_params")  # a collective: every rank must call it (bounded wait)
         self.wait_params()
         reports = comm.all_gather_objects(_guards.byte_report(self._state, self._params), self._group)
         adopt = _guards.byte_verdict(reports, self._state.layout.names)  # type: ignore[arg-type]

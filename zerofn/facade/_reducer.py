@@ -30,11 +30,19 @@ Gradient flow per backward (hooks on every param):
 
 What ``p.grad`` holds is decided before autograd accumulates into it, by a pre-hook on
 each param's ``AccumulateGrad`` node (it runs only when a gradient is about to be
-accumulated into ``p.grad``, never for ``torch.autograd.grad``): a placeholder or a
-gradient that ``step`` already used is cleared (so the next backward starts from zero,
-as the facade's ``step`` consumes gradients); an averaged gradient of the current step
-is set aside and added to the next reduction's result (two backwards before one step sum
-their mean gradients, as at stage 2).
+accumulated into ``p.grad``, never for ``torch.autograd.grad``): a stale placeholder is
+cleared; an averaged gradient of the current step is set aside and added to the next
+reduction's result (two backwards before one step sum their mean gradients, as at stage 2).
+
+Gradients not zeroed after a step, as DDP keeps them: at stage 1 the step leaves its
+averaged gradient in ``p.grad``, and a backward without ``zero_grad`` in between
+accumulates into it and reduces the sum, as DDP does (bitwise at N = 1, 2; a param that
+gets nothing in that backward steps again with it, as torch.optim does). Where that
+cannot be exact (stage 2, whose step consumed its shards; stage 1 under loss scaling,
+whose ``p.grad`` is unscaled), the first gradient of that backward raises on every rank,
+before anything is accumulated or sent, saying to call ``zero_grad()``
+(:data:`CARRY_MESSAGE`). ``opt.zero_grad()``, ``model.zero_grad()`` and
+``zero_grad(set_to_none=False)`` all count as zeroing.
 """
 
 from __future__ import annotations
@@ -106,6 +114,23 @@ _METADATA = frozenset(
     }
 )
 _AMP_UNSCALE = frozenset({torch._amp_foreach_non_finite_check_and_unscale_})
+
+
+CARRY_MESSAGE = (
+    "ZeroOptimizer: backward after step() without zero_grad(): the gradients of the last step are still in "
+    "p.grad of {names}. DDP would add this backward's gradients to them and step with the sum; {how}, so this "
+    "backward was stopped before any gradient was accumulated or sent (on every rank). Call optimizer.zero_grad() "
+    "(or model.zero_grad()) after each step(), then run the forward and backward again; to accumulate gradients "
+    "over several backwards, run them all before one step() (with optimizer.no_sync() for all but the last)."
+)
+CARRY_HOW = {
+    1: "under loss scaling p.grad holds unscaled gradients and this backward's are scaled",
+    2: "at ZeRO stage 2 (partition_grad=True) the step consumed its gradient shards (p.grad holds a placeholder)",
+}
+
+
+def _names(names: list[str], limit: int = 3) -> str:
+    return ", ".join(repr(n) for n in names[:limit]) + (f" ({len(names)} params)" if len(names) > limit else "")
 
 
 class ShardedGradError(RuntimeError):
@@ -239,7 +264,8 @@ class GradReducer:
         self._averaged: dict[str, _Averaged] = {}  # stage 1: p.grad holds this step's mean gradient
         self._aside: dict[str, torch.Tensor] = {}  # stage 1: a mean gradient set aside while more accumulates
         self._edited: set[str] = set()  # stage 1: its mean gradient was changed by the user; no exact shard
-        self._used: dict[str, torch.Tensor] = {}  # p.grad tensors a step has consumed (cleared before reuse)
+        self._used: dict[str, torch.Tensor] = {}  # p.grad tensors a step applied (kept, as DDP, until zeroed)
+        self._check_carry = False  # a step left gradients that cannot carry exactly: the next backward checks
         self._placed: set[str] = set()  # stage 2: p.grad holds the placeholder
         self._placeholders: dict[str, ShardedGrad] = {}
         self._local: set[str] = set()  # local, unreduced gradient in p.grad or an accumulator
@@ -288,6 +314,7 @@ class GradReducer:
         self._aside = {}
         self._edited = set()
         self._used = {}
+        self._check_carry = False
         self._placed = set()
         self._local = set()
         self._taken = None
@@ -421,8 +448,10 @@ class GradReducer:
             # backward or zero_grad clears them), and holds_grads() is False again, alike on
             # every rank.
             shards, self.shards, self._placed = self.shards, {}, set()
+            self._check_carry = True
             return shards
         scale = self._loss_scale()
+        self._check_carry = scale != 1.0
         out: dict[str, torch.Tensor] = {}
         cut: list[torch.Tensor] = []
         for name, av in self._averaged.items():
@@ -519,8 +548,33 @@ class GradReducer:
 
     # ------------------------------------------------------------------ hook path
 
+    def _refuse_carry(self) -> None:
+        """The first gradient of a backward after a step that left gradients which cannot carry exactly.
+
+        DDP adds a backward's gradients to what ``p.grad`` holds; at stage 1 (no loss
+        scaling) the facade does too (the step's averaged ``p.grad`` is kept and autograd
+        accumulates into it). At stage 2 the step's shards were consumed (``p.grad`` holds a
+        placeholder) and under loss scaling ``p.grad`` is unscaled while the new gradients
+        are scaled: if such a ``p.grad`` is still there (no ``zero_grad`` since the step),
+        raise before anything of this backward is accumulated or sent, alike on every rank
+        running the same script. Cost: one look at each ``p.grad``, once per backward, and
+        only after a step at stage 2 or under loss scaling.
+        """
+        self._check_carry = False
+        stale = [
+            n
+            for n, p in self._params.items()
+            if (type(p.grad) is ShardedGrad and n not in self._placed)
+            or (p.grad is not None and self._used.get(n) is p.grad)
+        ]
+        if stale:
+            self._check_carry = True  # still there at the next try
+            raise RuntimeError(CARRY_MESSAGE.format(how=CARRY_HOW[self._stage], names=_names(stale)))
+
     def before_accumulate(self, name: str) -> None:
         """Autograd is about to accumulate a gradient into ``p.grad``: make ``p.grad`` ready for it."""
+        if self._check_carry:
+            self._refuse_carry()
         p = self._params[name]
         g = p.grad
         if type(g) is ShardedGrad and name not in self._placed:  # a stale placeholder: holds nothing
@@ -537,9 +591,8 @@ class GradReducer:
             if self._averaged.pop(name, None) is not None:  # cleared by the user: start from zero
                 self.shards.pop(name, None)
             return
-        if self._used.get(name) is g:  # step consumed it: start from zero
+        if self._used.get(name) is g:  # the step's averaged gradient, not zeroed: accumulate into it, as DDP
             del self._used[name]
-            p.grad = None
             return
         if name in self._averaged:  # stage 1, a second backward before step: sum the means
             if not self._untouched(name):
@@ -732,9 +785,9 @@ class GradReducer:
                         self._placeholders[name] = sharded_grad(p)
                     p.grad = self._placeholders[name]
                     self._placed.add(name)
-        for name, used in self._used.items():  # what an earlier step consumed is no gradient of this one
+        for name, used in self._used.items():  # the step's gradient, not zeroed and not added to: DDP applies it again
             if self._params[name].grad is used:
-                self._params[name].grad = None
+                self._averaged[name] = _Averaged(used, used._version, used.dtype)
         self._used = {}
         self._accumulating = bool(self.accum)
         self._ready = [set() for _ in self._buckets]

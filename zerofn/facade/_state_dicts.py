@@ -31,6 +31,8 @@ class _Host(Protocol):
     _group_names: list[list[str]]
     _hp_cache: tuple[Any, ...] | None
     _reducer: Any
+    _module: torch.nn.Module | None
+    _entry: Any
     param_groups: list[dict[str, Any]]
 
     def wait_params(self) -> None: ...
@@ -42,6 +44,8 @@ class _Host(Protocol):
     def _master_dtype(self) -> torch.dtype: ...
 
     def _params_written(self) -> None: ...
+
+    def _fold_writes(self, where: str) -> None: ...
 
     def state_dict(self) -> dict[str, Any]: ...
 
@@ -57,18 +61,28 @@ class StateDictMethods:
         ``muon.load_state_dict(sd[0])`` works on a plain ``torch.optim.Muon`` over the same
         params.
 
-        Collective: every rank gathers the full state (all ranks must call it).
+        Weights written into the model since the last step (``model.load_state_dict``,
+        in-place edits) are first taken into the masters, as ``step`` would take them.
+
+        Collective: every rank gathers the full state (all ranks must call it; on some
+        ranks only it raises :class:`~zerofn.NotJoinedError` after ``entry_timeout``:
+        :mod:`zerofn.facade._entry`). Before the gathers: the entry wait (one monitored
+        barrier) and one scalar all-reduce (did any rank's params change since the step).
         """
-        self.wait_params()
+        self._entry.join("state_dict")  # a collective: every rank must call it (bounded wait)
+        self._fold_writes("ZeroOptimizer.state_dict")
         self._state = self._state.replace(optimizer=self._current_optimizer())
-        return checkpoint.full_state_dict(self._state, self._group, bucket_numel=self._bucket_numel)
+        buffers = checkpoint.persistent_buffers(self._module) if self._module is not None else None
+        return checkpoint.full_state_dict(self._state, self._group, bucket_numel=self._bucket_numel, buffers=buffers)
 
     def load_state_dict(self: _Host, state_dict: Mapping[str, Any] | list[Mapping[str, Any]]) -> None:  # type: ignore[override]
         """Load a state dict from ``state_dict()`` (any world size) or from a torch optimizer.
 
         As in torch, the saved hyperparameters replace those in ``param_groups``. Master
         weights come from the state dict's ``zerofn`` entry when present, else from the
-        model's current params. Over a list of torch optimizers it takes a list of state
+        model's current params; with ``module=``, the model's persistent buffers take the
+        ones saved in that entry (a dict without them leaves the buffers as they are). Over
+        a list of torch optimizers it takes a list of state
         dicts, one per wrapped optimizer in order (from ``state_dict()``, or each from the
         matching plain torch optimizer), and each wrapped optimizer's ``param_groups`` take
         its dict's hyperparameters.
@@ -83,7 +97,9 @@ class StateDictMethods:
         group (and the replicate group of a hybrid layout), so a rank whose state dict does
         not load makes every rank raise instead of leaving the others to train on.
         """
-        self.wait_params()  # master weights may come from the params, and a late gather would overwrite them
+        # master weights may come from the params (the user's writes first), and a late gather would overwrite them
+        self._entry.join("load_state_dict")  # a collective: every rank must call it (bounded wait)
+        self._fold_writes("ZeroOptimizer.load_state_dict")
         try:
             sizes = _check_list_shape(self, state_dict)
             new = checkpoint.shard_state_dict(
@@ -94,12 +110,24 @@ class StateDictMethods:
                 master_dtype=self._master_dtype(),
                 group_sizes=sizes,
             )
+            buffers = _saved_buffers(state_dict)
+            if buffers is not None and self._module is not None:
+                checkpoint.check_buffers(
+                    {n: [list(b.shape), str(b.dtype).removeprefix("torch.")] for n, b in buffers.items()},
+                    checkpoint.persistent_buffers(self._module),
+                    "ZeroOptimizer.load_state_dict",
+                )
             failure: Exception | None = None
         except (checkpoint.CheckpointError, KeyError, TypeError, ValueError) as e:
             failure = e
         replicas = () if self._replicate is None else (self._replicate,)
         checkpoint.raise_alike(failure, (self._group, *replicas), "ZeroOptimizer.load_state_dict")
         self._adopt(new)
+        if buffers is not None and self._module is not None:  # the model's buffers, as saved with the state
+            mine = checkpoint.persistent_buffers(self._module)
+            with torch.no_grad():
+                for name, value in buffers.items():
+                    mine[name].copy_(value)
         dicts = state_dict if isinstance(state_dict, (list, tuple)) else [state_dict]
         saved_groups = [g for d in dicts for g in d["param_groups"]]
         if len(saved_groups) == len(self.param_groups):  # a functional partition has one group of all params
@@ -149,24 +177,49 @@ class StateDictMethods:
     def save_checkpoint(self: _Host, path: str, *, with_model: bool = True) -> str:
         """Sharded, atomic checkpoint of the optimizer state (and the model weights) at ``path``.
 
-        See :func:`zerofn.checkpoint.save`. Every rank must call it.
+        With ``with_model`` and ``module=``, the model's persistent buffers (BatchNorm
+        running stats) are saved too (rank 0's, as DDP's rank-0 ``model.state_dict()``).
+
+        See :func:`zerofn.checkpoint.save`. Weights written into the model since the last
+        step are first taken into the masters (as ``step`` would), so the checkpoint holds
+        what the model holds. Every rank must call it.
         """
-        self.wait_params()
+        self._entry.join("save_checkpoint")  # a collective: every rank must call it (bounded wait)
+        self._fold_writes("ZeroOptimizer.save_checkpoint")
         self._state = self._state.replace(optimizer=self._current_optimizer())
+        buffers = checkpoint.persistent_buffers(self._module) if with_model and self._module is not None else None
         return checkpoint.save(
-            path, self._state, self._group, params=self._params if with_model else None, replicate_group=self._replicate
+            path,
+            self._state,
+            self._group,
+            params=self._params if with_model else None,
+            buffers=buffers,
+            replicate_group=self._replicate,
         )
 
     def load_checkpoint(self: _Host, path: str, *, with_model: bool = True) -> None:
-        """Resume from :meth:`save_checkpoint` (any world size): state, hyperparameters, weights.
+        """Resume from :meth:`save_checkpoint` (any world size): state, hyperparameters, weights, buffers.
+
+        With ``with_model`` and ``module=``, the model's persistent buffers take the saved
+        ones (names, shapes and dtypes checked first); a checkpoint saved without buffers
+        leaves them as they are.
 
         Validated before anything changes (:func:`zerofn.checkpoint.load`): on failure every
         rank raises :class:`~zerofn.checkpoint.CheckpointError` and the state, the masters,
         the ``param_groups`` and the model are what they were.
         """
-        self.wait_params()  # a late gather would overwrite the loaded weights
+        self._entry.join("load_checkpoint")  # a collective: every rank must call it (bounded wait)
+        self._fold_writes("ZeroOptimizer.load_checkpoint")  # waits for a late gather, which would overwrite them
         params_out = self._params if with_model else None
-        new = checkpoint.load(path, self._params, self._group, optimizer=self._state.optimizer, params_out=params_out)
+        buffers_out = checkpoint.persistent_buffers(self._module) if with_model and self._module is not None else None
+        new = checkpoint.load(
+            path,
+            self._params,
+            self._group,
+            optimizer=self._state.optimizer,
+            params_out=params_out,
+            buffers_out=buffers_out,
+        )
         self._adopt(new)
         if with_model:
             self._params_written()  # the loaded weights are the facade's own write, not the user's
@@ -178,6 +231,13 @@ class StateDictMethods:
                 if opt.parts:
                     opt = opt.parts[opt.part_index(names[0])][1]
                 group.update(torch_optim.group_hyperparams(opt, opt.hyperparams(names[0])))
+
+
+def _saved_buffers(state_dict: Any) -> Mapping[str, torch.Tensor] | None:
+    """The model buffers a state dict from ``state_dict()`` carries (``None``: none, e.g. a torch optimizer's)."""
+    first = state_dict[0] if isinstance(state_dict, (list, tuple)) and state_dict else state_dict
+    zmeta = first.get("zerofn") if isinstance(first, Mapping) else None
+    return zmeta.get("buffers") if isinstance(zmeta, Mapping) else None
 
 
 def _check_list_shape(host: _Host, state_dict: Any) -> list[int] | None:

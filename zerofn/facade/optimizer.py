@@ -35,9 +35,10 @@ import torch
 import torch.distributed as dist
 
 from zerofn import _checks as checks
-from zerofn import optim, torch_optim
+from zerofn import _comm as comm
+from zerofn import _sync, optim, torch_optim
 from zerofn._comm import CommPolicy
-from zerofn.facade import _guards, _options
+from zerofn.facade import _buffers, _entry, _guards, _options
 from zerofn.facade._grad_methods import GradMethods
 from zerofn.facade._param_methods import ParamMethods
 from zerofn.facade._prefetch import ParamPrefetcher
@@ -113,6 +114,18 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
         named ``"group{g}.param{i}"``. The bare model, not a ``DistributedDataParallel``
         (refused: gradients would be reduced twice). With it, a param or submodule
         replaced after construction is refused at the next ``backward``/``step``.
+      init_sync: at construction, make every rank start from rank 0's params (and, with
+        ``module=``, its buffers), as DDP does when it is built (its ``init_sync``): one
+        broadcast per dtype over the data-parallel world (both groups of a hybrid
+        layout), after the ranks agreed on the layout and before the masters are used.
+        ``False``: each rank keeps its own values (they must then be equal already).
+      broadcast_buffers: with ``module=``, rank 0's buffers (BatchNorm running stats) are
+        broadcast before each forward of the module, as DDP's ``broadcast_buffers=True``
+        default (see :mod:`zerofn.facade._buffers` for its cost); ``False`` is DDP's opt-out.
+      entry_timeout: seconds that a collective entry point (``state_dict``,
+        ``save_checkpoint``, ``load_checkpoint``, ``load_state_dict``, ``check_params``)
+        waits for every rank to call it before raising, naming the ranks that did not and
+        what to write instead (:mod:`zerofn.facade._entry`); ``None``: no such wait.
       verbose: log skipped steps.
       communication_dtype: dtype gradients are cast to on the wire (``None``: the params'
         working dtype). This and the precision keywords below are the seed's, turned into
@@ -176,6 +189,9 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
         nonfinite: str = "skip",
         grad_accum_dtype: GradAccumDtype = "auto",
         precision: PrecisionPolicy | None = None,
+        init_sync: bool = True,
+        broadcast_buffers: bool = True,
+        entry_timeout: float | None = 300.0,
     ) -> None:
         seed = {k: v for k, v in locals().items() if k in _options.PRECISION_DEFAULTS}  # precision keywords
         _options.check_settings(reduce_bucket_size, norm_type, clip_grad_norm)
@@ -187,6 +203,8 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
         policy = _options.precision_policy(params, precision, seed)
         _options.cast_params(params, policy)  # validated: now cast, before anything reads them
         self._group, self._replicate = _options.hybrid_groups(dp_process_group, sub_dp_size, replicate_group)
+        groups = (self._group,) if self._replicate is None else (self._group, self._replicate)
+        self._entry = _entry.EntryGuard(groups, entry_timeout)
         self._stage = 2 if partition_grad else 1
         self._bucket_numel = reduce_bucket_size
         self._overlap = overlap_communication
@@ -204,15 +222,22 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
         self._group_names = [[n for n, _ in g] for g in named_groups]
         self._params = params
         self._name_of = {id(p): n for n, p in params.items()}
-        self._state: ZeroState = shard_params(params, fopt, self._group, precision=policy)
+        # The masters are cut here and made rank 0's below, once the ranks agree on the layout.
+        self._state: ZeroState = shard_params(params, fopt, self._group, precision=policy, check=False)
         layout = self._state.layout
         settings = {"stage": self._stage, "bucket_numel": reduce_bucket_size, "overlap": int(overlap_communication)}
         settings["precision"] = checks.text_hash(repr(policy))
         # Equal placements do not mean equal updates ([Adafactor, AdamW] vs [Muon, AdamW]).
         settings["optimizer"] = checks.text_hash(_options.update_rules(fopt, layout.names))
-        checks.check_ranks_agree(
-            layout, self._group, "ZeroOptimizer", settings=settings, device=self._state.work_device
-        )
+        # What the broadcasts below move must be alike everywhere (a mismatch inside them would hang).
+        module_states = _buffers.module_states(module, params, buffers=broadcast_buffers)
+        settings["module"] = _sync.structure_hash(module_states)
+        settings["init_sync"] = int(init_sync)
+        settings["broadcast_buffers"] = int(broadcast_buffers)
+        for g in (self._group, self._replicate) if self._replicate is not None else (self._group,):
+            checks.check_ranks_agree(layout, g, "ZeroOptimizer", settings=settings, device=self._state.work_device)
+        if init_sync:  # DDP's construction: every rank starts from rank 0's params and buffers
+            self._init_sync(module_states)
         self._gather_how = self._comm_policy.resolve(self._group)[1]
         self._hp_cache: tuple[Any, ...] | None = None
         self._last_info: StepInfo | None = None
@@ -231,6 +256,28 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
         # Params are the user's: writes made to them outside the facade are noticed at step.
         self._guard = _guards.ParamGuard(params, module)
         self._prefetch = self._make_prefetch(module) if overlap_allgather else None
+        self._module = module
+        self._buffer_sync = None
+        if module is not None and broadcast_buffers and self._world_size() > 1:
+            require_sync = _require_sync_of(weakref.ref(self._reducer))
+            self._buffer_sync = _buffers.BufferSync(module, self._group, self._replicate, require_sync)
+
+    def _init_sync(self, module_states: Mapping[str, torch.Tensor]) -> None:
+        """Broadcast rank 0's params and buffers over the data-parallel world; the masters take them.
+
+        Collectives: one broadcast per dtype over the replicate group (hybrid), then over
+        the shard group.
+        """
+        if self._world_size() == 1:
+            return
+        with torch.no_grad():
+            _sync.broadcast_(list(module_states.values()), self._group, self._replicate)
+        self._state = _guards.adopt_params(self._state, self._params, self._state.layout.names)
+
+    def _world_size(self) -> int:
+        """Ranks of the whole data-parallel world (shard group times replicas)."""
+        replicas = comm.group_size(self._replicate) if self._replicate is not None else 1
+        return comm.group_size(self._group) * replicas
 
     def _make_prefetch(self, module: torch.nn.Module | None) -> ParamPrefetcher:
         """``overlap_allgather``'s prefetcher over the layout's buckets (``module`` owns every param)."""
@@ -296,8 +343,10 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
         stage 2 a rank keeps its shards and ``p.grad`` a placeholder that holds nothing
         (torch's functions on it raise, naming :meth:`clip_grad_norm_`,
         :meth:`get_grad_norm`, :meth:`get_param_grad`). A second backward before ``step``
-        adds its averaged gradient to the first's; the first backward after ``step``
-        starts from zero (``step`` consumes the gradients).
+        adds its averaged gradient to the first's. After ``step``, call ``zero_grad()`` (or
+        ``model.zero_grad()``) before the next backward, as with DDP; without it, at stage 1
+        the new gradients add to the step's in ``p.grad`` as with DDP, and at stage 2 (or
+        under loss scaling) the backward raises on every rank saying so.
 
         Collectives: per bucket one reduction, and one tiny rank-agreement all-gather.
         """
@@ -346,6 +395,8 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
             self._reducer.close()
             if self._prefetch is not None:
                 self._prefetch.close()
+            if self._buffer_sync is not None:
+                self._buffer_sync.close()
 
     def __del__(self) -> None:
         if sys.is_finalizing():
@@ -394,9 +445,10 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
         ``step`` applies the gradients the user left: stage 1, each ``p.grad`` (clipped,
         edited, replaced; ``None`` leaves the param out, as torch.optim), cut into this
         rank's shards; stage 2, the shards (a placeholder set to ``None`` drops its
-        param's). It consumes them, as ZeRO implementations do: the next ``backward``
-        starts from zero whether or not ``zero_grad`` is called (plain torch would keep
-        accumulating into ``p.grad``); until then ``p.grad`` keeps its values, as with DDP.
+        param's). ``p.grad`` keeps its values after the step, as with DDP, until
+        ``zero_grad``: a backward before it accumulates into them at stage 1 (as DDP), and
+        raises on every rank at stage 2 or under loss scaling (the step consumed the
+        shards), saying to call ``zero_grad()``.
 
         Params are the user's: a param written outside the facade since its last write
         (``model.load_state_dict``, ``p.copy_``, in-place ops under ``no_grad``) is noticed here,
@@ -456,6 +508,16 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
             f"ZeroOptimizer(stage={self._stage}, optimizer={self._state.optimizer.name}, params={len(layout)}, "
             f"world_size={layout.world_size}, bucket_numel={self._bucket_numel}, overlap={self._overlap})"
         )
+
+
+def _require_sync_of(reducer: weakref.ref[GradReducer]) -> Any:
+    """Whether the reducer synchronises gradients now (False inside ``no_sync``), without a reference cycle."""
+
+    def require() -> bool:
+        me = reducer()
+        return me is not None and me.require_sync
+
+    return require
 
 
 def _loss_scale_of(opt: weakref.ref[ZeroOptimizer]) -> Any:
