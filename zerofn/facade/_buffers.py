@@ -12,7 +12,7 @@ buffers, also at construction.
 Cost, per training forward: one ``broadcast`` per buffer dtype (float32 running stats and
 int64 counters: two) of all the module's buffers at once, and a walk over
 ``module.named_buffers()`` (buffers can be reassigned, as DDP re-reads them too). A model
-without buffers pays the walk only. Measured figures: README, "Coming from DDP".
+without buffers pays the walk only. Measured figures: docs/coming-from-ddp.md.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ barrier, on a gloo group over the same ranks when the group is NCCL), and otherw
 rank 0 learns them; the others learn that rank 0 gave up) and what to write instead.
 
 Cost: one monitored barrier per call (per group of a hybrid layout), about 2.6 ms with
-gloo at 3 ranks on one CPU host (measured: README, "Coming from DDP"); nothing on the
+gloo at 3 ranks on one CPU host (measured: docs/coming-from-ddp.md); nothing on the
 per-step path. ``entry_timeout=None`` turns it off.
 """
 
