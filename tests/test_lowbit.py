@@ -207,6 +207,7 @@ def _train_facade(name: str, kind: str) -> dict[str, torch.Tensor]:
             with opt.no_sync() if micro < accumulate - 1 else contextlib.nullcontext():
                 opt.backward(((model(x.to(dtype)) - y.to(dtype)).float() ** 2).mean() / accumulate)
         opt.step()
+        opt.zero_grad()
         sched.step()
     opt.wait_params()  # overlap_allgather: the last gather lands here, not at a next forward
     return {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -388,6 +389,7 @@ def _lin_state_dicts() -> dict[str, dict]:
         for x, y in _same_batches(2):
             opt.backward(((model(x) - y) ** 2).mean())
             opt.step()
+            opt.zero_grad()
         out[name] = opt.state_dict()
     return out
 
