@@ -222,7 +222,9 @@ class ShardLayout:
         else:
             chosen = set(names)  # once: `names` may be a one-shot iterator
             wanted = tuple(n for n in self.names if n in chosen)
-        return _plan_buckets(self, wanted, bucket_numel)
+        # torch.compile traces the pure planner itself (it warns about lru_cache wrappers).
+        plan = _plan_buckets.__wrapped__ if torch.compiler.is_compiling() else _plan_buckets
+        return plan(self, wanted, bucket_numel)
 
 
 @functools.lru_cache(maxsize=256)
@@ -368,5 +370,5 @@ def make_layout(
     if owners:  # an all-split layout keeps the fingerprint it always had
         key = (*key, [(s.name, s.placement, s.owner) for s in specs if s.is_whole])
     digest = hashlib.sha256(repr(key).encode()).hexdigest()
-    index = MappingProxyType({s.name: i for i, s in enumerate(specs)})
+    index = {s.name: i for i, s in enumerate(specs)}  # a plain dict: torch.compile traces lookups in it
     return ShardLayout(world_size, tuple(specs), digest[:32], index)
