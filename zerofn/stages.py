@@ -727,7 +727,7 @@ def _settle_step(
     layout_names: tuple[str, ...],
     names: tuple[str, ...],
 ) -> None:
-    """A compiled ``step_shards``' verdict on the all-reduced scalars: return, or raise the eager error on every rank."""
+    """A compiled ``step_shards``' verdict on the all-reduced scalars: return, or raise the eager error everywhere."""
     group = comm.group_from_name(group_name)
     if total[2] > 0:
         _raise_rejected(None if failure is None else _traced.rebuild_failure(failure), group, veto)
