@@ -331,7 +331,7 @@ def reduce_grads(
         checks.validate_bucket_dtypes(buckets, grad_dtypes, group, "reduce_grads")
         failure: Exception | None = None
     except (TypeError, ValueError, KeyError) as e:
-        failure, present, grad_dtypes = e, [], {}
+        failure, present, grad_dtypes, buckets = e, [], {}, ()  # (compiled: traced on, never run)
     device = next((grads[n].device for n in present), torch.device("cpu"))  # type: ignore[union-attr]
     checks.check_ranks_agree(
         layout,
