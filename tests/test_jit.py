@@ -89,6 +89,7 @@ def _compiled_against_eager(stage: int, fp16: bool, steps: int, overflow_at: int
         "master_equal": all(torch.equal(se.master[n], sc.master[n]) for n in se.master),
         "trace_equal": te == tc,
         "trace": tc,
+        "eager_trace": te,
         "steps": (int(se.step), int(sc.step)),
         "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
     }

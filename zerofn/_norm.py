@@ -171,3 +171,34 @@ def _sum_of_squares_on(flats: list[torch.Tensor], device: torch.device) -> torch
     if fill:
         flush()
     return acc
+
+
+def exact_sqrt(x: torch.Tensor) -> torch.Tensor:
+    """The correctly rounded square root of a finite float64 tensor ``x >= 0``: ``math.sqrt``'s bits.
+
+    torch's CPU ``sqrt`` of float64 may be a vector-library routine, off by one ulp from
+    the IEEE square root in about 1% of cases; the eager step takes ``math.sqrt`` of the
+    all-reduced sum, so a compiled step must too. From ``torch.sqrt``'s guess ``y``, the
+    neighbour of ``y`` (one ulp down, ``y``, one up) whose square is nearest to ``x`` is
+    the correctly rounded root; each square's residual ``x - c*c`` is computed exactly
+    with Dekker's product (Veltkamp split, only IEEE ``+ - *``, which round alike
+    everywhere). Collectives: none.
+    """
+    guess = torch.sqrt(x)
+    best, best_res = guess, _residual(x, guess)
+    for direction in (-math.inf, math.inf):
+        c = torch.clamp(torch.nextafter(guess, torch.full_like(guess, direction)), min=0.0)
+        res = _residual(x, c)
+        better = res < best_res
+        best, best_res = torch.where(better, c, best), torch.where(better, res, best_res)
+    return best
+
+
+def _residual(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``|x - c*c|`` without rounding error in ``c*c`` (Dekker: ``c*c = p + e`` exactly)."""
+    split = c * 134217729.0  # 2**27 + 1
+    hi = split - (split - c)
+    lo = c - hi
+    p = c * c
+    e = ((hi * hi - p) + 2.0 * hi * lo) + lo * lo
+    return ((x - p) - e).abs()

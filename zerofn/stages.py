@@ -38,7 +38,7 @@ from zerofn import _comm as comm
 from zerofn import _placement, _traced
 from zerofn._comm import CommPolicy, Group, Pending
 from zerofn._deprecation import UNSET, renamed
-from zerofn._norm import local_norm_term
+from zerofn._norm import exact_sqrt, local_norm_term
 from zerofn._tree import FrozenDict
 from zerofn.buckets import (
     StagingPool,
@@ -677,7 +677,9 @@ def _step_shards_traced(
     )
     _traced.verdict(total, "step_shards", desc, [grad_shards[n] for n in names])
     found = total[1] > 0
-    norm = torch.where(found, torch.full_like(total[0], math.inf), total[0].sqrt() if norm_type == 2.0 else total[0])
+    norm = torch.where(
+        found, torch.full_like(total[0], math.inf), exact_sqrt(total[0]) if norm_type == 2.0 else total[0]
+    )
     new_loss_scale = policy.loss_scaler.update(loss_scale, found)
     scale = loss_scale.scale
     finite_norm = torch.where(found, torch.zeros_like(norm), norm)
