@@ -624,8 +624,8 @@ def _as_numbers(state: ZeroState) -> ZeroState:
 
 _NOT_TENSORS = (
     "step_shards under torch.compile: the state's step and loss scale are Python numbers, which a compiled "
-    "graph would bake in as constants (and recompile on every change); pass state.as_tensors() to the "
-    "compiled step (once, before the loop)"
+    "graph would bake in as constants (and recompile on every change), and a skipped step cannot leave them "
+    "as they were without a graph break; pass state.as_tensors() to the compiled step (once, before the loop)"
 )
 
 
@@ -651,7 +651,13 @@ def _step_shards_traced(
     ``donate`` is not needed: the compiler plans the graph's buffers.
     """
     if not isinstance(state.step, torch.Tensor):
-        raise TypeError(_NOT_TENSORS)
+        # Python numbers: one graph cannot hold this step. Break here, saying why (with
+        # fullgraph=True this is the error), and step the tensor form in the next graph.
+        torch._dynamo.graph_break(msg=_NOT_TENSORS)
+        new_state, info = _step_shards_traced(
+            state.as_tensors(), grad_shards, group, max_norm, norm_type, failure, veto
+        )
+        return _as_numbers(new_state), info
     policy, loss_scale = state.precision, state.loss_scale
     device = state.work_device
     refused = failure is not None or veto is not None
