@@ -530,6 +530,11 @@ def step_shards(
     Collectives: one ``all_reduce`` of two float64 scalars (norm and non-finite flag);
     with ``nonfinite="raise"`` and a bad step, one object all-gather of the offending
     names before raising.
+
+    Under ``torch.compile`` (one graph with the other stage functions): the same steps as
+    tensor math, bitwise equal with ``backend="aot_eager"``; pass ``state.as_tensors()``
+    (tensor step and loss scale) and read ``info``'s fields as 0-d tensors. The checks
+    above run once per trace; their verdict, and the errors, on every call.
     """
     comm.group_rank(group)  # a rank outside the group cannot take part: raise here, alone
     # Validate locally, then tell the other ranks through the norm all-reduce itself (a

@@ -173,6 +173,10 @@ pytree.register_pytree_node(
 class StepInfo(NamedTuple):
     """What ``step_shards`` found out on the way.
 
+    In a compiled step (``torch.compile``) the three fields are 0-d tensors (float64,
+    bool, float64) with the same values: reading them as numbers is the host sync the
+    graph leaves to its caller.
+
     Attributes:
       grad_norm: the global norm of the true (unscaled) mean gradient over the group,
         before clipping, a float; ``inf`` when some gradient element was not finite.
