@@ -16,6 +16,7 @@ a tuple of plain constants (names, shapes, messages, the group's name), fixed pe
 from __future__ import annotations
 
 import ast
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -44,7 +45,12 @@ def _encode(desc: tuple) -> str:
 
 @torch.library.custom_op("zerofn::verdict", mutates_args=())
 def _verdict_op(table: torch.Tensor, tensors: list[torch.Tensor], kind: str, desc: str) -> None:
-    _HANDLERS[kind](table, tensors, *ast.literal_eval(desc))
+    _HANDLERS[kind](table, tensors, *_decode(desc))
+
+
+@functools.lru_cache(maxsize=256)  # one string per trace point: parsed once, not every step
+def _decode(desc: str) -> tuple[Any, ...]:
+    return ast.literal_eval(desc)
 
 
 @_verdict_op.register_fake
