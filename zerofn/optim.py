@@ -281,7 +281,7 @@ def _sgd_update(
     new_params = dict(params)
     new_bufs = dict(state.momentum_buffer)
     for gi, group_names in _by_group(opt, names).items():
-        hp = opt.hyperparams(group_names[0])
+        hp = _scalar_lr(opt.hyperparams(group_names[0]))
         ps = [_own(params[n], donate) for n in group_names]
         bufs = [
             None if state.momentum_buffer[n] is None else _own(state.momentum_buffer[n], donate) for n in group_names
