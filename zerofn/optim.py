@@ -394,8 +394,13 @@ def _adam_update(
     for group_names in _by_group(opt, names).values():
         hp = _scalar_lr(opt.hyperparams(group_names[0]))
         if torch.compiler.is_compiling():
-            _adam_group_traced(opt, hp, group_names, grads, state, params, new_params, fields)
-            continue
+            if hp["fused"] or hp["foreach"]:
+                # torch's foreach/fused kernels are not what the eager step runs bit for bit:
+                # break the graph here, saying so (with fullgraph=True this is the error).
+                torch._dynamo.graph_break(msg=_NOT_TRACEABLE.format(name=opt.name))
+            else:
+                _adam_group_traced(opt, hp, group_names, grads, state, params, new_params, fields)
+                continue
         owned = {
             f: [_own(getattr(state, f)[n], donate) for n in group_names]
             for f in AdamState._fields
@@ -425,6 +430,13 @@ def _adam_update(
             for f, tensors in owned.items():
                 fields[f][n] = tensors[i]
     return new_params, AdamState(**{f: FrozenDict(v) for f, v in fields.items()})
+
+
+_NOT_TRACEABLE = (
+    "zerofn.optim.{name}: a compiled step runs Adam's single-tensor kernel; foreach=True or fused=True break "
+    "the graph here. Build the optimizer with foreach=None and fused=None (the CPU default) to compile the step "
+    "into one graph"
+)
 
 
 def _scalar_lr(hp: dict[str, Any]) -> dict[str, Any]:
@@ -461,13 +473,8 @@ def _adam_group_traced(
         \theta \leftarrow \theta - \frac{(-\text{step\_size}) \cdot m}
         {\sqrt{v} / \sqrt{1-\beta_2^t} + \epsilon}
 
-    Raises ``NotImplementedError`` at trace time for the fused and capturable kernels.
+    The foreach and fused kernels are not traced (:data:`_NOT_TRACEABLE`).
     """
-    if hp["fused"] or hp["foreach"]:
-        raise NotImplementedError(
-            f"zerofn.optim.{opt.name}: a compiled step runs the single-tensor kernels; build the optimizer with "
-            "foreach=None and fused=None (the CPU default) to compile it"
-        )
     lr, beta1, beta2, eps, wd = hp["lr"], hp["betas"][0], hp["betas"][1], hp["eps"], hp["weight_decay"]
     lr64 = lr.to(torch.float64) if isinstance(lr, torch.Tensor) else torch.tensor(float(lr), dtype=torch.float64)
     for n in names:
