@@ -12,7 +12,7 @@ Adam's bias corrections and step size) by the same IEEE float64 operations eager
 applies to Python floats, so the compiled loop is asserted bitwise equal to the eager
 loop, params, master shards, norms and loss-scale trajectory.
 
-Compiling is slow on the CPU (tens of seconds per graph under load), so the tests are
+Compiling is slow on the CPU (seconds to tens of seconds per graph), so the tests are
 few: each compiles one step once and runs every assertion on it.
 """
 
@@ -179,3 +179,57 @@ def test_validation_errors_fire_under_compile_on_every_rank_with_the_eager_messa
             out["nonfinite"][0] == "NonFiniteGradError"
             and "'0.bias' (in the shards of ranks [1])" in (out["nonfinite"][1])
         )
+
+
+def _features_compiled_against_eager(steps: int) -> dict[str, Any]:
+    """One compiled step with many options at once, against the same step eagerly.
+
+    bf16 params with gradients accumulated in fp32, three params placed whole (on their
+    owner ranks), byte-optimal realisations (reduce-scatter and all-gather, the functional
+    collectives NCCL would run), small buckets, a caller's staging pool, clipping.
+    """
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model = _model(False)[0].bfloat16()
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    lr = torch.tensor(1e-2, dtype=torch.float64)
+    whole = {"0.weight": "whole", "2.weight": "whole", "2.bias": "whole"}
+    precision = zf.PrecisionPolicy(param_dtype=torch.bfloat16)
+    start = zf.shard_params(params, zf.optim.adamw(lr=lr), precision=precision, placement=whole).as_tensors()
+    policy, pool = zf.CommPolicy.byte_optimal(), zf.buckets.StagingPool()
+
+    def loss_fn(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(torch.func.functional_call(model, p, (x,)), y)
+
+    def step(state: zf.ZeroState, params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> Any:
+        grads = {n: g.float() for n, g in torch.func.grad(loss_fn)(params, x, y).items()}  # fp32 accumulation
+        gshards = zf.reduce_grads(
+            grads, state.layout, precision=state.precision, comm_policy=policy, staging=pool, bucket_numel=64
+        )
+        state, info = zf.step_shards(state, gshards, max_norm=0.5)
+        return state, zf.gather_params(state, comm_policy=policy, staging=pool, bucket_numel=64), info
+
+    def run(fn: Any) -> tuple[zf.ZeroState, dict[str, torch.Tensor]]:
+        state, p = start, params
+        for i, (x, y) in enumerate(_batches(steps, False, -1)):
+            lr.fill_(1e-2 * 0.98**i)
+            state, p, _ = fn(state, p, x.bfloat16(), y.bfloat16())
+        return state, p
+
+    (se, pe) = run(step)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        (sc, pc) = run(torch.compile(step, fullgraph=True, backend="aot_eager"))
+    torch._dynamo.reset()
+    return {
+        "params_equal": all(torch.equal(pe[n].view(torch.uint8), pc[n].view(torch.uint8)) for n in pe),
+        "master_equal": se.master.keys() == sc.master.keys()
+        and all(torch.equal(se.master[n], sc.master[n]) for n in se.master),
+        "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
+    }
+
+
+@pytest.mark.numerics
+def test_bf16_accumulation_whole_placements_byte_optimal_collectives_and_staging_compile_bitwise():
+    for out in get_world(2).run(_features_compiled_against_eager, 4):
+        assert out["params_equal"] and out["master_equal"]
+        assert out["graphs"] == 1
