@@ -248,6 +248,8 @@ def pack_grads(
         first = next(g for g in (grads.get(name) for name in bucket.names) if g is not None)
         out = torch.empty(n, bucket.shard_numel, dtype=first.dtype, device=first.device)
     plan = _bucket_plan(layout, bucket)
+    if torch.compiler.is_compiling() and plan.split_width == bucket.shard_numel:
+        return _pack_split_traced(grads, plan, out, scale)
     dst: list[torch.Tensor] = []
     src: list[torch.Tensor] = []
     _pack_split_members(grads, plan, out, scale, dst, src)
@@ -273,6 +275,31 @@ def pack_grads(
         factor = torch.tensor(scale, dtype=torch.promote_types(out.dtype, torch.float32), device=out.device)
         torch._foreach_mul_(dst, factor)
     return out
+
+
+def _pack_split_traced(
+    grads: Mapping[str, torch.Tensor | None], plan: BucketPlan, like: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """:func:`pack_grads` of an all-split bucket in a compiled graph: new rows, built out of place.
+
+    Writing members into views of one buffer becomes, in a graph, a scatter of the whole
+    buffer per member; here each member is scaled (by the same 0-d factor, so the same
+    bits), zero-padded and the column blocks concatenated once. ``like`` gives the rows'
+    shape, dtype and device; it is not written.
+    """
+    n = like.shape[0]
+    factor = torch.tensor(scale, dtype=torch.promote_types(like.dtype, torch.float32), device=like.device)
+    blocks = []
+    for name, s, _, _, _, _ in plan.split_members:
+        t = grads.get(name)
+        if t is None:
+            blocks.append(torch.zeros(n, s, dtype=like.dtype, device=like.device))
+            continue
+        flat = t.detach().reshape(-1) * factor
+        if flat.numel() < n * s:
+            flat = torch.cat([flat, flat.new_zeros(n * s - flat.numel())])
+        blocks.append(flat.view(n, s))
+    return torch.cat(blocks, dim=1)
 
 
 def _pack_split_members(
