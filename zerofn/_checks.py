@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from zerofn import _comm as comm
+from zerofn import _traced
 from zerofn.layout import ShardLayout
 
 __all__ = ["RankMismatchError", "check_ranks_agree", "validate_grads", "validate_params"]
@@ -148,6 +149,7 @@ def text_hash(text: str) -> int:
     return int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)
 
 
+@torch._dynamo.assume_constant_result  # static metadata: hashed once per trace
 def _names_hash(names: Iterable[str]) -> int:
     return int(hashlib.sha256("\0".join(names).encode()).hexdigest()[:15], 16)
 
@@ -173,6 +175,10 @@ def check_ranks_agree(
     dozen bytes; on gloo tens of microseconds), plus hashing the names of ``present``.
     Only when ranks differ does a second, slower object all-gather collect the details
     for the message; every rank sees the same table, so all raise together.
+
+    Under ``torch.compile`` the local values (fingerprint, names, settings, this rank's
+    ``failure``) are static metadata, computed once per trace; the all-gather and the
+    verdict on its table run on every call of the compiled step, with the same messages.
     """
     settings = dict(settings or {})
     values = [
@@ -182,13 +188,45 @@ def check_ranks_agree(
         *settings.values(),
     ]
     table = comm.all_gather_ints(values, group, device=device)
+    if not comm.tracing() and failure is None and bool((table == table[0]).all()):
+        return  # the common case, without building the description below
+    # Eagerly settled now; in a compiled step, every time the graph runs (zerofn._traced).
+    desc = (
+        where,
+        comm.group_name(group),
+        tuple((p.name, p.shape, str(p.dtype)) for p in layout.params),
+        layout.world_size,
+        tuple(present) if present is not None else None,
+        tuple(settings.items()),
+        failure if not comm.tracing() else _traced.failure_desc(failure),
+    )
+    _traced.verdict(table, "ranks_agree", desc)
+
+
+@_traced.handler("ranks_agree")
+def _settle_agreement(
+    table: torch.Tensor,
+    tensors: list[torch.Tensor],
+    where: str,
+    group_name: str | None,
+    params: tuple[tuple[str, tuple[int, ...], str], ...],
+    world_size: int,
+    present: tuple[str, ...] | None,
+    settings: tuple[tuple[str, int], ...],
+    failure: Exception | tuple[str, str] | None,
+) -> None:
+    """:func:`check_ranks_agree`'s verdict on the all-gathered ``table``: return, or raise on every rank."""
+    del tensors
     if bool((table == table[0]).all()) and failure is None:
         return
+    if failure is not None and not isinstance(failure, Exception):
+        failure = _traced.rebuild_failure(failure)
+    group = comm.group_from_name(group_name)
     mine: dict[str, Any] = {
-        "params": [(p.name, p.shape, str(p.dtype)) for p in layout.params],
-        "world_size": layout.world_size,
-        "present": present,
-        "settings": settings,
+        "params": list(params),
+        "world_size": world_size,
+        "present": None if present is None else list(present),
+        "settings": dict(settings),
         "failure": None if failure is None else f"{type(failure).__name__}: {failure}",
     }
     everyone = comm.all_gather_objects(mine, group)

@@ -50,6 +50,7 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 __all__ = [
     "CommCounter",
@@ -68,12 +69,15 @@ __all__ = [
     "device_mesh",
     "gather_rows",
     "grid_groups",
+    "group_from_name",
+    "group_name",
     "group_rank",
     "group_size",
     "join",
     "monitor_group",
     "sum_across",
     "sum_rows",
+    "tracing",
 ]
 
 Group = dist.ProcessGroup | None
@@ -82,6 +86,31 @@ Group = dist.ProcessGroup | None
 # names; older torch (down to 2.4) only has the old ones.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def tracing() -> bool:
+    """True while ``torch.compile`` traces the caller (then collectives are functional).
+
+    Eagerly every collective here is a c10d call (with work handles for overlap); under
+    tracing it is the matching functional collective (``_c10d_functional.*`` and
+    ``wait_tensor``), which the compiler keeps in the graph, so one compiled step holds
+    every collective of the step and no graph break.
+    """
+    return torch.compiler.is_compiling()
+
+
+def group_name(group: Group) -> str | None:
+    """A name that finds ``group`` again in this process (:func:`group_from_name`); ``None`` for the default."""
+    return None if group is None else group.group_name
+
+
+def group_from_name(name: str | None) -> Group:
+    """The process group :func:`group_name` named (``None``: the default group)."""
+    if name is None:
+        return None
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
 
 
 def group_size(group: Group) -> int:
@@ -177,6 +206,8 @@ def count_bytes() -> Iterator[CommCounter]:
 
 
 def _record(collective: str, nbytes: int) -> None:
+    if tracing():  # a compiled step is counted by the compiler's graph, not per call
+        return
     for counter in getattr(_active, "stack", ()):
         counter.add(collective, nbytes)
 
@@ -241,6 +272,8 @@ def sum_rows(rows: torch.Tensor, group: Group, how: str, *, async_op: bool = Fal
         raise ValueError(f"sum_rows: whole=True keeps every row of an all-reduce; {how!r} leaves one row per rank")
     if n == 1:
         return Pending([], (lambda: rows) if whole else (lambda: rows[0]))
+    if tracing():
+        return _sum_rows_traced(rows, group, how, rank, whole)
     if how == "reduce_scatter":
         out = torch.empty(s, dtype=rows.dtype, device=rows.device)
         handle = _reduce_scatter_flat(out, rows.view(-1), group=group, async_op=async_op)
@@ -253,6 +286,24 @@ def sum_rows(rows: torch.Tensor, group: Group, how: str, *, async_op: bool = Fal
     raise ValueError(f"unknown reduce realisation {how!r}")
 
 
+def _functional_group(group: Group) -> dist.ProcessGroup:
+    return group if group is not None else dist.group.WORLD
+
+
+def _sum_rows_traced(rows: torch.Tensor, group: Group, how: str, rank: int, whole: bool) -> Pending:
+    """:func:`sum_rows` under tracing: the functional collective, waited on at ``wait()``."""
+    pg = _functional_group(group)
+    if how == "reduce_scatter":
+        out = funcol.reduce_scatter_tensor(rows.reshape(-1), "sum", 0, pg)
+        return Pending([], lambda: funcol.wait_tensor(out))
+    if how == "all_reduce":
+        summed = funcol.all_reduce(rows, "sum", pg)
+        if whole:
+            return Pending([], lambda: funcol.wait_tensor(summed))
+        return Pending([], lambda: funcol.wait_tensor(summed)[rank])
+    raise ValueError(f"unknown reduce realisation {how!r}")
+
+
 def sum_across(t: torch.Tensor, group: Group) -> torch.Tensor:
     """Sum a contiguous tensor in place over ``group`` (the replicas of a hybrid layout).
 
@@ -262,6 +313,8 @@ def sum_across(t: torch.Tensor, group: Group) -> torch.Tensor:
     if group is None:
         return t
     n = group_size(group)
+    if n > 1 and tracing():
+        return funcol.wait_tensor(funcol.all_reduce(t, "sum", group))
     if n > 1:
         dist.all_reduce(t, group=group)
         _record("all_reduce", 2 * _ring_share(n, t.numel(), t.element_size()))
@@ -293,6 +346,8 @@ def gather_rows(
     n = group_size(group)
     rank = group_rank(group)
     elem = row.element_size()
+    if tracing():
+        return _gather_rows_traced(row, group, how, n, rank, out)
     if out is None:
         out = torch.empty(n, s, dtype=row.dtype, device=row.device)
     elif out.shape != (n, s) or out.dtype != row.dtype or out.device != row.device or not out.is_contiguous():
@@ -323,6 +378,28 @@ def gather_rows(
     raise ValueError(f"unknown gather realisation {how!r}")
 
 
+def _gather_rows_traced(
+    row: torch.Tensor, group: Group, how: str, n: int, rank: int, out: torch.Tensor | None
+) -> Pending:
+    """:func:`gather_rows` under tracing: functional collectives into a new ``(N, S)`` tensor.
+
+    ``out`` is not written (a compiled graph plans its own buffers); a row packed into
+    ``out[rank]`` is read from there.
+    """
+    (s,) = row.shape
+    if n == 1:
+        return Pending([], lambda: row.reshape(1, s).clone())
+    pg = _functional_group(group)
+    if how == "all_gather":
+        gathered = funcol.all_gather_single(row.contiguous(), 0, pg)
+        return Pending([], lambda: funcol.wait_tensor(gathered).view(n, s))
+    if how == "broadcast":
+        sent = [row if r == rank else torch.empty_like(row) for r in range(n)]
+        rows = [funcol.broadcast(sent[r], r, pg) for r in range(n)]  # c10d roots are group ranks
+        return Pending([], lambda: torch.stack([funcol.wait_tensor(t) for t in rows]))
+    raise ValueError(f"unknown gather realisation {how!r}")
+
+
 def grid_groups(group: Group, rows: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """This rank's (row group, column group) of ``group``'s ranks read as a ``rows x N/rows`` grid.
 
@@ -350,8 +427,10 @@ def all_reduce_scalars(values: torch.Tensor, op: str, group: Group) -> torch.Ten
 
     Returns a new tensor; ``values`` is not changed. Collectives: one ``all_reduce``.
     """
-    out = values.clone()
     n = group_size(group)
+    if n > 1 and tracing():
+        return funcol.wait_tensor(funcol.all_reduce(values, op, _functional_group(group)))
+    out = values.clone()
     if n > 1:
         reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
         dist.all_reduce(out, op=reduce_op, group=group)
@@ -365,6 +444,9 @@ def all_gather_ints(values: list[int], group: Group, device: torch.device | str 
     n = group_size(group)
     if n == 1:
         return mine.unsqueeze(0)
+    if tracing():
+        gathered = funcol.all_gather_single(mine, 0, _functional_group(group))
+        return funcol.wait_tensor(gathered).view(n, mine.numel())
     out = torch.empty(n, mine.numel(), dtype=torch.int64, device=device)
     _all_gather_flat(out.view(-1), mine, group=group)
     _record("check", _ring_share(n, out.numel(), 8))

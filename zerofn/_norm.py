@@ -48,9 +48,13 @@ def local_norm_term(pieces: Iterable[torch.Tensor], norm_type: float, device: to
 
     Collectives: none.
     """
-    tensors = _coalesced([t.detach() for t in pieces if t.numel()])
+    tensors = [t.detach() for t in pieces if t.numel()]
     if not tensors:
         return torch.zeros((), dtype=torch.float64, device=device)
+    if not torch.compiler.is_compiling():  # storage addresses exist only eagerly
+        tensors = _coalesced(tensors)
+    elif norm_type != math.inf and not all(t.is_cuda for t in tensors):
+        return _streamed_sum_of_squares(tensors, traced=True).to(device)
     if norm_type == math.inf:
         maxima = torch._foreach_norm(tensors, math.inf)
         return torch.stack([m.to(device, torch.float64) for m in maxima]).max()
@@ -107,15 +111,33 @@ def _fused_sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([n.to(tensors[0].device) for n in norms]).square().sum()
 
 
-def _streamed_sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """``sum(x**2)`` over ``tensors`` in float64, through one float64 buffer per device."""
+def _streamed_sum_of_squares(tensors: list[torch.Tensor], *, traced: bool = False) -> torch.Tensor:
+    """``sum(x**2)`` over ``tensors`` in float64, through one float64 buffer per device.
+
+    ``traced`` (under ``torch.compile``): the same chunks, cut from one float64
+    concatenation instead of streamed through a reused buffer, so the same ``dot`` calls
+    add the same numbers in the same order (bitwise equal to the eager sum).
+    """
     total = torch.zeros((), dtype=torch.float64)
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for t in tensors:
         by_device.setdefault(t.device, []).append(t.reshape(-1))
     for device, flats in by_device.items():
-        total += _sum_of_squares_on(flats, device).cpu()
+        total += (_sum_of_squares_traced if traced else _sum_of_squares_on)(flats, device).cpu()
     return total
+
+
+def _sum_of_squares_traced(flats: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """:func:`_sum_of_squares_on` for a compiled graph: chunk ``k`` is elements ``[k*size, (k+1)*size)``
+    of all ``flats`` side by side, as the eager buffer holds them."""
+    total = sum(f.numel() for f in flats)
+    size = min(CHUNK_NUMEL, total)
+    stream = torch.cat([f.to(torch.float64) for f in flats])
+    acc = torch.zeros((), dtype=torch.float64, device=device)
+    for start in range(0, total, size):
+        chunk = stream[start : start + size]
+        acc = acc + torch.dot(chunk, chunk)
+    return acc
 
 
 def _sum_of_squares_on(flats: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -149,3 +171,34 @@ def _sum_of_squares_on(flats: list[torch.Tensor], device: torch.device) -> torch
     if fill:
         flush()
     return acc
+
+
+def exact_sqrt(x: torch.Tensor) -> torch.Tensor:
+    """The correctly rounded square root of a finite float64 tensor ``x >= 0``: ``math.sqrt``'s bits.
+
+    torch's CPU ``sqrt`` of float64 may be a vector-library routine, off by one ulp from
+    the IEEE square root in about 1% of cases; the eager step takes ``math.sqrt`` of the
+    all-reduced sum, so a compiled step must too. From ``torch.sqrt``'s guess ``y``, the
+    neighbour of ``y`` (one ulp down, ``y``, one up) whose square is nearest to ``x`` is
+    the correctly rounded root; each square's residual ``x - c*c`` is computed exactly
+    with Dekker's product (Veltkamp split, only IEEE ``+ - *``, which round alike
+    everywhere). Collectives: none.
+    """
+    guess = torch.sqrt(x)
+    best, best_res = guess, _residual(x, guess)
+    for direction in (-math.inf, math.inf):
+        c = torch.clamp(torch.nextafter(guess, torch.full_like(guess, direction)), min=0.0)
+        res = _residual(x, c)
+        better = res < best_res
+        best, best_res = torch.where(better, c, best), torch.where(better, res, best_res)
+    return best
+
+
+def _residual(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``|x - c*c|`` without rounding error in ``c*c`` (Dekker: ``c*c = p + e`` exactly)."""
+    split = c * 134217729.0  # 2**27 + 1
+    hi = split - (split - c)
+    lo = c - hi
+    p = c * c
+    e = ((hi * hi - p) + 2.0 * hi * lo) + lo * lo
+    return ((x - p) - e).abs()

@@ -146,6 +146,11 @@ def bucket_plan(layout: ShardLayout, bucket: Bucket) -> BucketPlan:
     return BucketPlan(widths, tuple(members), split_width)
 
 
+def _bucket_plan(layout: ShardLayout, bucket: Bucket) -> BucketPlan:
+    """:func:`bucket_plan`; under torch.compile its pure body, traced once per graph."""
+    return (bucket_plan.__wrapped__ if torch.compiler.is_compiling() else bucket_plan)(layout, bucket)
+
+
 class StagingPool:
     """A free list of flat bucket buffers per (dtype, device), reused between buckets and steps.
 
@@ -184,6 +189,8 @@ class StagingPool:
 
     def give_unless_aliased(self, buf: torch.Tensor, readers: Iterable[torch.Tensor]) -> None:
         """Return ``buf`` unless one of ``readers`` is a view of it (then it is simply dropped)."""
+        if torch.compiler.is_compiling():  # no storage addresses in a trace: the compiler owns buffers
+            return
         ptr = buf.untyped_storage().data_ptr()
         if all(t.untyped_storage().data_ptr() != ptr for t in readers):
             self.give(buf)
@@ -240,7 +247,9 @@ def pack_grads(
     if out is None:
         first = next(g for g in (grads.get(name) for name in bucket.names) if g is not None)
         out = torch.empty(n, bucket.shard_numel, dtype=first.dtype, device=first.device)
-    plan = bucket_plan(layout, bucket)
+    plan = _bucket_plan(layout, bucket)
+    if torch.compiler.is_compiling() and plan.split_width == bucket.shard_numel:
+        return _pack_split_traced(grads, plan, out, scale)
     dst: list[torch.Tensor] = []
     src: list[torch.Tensor] = []
     _pack_split_members(grads, plan, out, scale, dst, src)
@@ -266,6 +275,31 @@ def pack_grads(
         factor = torch.tensor(scale, dtype=torch.promote_types(out.dtype, torch.float32), device=out.device)
         torch._foreach_mul_(dst, factor)
     return out
+
+
+def _pack_split_traced(
+    grads: Mapping[str, torch.Tensor | None], plan: BucketPlan, like: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """:func:`pack_grads` of an all-split bucket in a compiled graph: new rows, built out of place.
+
+    Writing members into views of one buffer becomes, in a graph, a scatter of the whole
+    buffer per member; here each member is scaled (by the same 0-d factor, so the same
+    bits), zero-padded and the column blocks concatenated once. ``like`` gives the rows'
+    shape, dtype and device; it is not written.
+    """
+    n = like.shape[0]
+    factor = torch.tensor(scale, dtype=torch.promote_types(like.dtype, torch.float32), device=like.device)
+    blocks = []
+    for name, s, _, _, _, _ in plan.split_members:
+        t = grads.get(name)
+        if t is None:
+            blocks.append(torch.zeros(n, s, dtype=like.dtype, device=like.device))
+            continue
+        flat = t.detach().reshape(-1) * factor
+        if flat.numel() < n * s:
+            flat = torch.cat([flat, flat.new_zeros(n * s - flat.numel())])
+        blocks.append(flat.view(n, s))
+    return torch.cat(blocks, dim=1)
 
 
 def _pack_split_members(
@@ -385,7 +419,7 @@ def split_row(
 
     Collectives: none.
     """
-    plan = bucket_plan(layout, bucket)
+    plan = _bucket_plan(layout, bucket)
     if rank is None and plan.split_width < bucket.shard_numel:
         raise ValueError("split_row: this bucket holds whole params; pass rank= (whose row this is)")
     dtype = dtype if dtype is not None else layout[bucket.names[0]].dtype
@@ -435,7 +469,7 @@ def unpack_rows(
     """
     n = layout.world_size
     wanted = None if names is None else set(names)
-    plan = bucket_plan(layout, bucket)
+    plan = _bucket_plan(layout, bucket)
     result: dict[str, torch.Tensor] = {}
     dst: list[torch.Tensor] = []
     src: list[torch.Tensor] = []
@@ -518,7 +552,7 @@ def pack_shards(
 
     Collectives: none.
     """
-    plan = bucket_plan(layout, bucket)
+    plan = _bucket_plan(layout, bucket)
     if plan.split_width < bucket.shard_numel:
         return _pack_whole_row(shards, plan, bucket, dtype=dtype, device=device, out=out, rank=rank)
     parts = [shards[name] if dtype is None else shards[name].to(dtype) for name in bucket.names]

@@ -239,7 +239,9 @@ class ShardLayout:
         else:
             chosen = set(names)  # once: `names` may be a one-shot iterator
             wanted = tuple(n for n in self.names if n in chosen)
-        return _plan_buckets(self, wanted, bucket_numel)
+        # torch.compile traces the pure planner itself (it warns about lru_cache wrappers).
+        plan = _plan_buckets.__wrapped__ if torch.compiler.is_compiling() else _plan_buckets
+        return plan(self, wanted, bucket_numel)
 
 
 @functools.lru_cache(maxsize=256)
@@ -435,5 +437,5 @@ def make_layout(
     if any(s.block for s in specs):  # and so does a layout without blocked params
         key = (*key, [(s.name, s.placement) for s in specs if s.block])
     digest = hashlib.sha256(repr(key).encode()).hexdigest()
-    index = MappingProxyType({s.name: i for i, s in enumerate(specs)})
+    index = {s.name: i for i, s in enumerate(specs)}  # a plain dict: torch.compile traces lookups in it
     return ShardLayout(world_size, tuple(specs), digest[:32], index)

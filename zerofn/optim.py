@@ -243,6 +243,11 @@ def _check_hyperparams(name: str, hp: Mapping[str, Any]) -> None:
             value = hp[key]
             # Adafactor's eps is a pair (eps1 or None, eps2): each part obeys the same rule.
             parts = value if key == "eps" and isinstance(value, (tuple, list)) else (value,)
+            if key == "lr" and isinstance(value, torch.Tensor):
+                # A schedule for a compiled step: a 0-d tensor the caller updates in place.
+                if value.dim() != 0 or not value.is_floating_point():
+                    raise ValueError(f"zerofn.optim.{name}: a tensor lr must be 0-d floating, got {value!r}")
+                parts = (float(value),)
             if not all(
                 (p is None and len(parts) > 1) or (isinstance(p, (int, float)) and math.isfinite(p) and p >= 0)
                 for p in parts
@@ -305,7 +310,7 @@ def _sgd_update(
     new_params = dict(params)
     new_bufs = dict(state.momentum_buffer)
     for gi, group_names in _by_group(opt, names).items():
-        hp = opt.hyperparams(group_names[0])
+        hp = _scalar_lr(opt.hyperparams(group_names[0]))
         ps = [_own(params[n], donate) for n in group_names]
         bufs = [
             None if state.momentum_buffer[n] is None else _own(state.momentum_buffer[n], donate) for n in group_names
@@ -417,7 +422,15 @@ def _adam_update(
     new_params = dict(params)
     fields = {f: dict(getattr(state, f)) for f in AdamState._fields}
     for group_names in _by_group(opt, names).values():
-        hp = opt.hyperparams(group_names[0])
+        hp = _scalar_lr(opt.hyperparams(group_names[0]))
+        if torch.compiler.is_compiling():
+            if hp["fused"] or hp["foreach"]:
+                # torch's foreach/fused kernels are not what the eager step runs bit for bit:
+                # break the graph here, saying so (with fullgraph=True this is the error).
+                torch._dynamo.graph_break(msg=_NOT_TRACEABLE.format(name=opt.name))
+            else:
+                _adam_group_traced(opt, hp, group_names, grads, state, params, new_params, fields)
+                continue
         owned = {
             f: [_own(getattr(state, f)[n], donate) for n in group_names]
             for f in AdamState._fields
@@ -447,6 +460,80 @@ def _adam_update(
             for f, tensors in owned.items():
                 fields[f][n] = tensors[i]
     return new_params, AdamState(**{f: FrozenDict(v) for f, v in fields.items()})
+
+
+_NOT_TRACEABLE = (
+    "zerofn.optim.{name}: a compiled step runs Adam's single-tensor kernel; foreach=True or fused=True break "
+    "the graph here. Build the optimizer with foreach=None and fused=None (the CPU default) to compile the step "
+    "into one graph"
+)
+
+
+def _scalar_lr(hp: dict[str, Any]) -> dict[str, Any]:
+    """``hp`` with a tensor lr read as a Python float when running eagerly (bitwise what a float gives).
+
+    Under ``torch.compile`` the tensor stays: the graph reads its value on every call.
+    """
+    lr = hp["lr"]
+    if isinstance(lr, torch.Tensor) and not torch.compiler.is_compiling():
+        return {**hp, "lr": lr.item()}
+    return hp
+
+
+def _adam_group_traced(
+    opt: Optimizer,
+    hp: Mapping[str, Any],
+    names: list[str],
+    grads: Params,
+    state: AdamState,
+    params: Params,
+    new_params: dict[str, torch.Tensor],
+    fields: dict[str, dict[str, torch.Tensor]],
+) -> None:
+    r"""One group's Adam/AdamW update inside a compiled graph, bitwise equal to the eager one.
+
+    Eagerly torch's single-tensor Adam reads ``step`` with ``.item()`` and computes the
+    bias corrections and the step size as Python (float64) numbers, which the kernels
+    round to the params' dtype. Here those scalars are 0-d float64 tensors computed by the
+    same operations (IEEE ``pow``, ``/``, ``sqrt`` round alike), cast to the params' dtype
+    where eager mode casts them, so a changing ``lr`` tensor and the step count never
+    recompile the graph. The element-wise ops are torch's, in torch's order:
+
+    .. math::
+        \theta \leftarrow \theta - \frac{(-\text{step\_size}) \cdot m}
+        {\sqrt{v} / \sqrt{1-\beta_2^t} + \epsilon}
+
+    The foreach and fused kernels are not traced (:data:`_NOT_TRACEABLE`).
+    """
+    lr, beta1, beta2, eps, wd = hp["lr"], hp["betas"][0], hp["betas"][1], hp["eps"], hp["weight_decay"]
+    lr64 = lr.to(torch.float64) if isinstance(lr, torch.Tensor) else torch.tensor(float(lr), dtype=torch.float64)
+    for n in names:
+        param, grad = params[n], grads[n]
+        grad = -grad if hp["maximize"] else grad
+        step_t = state.step[n] + 1
+        if wd != 0:
+            if opt.name == "adamw":
+                param = param * (1 - lr64 * wd).to(param.dtype)
+            else:
+                grad = grad.add(param, alpha=wd)
+        exp_avg = state.exp_avg[n].lerp(grad, 1 - beta1)
+        exp_avg_sq = state.exp_avg_sq[n].mul(beta2).addcmul(grad, grad, value=1 - beta2)
+        step = step_t.to(lr64.device, torch.float64)  # eager: step_t.item(), exact
+        bias_correction1 = 1 - torch.pow(beta1, step)
+        bias_correction2 = 1 - torch.pow(beta2, step)
+        step_size = lr64 / bias_correction1
+        bias_correction2_sqrt = bias_correction2.sqrt()
+        if hp["amsgrad"]:
+            max_sq = torch.maximum(state.max_exp_avg_sq[n], exp_avg_sq)
+            fields["max_exp_avg_sq"][n] = max_sq
+            denom = (max_sq.sqrt() / bias_correction2_sqrt.to(param.dtype)).add(eps)
+        else:
+            denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt.to(param.dtype)).add(eps)
+        # addcdiv(value=-step_size) computes param + (value * exp_avg) / denom in the params' dtype.
+        new_params[n] = param + (exp_avg * (-step_size).to(param.dtype)) / denom
+        fields["step"][n] = step_t
+        fields["exp_avg"][n] = exp_avg
+        fields["exp_avg_sq"][n] = exp_avg_sq
 
 
 def _adam_factory(

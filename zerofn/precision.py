@@ -233,6 +233,8 @@ class DynamicLossScaler:
           A new :class:`LossScaleState`; ``state`` is not changed.
         """
         scale, tracker, left = state
+        if isinstance(found_overflow, torch.Tensor):
+            return self._update_tensors(state, found_overflow)
         if found_overflow:
             if left <= 1:
                 scale = max(scale * self.backoff_factor, float(self.min_scale))
@@ -242,6 +244,25 @@ class DynamicLossScaler:
             grown = min(scale * self.growth_factor, float(self.max_scale))
             return LossScaleState(grown, 0, self.hysteresis)
         return LossScaleState(scale, tracker, left)
+
+    def _update_tensors(self, state: LossScaleState, found: torch.Tensor) -> LossScaleState:
+        """:meth:`update` as tensor math (``torch.where``, no host sync), for a compiled step.
+
+        ``state``'s fields are 0-d tensors (float64 scale, int64 counters; see
+        :meth:`zerofn.ZeroState.as_tensors`), ``found`` a 0-d bool tensor. The float64
+        products round as the Python floats of :meth:`update` do: the same trajectory.
+        """
+        scale, tracker, left = state
+        backed = torch.clamp(scale * self.backoff_factor, min=float(self.min_scale))
+        over_scale = torch.where(left <= 1, backed, scale)
+        ticked = tracker + 1
+        grow = ticked == self.growth_interval
+        grown = torch.clamp(scale * self.growth_factor, max=float(self.max_scale))
+        new_scale = torch.where(found, over_scale, torch.where(grow, grown, scale))
+        new_tracker = torch.where(found | grow, torch.zeros_like(tracker), ticked)
+        hysteresis = torch.full_like(left, self.hysteresis)
+        new_left = torch.where(found, torch.clamp(left - 1, min=0), torch.where(grow, hysteresis, left))
+        return LossScaleState(new_scale, new_tracker, new_left)
 
 
 @dataclasses.dataclass(frozen=True)

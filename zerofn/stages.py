@@ -31,13 +31,14 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 from zerofn import _checks as checks
 from zerofn import _comm as comm
-from zerofn import _placement, _sync
+from zerofn import _placement, _sync, _traced
 from zerofn._comm import CommPolicy, Group, Pending
 from zerofn._deprecation import UNSET, renamed
-from zerofn._norm import local_norm_term
+from zerofn._norm import exact_sqrt, local_norm_term
 from zerofn._tree import FrozenDict
 from zerofn.buckets import (
     StagingPool,
@@ -52,6 +53,7 @@ from zerofn.buckets import (
 from zerofn.layout import Bucket, ShardLayout, block_of, make_layout
 from zerofn.optim import Optimizer
 from zerofn.precision import (
+    LossScaleState,
     NonFiniteGradError,
     PrecisionPolicy,
     nonfinite_grad_names,
@@ -359,7 +361,7 @@ def reduce_grads(
         checks.validate_bucket_dtypes(buckets, grad_dtypes, group, "reduce_grads")
         failure: Exception | None = None
     except (TypeError, ValueError, KeyError) as e:
-        failure, present, grad_dtypes = e, [], {}
+        failure, present, grad_dtypes, buckets = e, [], {}, ()  # (compiled: traced on, never run)
     device = next((grads[n].device for n in present), torch.device("cpu"))  # type: ignore[union-attr]
     checks.check_ranks_agree(
         layout,
@@ -382,7 +384,8 @@ def reduce_grads(
     present_set = set(present)
     out: dict[str, torch.Tensor] = {}
     # Without the caller's pool, one for this call: bucket k + 2 reuses bucket k's pages.
-    pool = staging if staging is not None else StagingPool(keep=PIPELINE_DEPTH + 1)
+    # (Under torch.compile the compiler plans buffers: a caller's pool is left alone.)
+    pool = staging if staging is not None and not comm.tracing() else StagingPool(keep=PIPELINE_DEPTH + 1)
     in_flight: collections.deque[tuple[Bucket, torch.dtype, Pending, torch.Tensor]] = collections.deque()
 
     def settle_oldest() -> None:
@@ -557,10 +560,60 @@ def step_shards(
     Collectives: one ``all_reduce`` of two float64 scalars (norm and non-finite flag);
     with ``nonfinite="raise"`` and a bad step, one object all-gather of the offending
     names before raising.
+
+    Under ``torch.compile`` (one graph with the other stage functions): the same steps as
+    tensor math, bitwise equal with ``backend="aot_eager"``; pass ``state.as_tensors()``
+    (tensor step and loss scale) and read ``info``'s fields as 0-d tensors. The checks
+    above run once per trace; their verdict, and the errors, on every call.
     """
     comm.group_rank(group)  # a rank outside the group cannot take part: raise here, alone
     # Validate locally, then tell the other ranks through the norm all-reduce itself (a
     # third flag), so a bad input on one rank makes every rank raise, none waits.
+    failure = _validate_step(state, grad_shards, group, max_norm, norm_type)
+    if comm.tracing():
+        return _step_shards_traced(state, grad_shards, group, max_norm, norm_type, failure, veto)
+    if isinstance(state.step, torch.Tensor):  # the tensor form (as_tensors) steps as the numbers do
+        new_state, info = step_shards(
+            _as_numbers(state), grad_shards, group, max_norm, norm_type=norm_type, donate=donate, veto=veto
+        )
+        return new_state.as_tensors(), info
+    policy, loss_scale = state.precision, state.loss_scale
+    refused = failure is not None or veto is not None
+    norm, rejected = _global_norm(
+        grad_shards if failure is None else {}, norm_type, group, state.work_device, rejected=refused
+    )
+    if rejected:
+        _raise_rejected(failure, group, veto)
+    found = not math.isfinite(norm)
+    new_loss_scale = policy.loss_scaler.update(loss_scale, found)
+    if found:
+        if policy.nonfinite == "raise":
+            _raise_nonfinite(state, grad_shards, group)
+        skipped = state if new_loss_scale == loss_scale else state.replace(loss_scale=new_loss_scale)
+        return skipped, StepInfo(norm, True, 1.0)
+    coef = unscale_and_clip_coef(norm, loss_scale.scale, max_norm)
+    true_norm = unscaled_norm(norm, loss_scale.scale)
+    clipped = max_norm is not None and (true_norm + 1e-6) / max_norm > 1
+    moved = _placement.to_device(grad_shards, state.state_device)  # CPU offload: grads go to the state
+    grads = {}
+    for name, g in moved.items():
+        target = state.master[name].dtype
+        if coef != 1.0:
+            wide = torch.promote_types(g.dtype, target)
+            owned = donate or g is not grad_shards[name]
+            g = g.mul_(coef) if owned and g.dtype == wide else g.to(wide) * coef
+        grads[name] = g.to(target)
+    new_master, new_opt_state = state.optimizer.update(grads, state.opt_state, state.master, donate=donate)
+    new_state = state.replace(
+        master=FrozenDict(new_master), opt_state=new_opt_state, step=state.step + 1, loss_scale=new_loss_scale
+    )
+    return new_state, StepInfo(true_norm, False, max_norm / (true_norm + 1e-6) if clipped else 1.0)
+
+
+def _validate_step(
+    state: ZeroState, grad_shards: Mapping[str, torch.Tensor], group: Group, max_norm: float | None, norm_type: float
+) -> Exception | None:
+    """``step_shards``' local checks (static metadata only): the error, or ``None``."""
     try:
         checks.validate_world(state.layout, group, "step_shards")
         if comm.group_rank(group) != state.rank:
@@ -593,40 +646,136 @@ def step_shards(
                 raise TypeError(
                     f"step_shards on rank {state.rank}: shard of {name!r} has dtype {g.dtype}, not floating"
                 )
-        failure: Exception | None = None
     except (TypeError, ValueError, KeyError) as e:
-        failure = e
+        return e
+    return None
+
+
+def _as_numbers(state: ZeroState) -> ZeroState:
+    """The inverse of :meth:`ZeroState.as_tensors`: step and loss-scale state as Python numbers."""
+    scale, tracker, left = state.loss_scale
+    return state.replace(step=int(state.step), loss_scale=LossScaleState(float(scale), int(tracker), int(left)))
+
+
+_NOT_TENSORS = (
+    "step_shards under torch.compile: the state's step and loss scale are Python numbers, which a compiled "
+    "graph would bake in as constants (and recompile on every change), and a skipped step cannot leave them "
+    "as they were without a graph break; pass state.as_tensors() to the compiled step (once, before the loop)"
+)
+
+
+def _step_shards_traced(
+    state: ZeroState,
+    grad_shards: Mapping[str, torch.Tensor],
+    group: Group,
+    max_norm: float | None,
+    norm_type: float,
+    failure: Exception | None,
+    veto: object,
+) -> tuple[ZeroState, StepInfo]:
+    """``step_shards`` inside a compiled graph: the same arithmetic as tensor math, no host sync.
+
+    The local checks ran once, at trace time (shapes and dtypes are static); their
+    verdict rides in the scalar all-reduce as eagerly, and :func:`zerofn._traced.verdict`
+    raises the eager errors on every rank when a rank rejected its input, or, with
+    ``nonfinite="raise"``, when a gradient is not finite. Otherwise the overflow flag is
+    a tensor every rank got from the same all-reduce: a skipped step is ``torch.where``
+    between the old and the updated state (the update runs either way, its non-finite
+    results are dropped), the loss scaler advances by tensor math, and the unscale-and-clip
+    coefficient is a float64 tensor computed as :func:`unscale_and_clip_coef` computes it.
+    ``donate`` is not needed: the compiler plans the graph's buffers.
+    """
+    if not isinstance(state.step, torch.Tensor):
+        # Python numbers: one graph cannot hold this step. Break here, saying why (with
+        # fullgraph=True this is the error), and step the tensor form in the next graph.
+        torch._dynamo.graph_break(msg=_NOT_TENSORS)
+        new_state, info = _step_shards_traced(
+            state.as_tensors(), grad_shards, group, max_norm, norm_type, failure, veto
+        )
+        return _as_numbers(new_state), info
     policy, loss_scale = state.precision, state.loss_scale
+    device = state.work_device
     refused = failure is not None or veto is not None
-    norm, rejected = _global_norm(
-        grad_shards if failure is None else {}, norm_type, group, state.work_device, rejected=refused
+    local = local_norm_term(grad_shards.values() if failure is None else [], norm_type, device)
+    finite = torch.isfinite(local)
+    packed = torch.stack(
+        [
+            torch.where(finite, local, torch.zeros_like(local)),
+            (~finite).to(torch.float64),
+            torch.full((), float(refused), dtype=torch.float64, device=device),
+        ]
     )
-    if rejected:
-        _raise_rejected(failure, group, veto)
-    found = not math.isfinite(norm)
+    total = comm.all_reduce_scalars(packed, "max" if norm_type == math.inf else "sum", group)
+    names = list(grad_shards)
+    desc = (
+        comm.group_name(group),
+        _traced.failure_desc(failure),
+        None if veto is None else repr(veto),
+        policy.nonfinite,
+        state.rank,
+        state.layout.names,
+        tuple(names),
+    )
+    _traced.verdict(total, "step_shards", desc, [grad_shards[n] for n in names])
+    found = total[1] > 0
+    norm = torch.where(
+        found, torch.full_like(total[0], math.inf), exact_sqrt(total[0]) if norm_type == 2.0 else total[0]
+    )
     new_loss_scale = policy.loss_scaler.update(loss_scale, found)
-    if found:
-        if policy.nonfinite == "raise":
-            _raise_nonfinite(state, grad_shards, group)
-        skipped = state if new_loss_scale == loss_scale else state.replace(loss_scale=new_loss_scale)
-        return skipped, StepInfo(norm, True, 1.0)
-    coef = unscale_and_clip_coef(norm, loss_scale.scale, max_norm)
-    true_norm = unscaled_norm(norm, loss_scale.scale)
-    clipped = max_norm is not None and (true_norm + 1e-6) / max_norm > 1
-    moved = _placement.to_device(grad_shards, state.state_device)  # CPU offload: grads go to the state
+    scale = loss_scale.scale
+    finite_norm = torch.where(found, torch.zeros_like(norm), norm)
+    true_norm = finite_norm / scale
+    div = scale if isinstance(scale, torch.Tensor) else torch.full_like(norm, scale)
+    clip_info = torch.ones_like(norm)
+    if max_norm is not None:
+        clip = (true_norm + 1e-6) / max_norm
+        div = torch.where(clip > 1, clip * scale, div)
+        clip_info = torch.where(clip > 1, max_norm / (true_norm + 1e-6), clip_info)
+    coef = 1.0 / div  # unscale_and_clip_coef, in float64 as eagerly
+    moved = _placement.to_device(grad_shards, state.state_device)
     grads = {}
     for name, g in moved.items():
         target = state.master[name].dtype
-        if coef != 1.0:
-            wide = torch.promote_types(g.dtype, target)
-            owned = donate or g is not grad_shards[name]
-            g = g.mul_(coef) if owned and g.dtype == wide else g.to(wide) * coef
-        grads[name] = g.to(target)
-    new_master, new_opt_state = state.optimizer.update(grads, state.opt_state, state.master, donate=donate)
-    new_state = state.replace(
-        master=FrozenDict(new_master), opt_state=new_opt_state, step=state.step + 1, loss_scale=new_loss_scale
-    )
-    return new_state, StepInfo(true_norm, False, max_norm / (true_norm + 1e-6) if clipped else 1.0)
+        wide = torch.promote_types(g.dtype, target)
+        grads[name] = (g.to(wide) * coef.to(state.state_device, wide)).to(target)  # x * 1.0 == x: no branch
+    new_master, new_opt_state = state.optimizer.update(grads, state.opt_state, state.master, donate=False)
+    keep = found.to(state.state_device)
+
+    def select(old: Any, new: Any) -> Any:
+        return torch.where(keep, old, new) if isinstance(new, torch.Tensor) and old is not None else new
+
+    old_leaves, spec = pytree.tree_flatten(state.opt_state)
+    new_leaves, new_spec = pytree.tree_flatten(new_opt_state)
+    if spec != new_spec:
+        raise NotImplementedError(
+            f"step_shards under torch.compile: zerofn.optim.{state.optimizer.name}'s state changes its structure "
+            "in a step (a buffer created on the first step); run one step eagerly before compiling"
+        )
+    opt_state = pytree.tree_unflatten([select(o, n) for o, n in zip(old_leaves, new_leaves, strict=True)], spec)
+    master = FrozenDict({n: select(state.master[n], t) for n, t in new_master.items()})
+    step = torch.where(found, state.step, state.step + 1)
+    new_state = state.replace(master=master, opt_state=opt_state, step=step, loss_scale=new_loss_scale)
+    return new_state, StepInfo(torch.where(found, norm, true_norm), found, torch.where(found, 1.0, clip_info))
+
+
+@_traced.handler("step_shards")
+def _settle_step(
+    total: torch.Tensor,
+    shards: list[torch.Tensor],
+    group_name: str | None,
+    failure: tuple[str, str] | None,
+    veto: str | None,
+    nonfinite: str,
+    rank: int,
+    layout_names: tuple[str, ...],
+    names: tuple[str, ...],
+) -> None:
+    """A compiled ``step_shards``' verdict on the all-reduced scalars: return, or raise the eager error everywhere."""
+    group = comm.group_from_name(group_name)
+    if total[2] > 0:
+        _raise_rejected(None if failure is None else _traced.rebuild_failure(failure), group, veto)
+    if total[1] > 0 and nonfinite == "raise":
+        _raise_nonfinite_names(rank, layout_names, dict(zip(names, shards, strict=True)), group)
 
 
 def _check_staging(staging: object, where: str) -> None:
@@ -670,10 +819,16 @@ def _raise_nonfinite(state: ZeroState, grad_shards: Mapping[str, torch.Tensor], 
     Only called once the scalar all-reduce has told every rank that the step is bad, so
     every rank issues this one object all-gather and raises: none is left waiting.
     """
+    _raise_nonfinite_names(state.rank, state.layout.names, grad_shards, group)
+
+
+def _raise_nonfinite_names(
+    rank: int, layout_names: tuple[str, ...], grad_shards: Mapping[str, torch.Tensor], group: Group
+) -> None:
     everyone = comm.all_gather_objects(nonfinite_grad_names(grad_shards), group)
     where = {
         name: [r for r, names in enumerate(everyone) if name in names]  # type: ignore[operator]
-        for name in state.layout.names
+        for name in layout_names
         if any(name in names for names in everyone)  # type: ignore[operator]
     }
     if where:
@@ -682,7 +837,7 @@ def _raise_nonfinite(state: ZeroState, grad_shards: Mapping[str, torch.Tensor], 
     else:
         what = "no gradient element is inf or nan, but the squared global norm overflowed float64"
     raise NonFiniteGradError(
-        f"step_shards on rank {state.rank}: {what}. The policy says nonfinite='raise', so no rank applied "
+        f"step_shards on rank {rank}: {what}. The policy says nonfinite='raise', so no rank applied "
         "this step and the state is unchanged. Find the cause (a bad batch, a too large learning rate, an "
         "overflow in the forward), or use PrecisionPolicy(nonfinite='skip') to skip such steps."
     )
@@ -750,7 +905,8 @@ def gather_params(
         for s in layout.params
     }
     # Without the caller's pool, one for this call: bucket k + 2 reuses bucket k's pages.
-    pool = staging if staging is not None else StagingPool(keep=PIPELINE_DEPTH + 1)
+    # (Under torch.compile the compiler plans buffers: a caller's pool is left alone.)
+    pool = staging if staging is not None and not comm.tracing() else StagingPool(keep=PIPELINE_DEPTH + 1)
     in_flight: collections.deque[tuple[Bucket, Pending, torch.Tensor]] = collections.deque()
 
     def write_oldest() -> None:

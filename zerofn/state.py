@@ -112,6 +112,29 @@ class ZeroState:
     def items(self) -> Any:
         raise TypeError(_NOT_A_DICT)
 
+    def as_tensors(self) -> ZeroState:
+        """This state with its numbers as 0-d tensors, for a step under ``torch.compile``.
+
+        ``step`` becomes an int64 tensor and the loss-scale state a float64 scale and two
+        int64 counters, on the state's device. A compiled step then reads them as inputs
+        (a skipped step is a ``torch.where``, the scale moves without recompiling), where
+        Python numbers would be constants of the graph and recompile it on every change.
+        The stage functions accept either form eagerly and keep the form they were given.
+        Tensors are shared, nothing is copied but the numbers.
+        """
+        if isinstance(self.step, torch.Tensor):
+            return self
+        device = self.state_device
+        scale, tracker, left = self.loss_scale
+        return self.replace(
+            step=torch.tensor(self.step, dtype=torch.int64, device=device),
+            loss_scale=LossScaleState(
+                torch.tensor(float(scale), dtype=torch.float64, device=device),
+                torch.tensor(int(tracker), dtype=torch.int64, device=device),
+                torch.tensor(int(left), dtype=torch.int64, device=device),
+            ),
+        )
+
     @property
     def nbytes(self) -> int:
         """Bytes of tensor storage this rank holds: master shards plus optimizer state (a
@@ -152,6 +175,10 @@ pytree.register_pytree_node(
 
 class StepInfo(NamedTuple):
     """What ``step_shards`` found out on the way.
+
+    In a compiled step (``torch.compile``) the three fields are 0-d tensors (float64,
+    bool, float64) with the same values: reading them as numbers is the host sync the
+    graph leaves to its caller.
 
     Attributes:
       grad_norm: the global norm of the true (unscaled) mean gradient over the group,

@@ -1,0 +1,94 @@
+"""Checks a compiled step runs on every call: host-side verdicts as one opaque graph node.
+
+Under ``torch.compile`` the stage functions' local validation runs once per trace (on
+static metadata: names, shapes, dtypes, settings), and its result travels, as in eager
+mode, in the rank-agreement all-gather or the norm all-reduce. Reading that collective's
+verdict needs the host, and raising the eager mode's exact error needs the slow object
+all-gather that explains it. Both run in a *handler* registered here by the module that
+owns the check, called with the collective's result: eagerly at once, and in a compiled
+graph through ``zerofn::verdict``, a custom op the graph keeps (it has a side effect, so it
+is never dead code) right after the collective, so it runs on every call with the real
+tensors. A handler returns when every rank agrees and otherwise raises the eager error on
+every rank (they all read the same collective result). What it needs besides tensors is
+a tuple of plain constants (names, shapes, messages, the group's name), fixed per trace.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["failure_desc", "handler", "rebuild_failure", "verdict"]
+
+Handler = Callable[..., None]
+_HANDLERS: dict[str, Handler] = {}
+
+
+def handler(kind: str) -> Callable[[Handler], Handler]:
+    """Register ``fn(table, tensors, *desc)`` as the check named ``kind``."""
+
+    def register(fn: Handler) -> Handler:
+        _HANDLERS[kind] = fn
+        return fn
+
+    return register
+
+
+@torch._dynamo.assume_constant_result  # run for real at trace time: a constant of the graph
+def _encode(desc: tuple) -> str:
+    return repr(desc)
+
+
+@torch.library.custom_op("zerofn::verdict", mutates_args=())
+def _verdict_op(table: torch.Tensor, tensors: list[torch.Tensor], kind: str, desc: str) -> None:
+    _HANDLERS[kind](table, tensors, *_decode(desc))
+
+
+@functools.lru_cache(maxsize=256)  # one string per trace point: parsed once, not every step
+def _decode(desc: str) -> tuple[Any, ...]:
+    return ast.literal_eval(desc)
+
+
+@_verdict_op.register_fake
+def _(table: torch.Tensor, tensors: list[torch.Tensor], kind: str, desc: str) -> None:
+    del table, tensors, kind, desc
+
+
+torch.fx.node.has_side_effect(torch.ops.zerofn.verdict.default)
+
+
+def verdict(table: torch.Tensor, kind: str, desc: tuple[Any, ...], tensors: list[torch.Tensor] | None = None) -> None:
+    """Run the ``kind`` handler on ``table`` every time the compiled graph runs (eagerly: now).
+
+    Args:
+      table: the collective's result the verdict reads (on every rank the same).
+      kind: a name given to :func:`handler`.
+      desc: the handler's other arguments: Python constants only (str, int, float, bool,
+        None, tuples of them), fixed for the trace.
+      tensors: values the handler needs to explain an error (e.g. the gradient shards, to
+        name the non-finite ones); in a compiled graph it gets the call's real tensors.
+    """
+    tensors = list(tensors or [])
+    if torch.compiler.is_compiling():
+        torch.ops.zerofn.verdict(table, tensors, kind, _encode(desc))
+    else:
+        _HANDLERS[kind](table, tensors, *desc)
+
+
+def failure_desc(failure: Exception | None) -> tuple[str, str] | None:
+    """A local validation error as constants: (type name, message)."""
+    if failure is None:
+        return None
+    return (type(failure).__name__, str(failure.args[0]) if failure.args else "")
+
+
+_FAILURE_TYPES: dict[str, type[Exception]] = {"TypeError": TypeError, "ValueError": ValueError, "KeyError": KeyError}
+
+
+def rebuild_failure(desc: tuple[str, str]) -> Exception:
+    """The error :func:`failure_desc` described, to raise again."""
+    return _FAILURE_TYPES.get(desc[0], RuntimeError)(desc[1])
