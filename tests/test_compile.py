@@ -206,9 +206,7 @@ def _report_2_params() -> list[Any]:
     ATEN_CPU_CAPABILITY=default torch 2.13's inductor generates C++ that does not compile:
     ``at::vec`` is not declared)."""
     cases = [(case, 2) for case in COMPILED_CASES] + [("eager_compiled_first_small_bucket_sgd", 3)]
-    return [
-        pytest.param(case, n) for case, n in cases
-    ]
+    return [pytest.param(case, n) for case, n in cases]
 
 
 @pytest.mark.parametrize(("case", "n"), _report_2_params())
