@@ -124,6 +124,28 @@ def _no_grad(step):
     return ["unused.weight", "unused.bias", *([] if gate_used(step) else ["gate.weight", "gate.bias"])]
 
 
+def _torch_optimizer(opt_name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
+    return _optimizers(opt_name, model.named_parameters())[1]
+
+
+_DDP_TWINS: dict[tuple, tuple[dict[str, torch.Tensor], float]] = {}
+
+
+def _ddp_twin(opt_name: str, clip: bool) -> tuple[dict[str, torch.Tensor], float]:
+    """DDP's params and this machine's noise floor, once per rank process: the
+    communication policy changes zerofn's collectives, not DDP's."""
+    key = (dist.get_world_size(), opt_name, clip)
+    if key not in _DDP_TWINS:
+        torch.manual_seed(0)
+        model = Net()
+        make_optimizer = functools.partial(_torch_optimizer, opt_name)
+        data = functools.partial(batches, dist.get_rank(), STEPS)
+        options = dict(steps=STEPS, clip=MAX_NORM if clip else None)
+        ddp = ddp_reference(model, make_optimizer, data(), **options)["params"]
+        _DDP_TWINS[key] = ddp, ddp_noise_floor(model, make_optimizer, data, ddp, **options)
+    return _DDP_TWINS[key]
+
+
 def _train_both(opt_name, clip, policy_name):
     """On every rank: zerofn stage 1, zerofn stage 2, DDP and the torch.func reference from the same model."""
     torch.manual_seed(0)
@@ -133,18 +155,13 @@ def _train_both(opt_name, clip, policy_name):
     for stage in (1, 2):
         opt, _ = _optimizers(opt_name, [("x", torch.zeros(1, requires_grad=True))])
         out[stage], out["clipped"][stage] = _train_zero(model, opt, stage, clip, POLICIES[policy_name])
-    reference = dict(
-        make_optimizer=lambda m: _optimizers(opt_name, m.named_parameters())[1],
-        steps=STEPS,
-        clip=MAX_NORM if clip else None,
-    )
-    out["ddp"] = ddp_reference(model, batches=batches(dist.get_rank(), STEPS), **reference)["params"]
-    data = functools.partial(batches, dist.get_rank(), STEPS)
-    out["floor"] = ddp_noise_floor(model, reference.pop("make_optimizer"), data, out["ddp"], **reference)
-    reference["make_optimizer"] = lambda m: _optimizers(opt_name, m.named_parameters())[1]
-    out["func"] = functional_reference(model, batches=batches(dist.get_rank(), STEPS), no_grad=_no_grad, **reference)[
-        "params"
-    ]
+    out["ddp"], out["floor"] = _ddp_twin(opt_name, clip)
+    rank = dist.get_rank()
+    make_optimizer = functools.partial(_torch_optimizer, opt_name)
+    clip_at = MAX_NORM if clip else None
+    out["func"] = functional_reference(
+        model, make_optimizer, batches(rank, STEPS), steps=STEPS, clip=clip_at, no_grad=_no_grad
+    )["params"]
     return out
 
 
