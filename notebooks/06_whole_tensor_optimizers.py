@@ -190,7 +190,7 @@ for r, got in enumerate(results):
 # against the balanced share (the total over ranks, divided by $N$). With whole params a
 # rank may hold up to one largest whole param (its master and its state) more than the
 # share; in this tiny model that one matrix is a third of all parameters, so the owner
-# carries visibly more. In the benchmark transformer (10.5M parameters, the README's
+# carries visibly more. In the benchmark transformer (10.5M parameters, the benchmarks page's
 # table) the ranks end within 0.4 % of each other.
 
 # %%
