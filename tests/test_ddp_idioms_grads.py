@@ -17,8 +17,12 @@ Tolerances (fp32): at N = 2 the facade's averaged gradient is DDP's bit for bit 
 multiply by 1/2 before summing; a sum of two numbers does not depend on order), and so
 is every step that clips with torch's own function on it: asserted bitwise. At N = 3
 gloo's ring adds three addends in another order than DDP's bucket and 1/3 rounds, and
-``opt.clip_grad_norm_`` computes the norm in float64 where torch uses float32: the
-suite's 1e-6 relative (``PARITY``) after ``STEPS`` steps.
+``opt.clip_grad_norm_`` computes the norm in float64 where torch uses float32. One step's
+gradients and norms then agree to the suite's 1e-6 relative (``PARITY``); the params after
+several AdamW steps agree to ``max(PARITY, FLOOR_FACTOR * floor)``, where the floor is
+DDP against DDP with last-bit gradient jitter on the same training (``_measured_floor``,
+measured in the same run on the same machine: how far AdamW carries such bits depends
+on the CPU's kernels).
 """
 
 from __future__ import annotations
@@ -32,7 +36,18 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from helpers import Net, Snapshot, assert_trees_equal, batches, gate_used, max_rel_diff
+from helpers import (
+    Net,
+    Snapshot,
+    assert_floor_is_noise,
+    assert_trees_equal,
+    assert_within_floor,
+    batches,
+    ddp_noise_floor,
+    ddp_reference,
+    gate_used,
+    max_rel_diff,
+)
 
 import zerofn as zf
 from zerofn.facade._reducer import ShardedGrad, ShardedGradError
@@ -69,6 +84,42 @@ def _pair(stage: int, overlap: bool, **options: Any) -> tuple[nn.Module, Any, to
 
 def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return ((out - y) ** 2).mean()
+
+
+_FLOORS: dict[tuple[Any, ...], float] = {}  # per rank process: the pool keeps it across tests
+
+
+def _measured_floor(steps: int, *, accumulate: int = 1, clip: float | None = None, gate: bool = True) -> float:
+    """DDP against DDP (other buckets, gradients jittered by an ulp) on ``_pair``'s training.
+
+    Net from seed 0, AdamW(lr=1e-2, weight_decay=0.1), this rank's ``batches``; ``steps``
+    steps of ``accumulate`` micro-batches, clipped to ``clip`` by torch's function, the
+    forward with ``gate_used`` when ``gate``. 0.0 at N <= 2 without clipping. Measured once
+    per world size and setting in each rank process. Collectives: DDP's, on every rank.
+    """
+    key = (dist.get_world_size(), steps, accumulate, clip, gate)
+    if key not in _FLOORS:
+        torch.manual_seed(0)
+        model = Net()
+        options: dict[str, Any] = {
+            "steps": steps,
+            "accumulate": accumulate,
+            "clip": clip,
+            "loss_fn": _loss,
+            "use_gate": gate_used if gate else None,
+        }
+
+        def make_optimizer(module: nn.Module) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(module.parameters(), lr=1e-2, weight_decay=0.1)
+
+        def make_batches() -> Any:
+            return batches(dist.get_rank(), steps * accumulate)
+
+        plain = ddp_reference(model, make_optimizer, make_batches(), **options)["params"]
+        floor = ddp_noise_floor(model, make_optimizer, make_batches, plain, **options)
+        assert_floor_is_noise(floor, plain, _named(model))
+        _FLOORS[key] = floor
+    return _FLOORS[key]
 
 
 def _grad_diffs(model: nn.Module, ddp: Any) -> dict[str, Any]:
@@ -110,7 +161,8 @@ def _inspect_and_clip_with_torch(overlap: bool, plain: bool, accumulate: int) ->
         zopt.zero_grad()
         topt.step()
         topt.zero_grad()
-    return {"diffs": diffs, "norms": norms, "zero": _named(model), "ref": _named(ddp.module)}
+    floor = _measured_floor(STEPS, accumulate=accumulate, clip=MAX_NORM)
+    return {"diffs": diffs, "norms": norms, "zero": _named(model), "ref": _named(ddp.module), "floor": floor}
 
 
 @pytest.mark.parametrize("n", [2, 3])
@@ -129,7 +181,7 @@ def test_stage1_p_grad_is_ddps_and_torch_clipping_trains_as_with_ddp(worlds, n, 
                 assert ours > MAX_NORM and abs(ours - theirs) <= PARITY * theirs, label
             if n == 2:
                 assert_trees_equal(res["zero"], res["ref"])
-            assert max_rel_diff(res["zero"], res["ref"]) <= PARITY, label
+            assert_within_floor(res["zero"], res["ref"], res["floor"], rel=PARITY, what=label)
 
 
 def _report2(stage: int, overlap: bool) -> dict[str, Any]:
@@ -148,7 +200,12 @@ def _report2(stage: int, overlap: bool) -> dict[str, Any]:
         zopt.zero_grad()
         topt.step()
         topt.zero_grad()
-    return {"diff": max_rel_diff(_named(model), _named(ddp.module)), "error": None}
+    return {
+        "zero": _named(model),
+        "ref": _named(ddp.module),
+        "floor": _measured_floor(4, clip=0.1, gate=False),
+        "error": None,
+    }
 
 
 @pytest.mark.parametrize("n", [2, 3])
@@ -158,7 +215,10 @@ def test_report2_torch_clipping_between_backward_and_step_clips_or_says_how(worl
         for overlap in (False, True):
             for res in worlds[n].run(_report2, stage, overlap):
                 if stage == 1:
-                    assert res["error"] is None and res["diff"] <= (0.0 if n == 2 else PARITY)
+                    assert res["error"] is None
+                    if n == 2:
+                        assert_trees_equal(res["zero"], res["ref"])
+                    assert_within_floor(res["zero"], res["ref"], res["floor"], rel=PARITY, what=f"N={n}")
                 else:
                     assert "opt.clip_grad_norm_(max_norm)" in res["error"]
 
@@ -250,7 +310,8 @@ def _clip_with_the_facade(stage: int, overlap: bool) -> dict[str, Any]:
         zopt.zero_grad()
         topt.step()
         topt.zero_grad()
-    return {"norms": norms, "zero": _named(model), "ref": _named(ddp.module)}
+    floor = _measured_floor(STEPS, clip=MAX_NORM)
+    return {"norms": norms, "zero": _named(model), "ref": _named(ddp.module), "floor": floor}
 
 
 @pytest.mark.parametrize("n", [2, 3])
@@ -263,7 +324,7 @@ def test_the_facades_clip_grad_norm_matches_torchs_at_both_stages(worlds, n):
                 for ours, theirs in res["norms"]:
                     assert isinstance(ours, torch.Tensor) and ours.dim() == 0 and ours.dtype == torch.float32
                     assert float(ours) > MAX_NORM and abs(float(ours) - theirs) <= PARITY * theirs, label
-                assert max_rel_diff(res["zero"], res["ref"]) <= PARITY, label
+                assert_within_floor(res["zero"], res["ref"], res["floor"], rel=PARITY, what=label)
 
 
 def _clip_arguments() -> dict[str, Any]:
@@ -315,7 +376,7 @@ def _grad_norm_before_and_after(stage: int, overlap: bool) -> dict[str, Any]:
         topt.step()
         topt.zero_grad()
         rows.append((before, again, theirs, zopt.get_grad_norm(), zopt.last_step_info.grad_norm))
-    return {"rows": rows, "zero": _named(model), "ref": _named(ddp.module)}
+    return {"rows": rows, "zero": _named(model), "ref": _named(ddp.module), "floor": _measured_floor(3, clip=MAX_NORM)}
 
 
 @pytest.mark.parametrize("n", [2, 3])
@@ -327,7 +388,7 @@ def test_get_grad_norm_is_the_current_norm_before_step_and_the_last_steps_after(
                     assert before == again  # reading it changes nothing
                     assert abs(before - theirs) <= PARITY * theirs
                     assert after == info == before  # the step clipped exactly the gradients measured
-                assert max_rel_diff(res["zero"], res["ref"]) <= PARITY
+                assert_within_floor(res["zero"], res["ref"], res["floor"], rel=PARITY, what=f"N={n} stage={stage}")
 
 
 def _fp16_norms(stage: int) -> dict[str, Any]:
@@ -383,7 +444,13 @@ def _grad_scaler_stage1(overlap: bool, clip: bool) -> dict[str, Any]:
             scaler.step(opt)
             scaler.update()
             opt.zero_grad()
-    return {"zero": _named(model), "ref": _named(ddp.module), "scales": [s.get_scale() for s in scalers]}
+    floor = _measured_floor(STEPS, clip=MAX_NORM if clip else None)
+    return {
+        "zero": _named(model),
+        "ref": _named(ddp.module),
+        "scales": [s.get_scale() for s in scalers],
+        "floor": floor,
+    }
 
 
 @pytest.mark.parametrize("n", [2, 3])
@@ -394,7 +461,8 @@ def test_grad_scaler_at_stage1_trains_as_with_ddp(worlds, n):
                 assert res["scales"][0] == res["scales"][1]
                 if n == 2:
                     assert_trees_equal(res["zero"], res["ref"])
-                assert max_rel_diff(res["zero"], res["ref"]) <= PARITY
+                what = f"N={n} overlap={overlap} clip={clip}"
+                assert_within_floor(res["zero"], res["ref"], res["floor"], rel=PARITY, what=what)
 
 
 def _torch_on_stage2_grads(overlap: bool) -> dict[str, Any]:
@@ -504,7 +572,14 @@ def _accumulate_over_placeholders(overlap: bool) -> dict[str, Any]:
         topt.zero_grad()
     with torch._C.DisableTorchFunctionSubclass():
         intact = ph.stride() == (0, 0) and float(ph[0, 0]) == 0.0 and ph._version == 0
-    return {"zero": _named(model), "ref": _named(ddp.module), "intact": intact, "kind": type(ph).__name__}
+    floor = _measured_floor(STEPS, accumulate=3)  # DDP's accumulation over the same micro-batches
+    return {
+        "zero": _named(model),
+        "ref": _named(ddp.module),
+        "intact": intact,
+        "kind": type(ph).__name__,
+        "floor": floor,
+    }
 
 
 def test_autograd_never_accumulates_into_the_stage2_placeholder(worlds):
@@ -514,7 +589,7 @@ def test_autograd_never_accumulates_into_the_stage2_placeholder(worlds):
         for overlap in (False, True):
             for res in worlds[n].run(_accumulate_over_placeholders, overlap):
                 assert res["kind"] == "ShardedGrad" and res["intact"]
-                assert max_rel_diff(res["zero"], res["ref"]) <= PARITY
+                assert_within_floor(res["zero"], res["ref"], res["floor"], rel=PARITY, what=f"N={n}")
 
 
 def _gradient_memory(stage: int) -> dict[str, Any]:
@@ -587,7 +662,12 @@ def _hybrid_stage1_p_grad(overlap: bool) -> dict[str, Any]:
         zopt.zero_grad()
         topt.step()
         topt.zero_grad()
-    return {"diffs": diffs, "zero": _named(model), "ref": _named(ddp.module)}
+    return {
+        "diffs": diffs,
+        "zero": _named(model),
+        "ref": _named(ddp.module),
+        "floor": _measured_floor(3, clip=MAX_NORM),
+    }
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -596,7 +676,7 @@ def test_stage1_p_grad_in_a_hybrid_layout_is_the_mean_over_all_ranks(worlds, ove
         for step_diffs in res["diffs"]:
             assert step_diffs["unused.weight"] is None
             assert max(d for d in step_diffs.values() if d is not None) <= PARITY
-        assert max_rel_diff(res["zero"], res["ref"]) <= PARITY
+        assert_within_floor(res["zero"], res["ref"], res["floor"], rel=PARITY, what="2 x 2")
 
 
 # --------------------------------------------------------------------------- whole params
@@ -656,7 +736,8 @@ def _backwards_before_step_stage1(overlap: bool) -> dict[str, Any]:
         zopt.zero_grad()
         topt.step()
         topt.zero_grad()
-    return {"zero": _named(model), "ref": _named(ddp.module), "worst_grad": worst}
+    floor = _measured_floor(STEPS, accumulate=3)  # DDP's accumulation over the same micro-batches
+    return {"zero": _named(model), "ref": _named(ddp.module), "worst_grad": worst, "floor": floor}
 
 
 def test_stage1_backwards_before_one_step_sum_their_means_in_p_grad(worlds):
@@ -665,4 +746,4 @@ def test_stage1_backwards_before_one_step_sum_their_means_in_p_grad(worlds):
         for overlap in (False, True):
             for res in worlds[n].run(_backwards_before_step_stage1, overlap):
                 assert res["worst_grad"] <= PARITY
-                assert max_rel_diff(res["zero"], res["ref"]) <= PARITY
+                assert_within_floor(res["zero"], res["ref"], res["floor"], rel=PARITY, what=f"N={n}")
