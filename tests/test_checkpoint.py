@@ -1,8 +1,11 @@
 """Checkpoints on real gloo ranks: round trips, resume, resharding N -> M, interop, crashes.
 
-Bitwise where nothing is recomputed (round trips, resume at the same world size);
-otherwise the parity tolerance of the suite (max relative param difference <= 1e-6, fp32):
-continuing at another world size sums the ranks' gradients in another order.
+Bitwise where nothing is recomputed (round trips, resume at the same world size).
+Continuing at another world size (or in plain torch) sums the ranks' gradients in another
+order, and AdamW carries those last bits on: there the params agree to
+``max(PARITY, FLOOR_FACTOR * floor)``, the floor being zerofn against itself with every
+gradient element one ulp off over the same continued steps (``_measured_floor``, measured
+in the same run: how far the bits travel depends on the machine's kernels).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import Net, assert_trees_equal, batches, max_rel_diff
+from helpers import Net, assert_trees_equal, assert_within_floor, batches, max_rel_diff
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -94,7 +97,24 @@ def _global_batches(steps: int, batch: int = 12):
         yield torch.randn(batch, 7, generator=gen), torch.randn(batch, 5, generator=gen)
 
 
-def _functional_steps(state: zf.ZeroState, model: Net, steps: int, skip: int = 0) -> zf.ZeroState:
+def _one_ulp(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every element one ulp off: up at even flat positions, down at odd ones."""
+    out = {}
+    for name, g in grads.items():
+        up = torch.arange(g.numel()).reshape(g.shape) % 2 == 0
+        out[name] = torch.nextafter(g, torch.where(up, torch.inf, -torch.inf).to(g.dtype))
+    return out
+
+
+def _functional_steps(
+    state: zf.ZeroState,
+    model: Net,
+    steps: int,
+    skip: int = 0,
+    grad_edit: Any = None,
+) -> zf.ZeroState:
+    """``steps`` steps of the global batch sequence after the first ``skip``; ``grad_edit``
+    changes this rank's gradients before they are reduced."""
     rank, n = dist.get_rank(), dist.get_world_size()
     params = zf.gather_params(state)
     for i, (x, y) in enumerate(_global_batches(skip + steps)):
@@ -112,6 +132,8 @@ def _functional_steps(state: zf.ZeroState, model: Net, steps: int, skip: int = 0
         # torch.func gives zeros where autograd gives None: `unused` takes no part in the
         # forward, so leave it out, as torch.optim skips params without a gradient.
         grads = {name: g for name, g in grads.items() if not name.startswith("unused.")}
+        if grad_edit is not None:
+            grads = grad_edit(grads)
         state, _ = zf.step_shards(state, zf.reduce_grads(grads, state.layout))
         params = zf.gather_params(state)
     return state
@@ -155,7 +177,8 @@ def test_zerofn_state_dict_continues_in_torch_adamw_and_back():
     torch_params = {n: p.detach().clone() for n, p in model.named_parameters()}
     # zerofn continuing itself, for comparison.
     reference = get_world(2).run(_continue_from_torch, full, {n: full["zerofn"]["master"][n] for n in names}, 5, 5)[0]
-    assert max_rel_diff(torch_params, reference) <= PARITY
+    floor = max(get_world(2).run(_measured_floor, 5, 5))
+    assert_within_floor(torch_params, reference, floor, rel=PARITY, what="torch continuing a zerofn state")
     # And back: torch's own state dict (no zerofn entry) sharded over 3 ranks, against torch
     # continuing by itself.
     torch_sd = opt.state_dict()
@@ -167,8 +190,9 @@ def test_zerofn_state_dict_continues_in_torch_adamw_and_back():
         opt.step()
         opt.zero_grad()
     torch_continued = {n: p.detach() for n, p in model.named_parameters()}
+    floor = max(get_world(3).run(_measured_floor, 10, 3))
     for params in zerofn_continued:
-        assert max_rel_diff(params, torch_continued) <= PARITY
+        assert_within_floor(params, torch_continued, floor, rel=PARITY, what="zerofn continuing torch's state")
 
 
 # --------------------------------------------------------------------------- resharding matrix
@@ -201,15 +225,37 @@ def _never_stopped(steps: int) -> dict[str, torch.Tensor]:
     return zf.gather_params(_functional_steps(state, model, steps))
 
 
+_FLOORS: dict[tuple[int, int, int], float] = {}  # per rank process: the pool keeps it across tests
+
+
+def _measured_floor(skip: int, steps: int) -> float:
+    """How far ``steps`` AdamW steps after the first ``skip`` carry last-bit gradient differences.
+
+    ``_never_stopped(skip + steps)`` against the same run with every local gradient one ulp
+    off in its last ``steps`` steps, at this world size; measured once per setting in each
+    rank process. Collectives: those of the two runs' stage functions.
+    """
+    key = (dist.get_world_size(), skip, steps)
+    if key not in _FLOORS:
+        torch.manual_seed(0)
+        model = Net()
+        state = zf.shard_params(dict(model.named_parameters()), zf.optim.adamw(lr=1e-2, weight_decay=0.1))
+        state = _functional_steps(state, model, skip)
+        jittered = _functional_steps(state, model, steps, skip=skip, grad_edit=_one_ulp)
+        _FLOORS[key] = max_rel_diff(zf.gather_params(jittered), _never_stopped(skip + steps))
+    return _FLOORS[key]
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_save_at_n_load_at_every_m_equals_the_saved_state_and_keeps_training(worlds, tmp_path, n):
     path = str(tmp_path / f"ckpt_n{n}")
     saved = worlds[n].run(_save_after, path, 4)[0]
     reference = worlds[n].run(_never_stopped, 8)[0]
     for m in (1, 2, 3, 4):
+        floor = max(worlds[m].run(_measured_floor, 4, 4))
         for loaded, params in worlds[m].run(_load_and_continue, path, 4, 4):
             assert_state_dicts_equal(loaded, saved, f"N={n} -> M={m}")
-            assert max_rel_diff(params, reference) <= PARITY, (n, m)
+            assert_within_floor(params, reference, floor, rel=PARITY, what=f"N={n} -> M={m}")
 
 
 # --------------------------------------------------------------------------- resume through the facade
