@@ -22,6 +22,7 @@ from zerofn import lowbit, optim
 from zerofn._comm import Group
 from zerofn._deprecation import UNSET, renamed
 from zerofn._tree import FrozenDict
+from zerofn.checkpoint import _extras
 from zerofn.checkpoint._errors import CheckpointError, raise_alike
 from zerofn.checkpoint._format import commit, read_meta, write_meta
 from zerofn.checkpoint._manifest import Manifest
@@ -140,6 +141,8 @@ def save(
     params: Mapping[str, torch.Tensor] | None = None,
     buffers: Mapping[str, torch.Tensor] | None = None,
     replicate_group: Group = None,
+    extra: Mapping[str, Any] | None = None,
+    rng: bool = True,
     _before_commit: Callable[[], None] | None = None,
 ) -> str:
     """Write a sharded, world-size-free checkpoint of ``state`` (and ``params``) to ``path``.
@@ -159,14 +162,27 @@ def save(
       replicate_group: for a hybrid layout, the ranks holding the same shards as this
         one; only the shard group whose members are rank 0 of their replicate groups
         writes, the others wait for the commit. Every rank of the world calls ``save``.
+      extra: the training state beside the optimizer's, name -> any object with
+        ``state_dict()`` and ``load_state_dict()`` (an LR scheduler, a data loader, a
+        counter): each rank saves its objects' ``state_dict()`` as it is at the call, and
+        whether it was the same on every rank (see :func:`load` for what restores where).
+      rng: save each rank's RNG states too (torch's CPU generator, the CUDA generators when
+        CUDA is available, Python's ``random``, NumPy's global generator when NumPy is
+        imported). With a ``replicate_group``, the writing shard group's extras and RNG
+        are saved.
+
+    Raises:
+      CheckpointError: on every rank, before anything is written, when ``path`` is a plain
+        directory or any rank's extras cannot be saved (no ``state_dict``, another set of
+        keys than the other ranks').
 
     Returns:
       The committed directory the checkpoint was written to, on every rank (replicas
       included), so ``load(save(path, ...), ...)`` works everywhere.
 
-    Collectives: a broadcast of the directory name, DCP's plan exchange, two barriers
-    (within ``group``); with replicas one more broadcast of the committed directory's
-    name over ``replicate_group``.
+    Collectives: an object all-gather of each rank's extras keys and digests; a broadcast
+    of the directory name, DCP's plan exchange, two barriers (within ``group``); with
+    replicas one more broadcast of the committed directory's name over ``replicate_group``.
     """
     if replicate_group is not None and comm.group_rank(replicate_group) != 0:
         # A replica: the first shard group writes the same shards; this broadcast returns
@@ -175,6 +191,7 @@ def save(
     path = os.path.abspath(os.fspath(path))
     if os.path.isdir(path) and not os.path.islink(path):
         raise CheckpointError(f"{path} is a plain directory; zerofn manages checkpoint paths as symlinks")
+    payload = _extras.capture(extra, rng, group, "zerofn.checkpoint.save")
     layout = state.layout
     rank = comm.group_rank(group)
     token = comm.broadcast_object(uuid.uuid4().hex[:12] if rank == 0 else None, group)
@@ -192,10 +209,14 @@ def save(
         for theirs in comm.all_gather_objects(owned, group):
             for n, (k, d) in theirs.items():  # type: ignore[union-attr]
                 kinds[n], master_dtypes[n] = k, d
+    if payload is not None:  # before DCP's save, whose last collective tells rank 0 every file is written
+        _extras.write(target, rank, payload)
     comm.dcp_save(sd, target, group)
     if rank == 0:
         model = sorted(params) if params is not None else None
-        write_meta(target, Manifest.of(state, kinds, master_dtypes, model, buffer_meta(buffers)).to_json())
+        extras, same_rng = _extras.manifest_entries(payload)
+        manifest = Manifest.of(state, kinds, master_dtypes, model, buffer_meta(buffers), extras, same_rng)
+        write_meta(target, manifest.to_json())
     comm.barrier(group)
     if _before_commit is not None:
         _before_commit()
@@ -290,6 +311,8 @@ def load(
     buffers_out: Mapping[str, torch.Tensor] | None = None,
     verify: bool = True,
     precision: PrecisionPolicy | None = None,
+    extra: Mapping[str, Any] | None = None,
+    rng: bool = True,
     policy: Any = UNSET,
 ) -> ZeroState:
     """Read a checkpoint written by :func:`save` at any world size into this group's shards.
@@ -306,12 +329,29 @@ def load(
         anything changes). A checkpoint saved without buffers leaves them as they are.
       verify: check every file's SHA-256 (sizes and presence are always checked).
       precision: the precision policy to continue with; the saved loss-scale state is restored.
+      extra: the objects to restore the saved extras into (name -> object with
+        ``load_state_dict``), exactly the names saved; ``None`` restores none of them. At
+        the saved world size each rank gets its own rank's; at another, an extra that was
+        the same on every rank when saved restores on every rank, one that differed is a
+        ``CheckpointError``.
+      rng: restore this rank's RNG states, if saved: at the saved world size each rank's
+        own; at another world size only if they were the same on every rank (else every
+        rank keeps the generators it has, as at a fresh start).
       policy: the old name of ``precision`` (deprecated, warns).
 
     Returns:
       This rank's ZeroState at ``comm.group_size(group)`` ranks.
 
-    Collectives: DCP's plan exchange; each rank reads the pieces its shards overlap.
+    Raises:
+      CheckpointError: on every rank, with nothing changed (the params, buffers, extras
+        and RNG are as they were): the files are missing, truncated or corrupt; the
+        checkpoint does not fit the model, the optimizer or its placements; ``extra``
+        names other keys than the saved ones, or a per-rank extra at another world size;
+        reading failed; an extra's ``load_state_dict`` raised on any rank.
+
+    Collectives: one object all-gather of every rank's verdict before reading; DCP's plan
+    exchange (each rank reads the pieces its shards overlap); one verdict all-gather after
+    reading, and one more after restoring the extras.
     """
     precision = renamed("load", "policy", "precision", policy, precision)
     path = os.path.abspath(os.fspath(path))
@@ -320,7 +360,7 @@ def load(
     # cannot load makes all raise, and nothing has changed anywhere.
     try:
         saved = Manifest.from_json(read_meta(path, verify))
-        plan = _plan(saved, path, like, group, optimizer, params_out, buffers_out)
+        plan = _plan(saved, path, like, group, optimizer, params_out, buffers_out, extra, rng)
         failure: Exception | None = None
     except (CheckpointError, KeyError, TypeError, ValueError) as e:
         failure = e if isinstance(e, CheckpointError) else CheckpointError(f"{path}: unreadable metadata ({e!r})")
@@ -338,7 +378,9 @@ def load(
         failure.__cause__ = e
     raise_alike(failure, (group,), "zerofn.checkpoint.load")
     assert state is not None
-    # Only now, with every rank's state built, the caller's tensors change.
+    # Only now, with every rank's state built, the caller's objects change: the extras first
+    # (all or nothing across the group), then the RNG and the model's tensors.
+    _extras.apply(plan.restore, extra, group, "zerofn.checkpoint.load")
     if staged:
         with torch.no_grad():  # params_out may be leaf params that require grad
             for name, value in staged.items():
@@ -355,6 +397,7 @@ class _Plan(NamedTuple):
     optimizer: optim.Optimizer  # with the saved hyperparameters
     rank: int
     device: torch.device  # where the master shards and the state live
+    restore: _extras.ToRestore  # the extras' states and the RNG this rank restores
 
 
 def _plan(
@@ -365,12 +408,14 @@ def _plan(
     optimizer: optim.Optimizer | None,
     params_out: Mapping[str, torch.Tensor] | None,
     buffers_out: Mapping[str, torch.Tensor] | None,
+    extra: Mapping[str, Any] | None,
+    rng: bool,
 ) -> _Plan:
     """Everything :func:`load` checks before reading a tensor, and what it then reads into.
 
     Raises :class:`CheckpointError` naming what does not fit: another optimizer, another
     model (names, shapes, dtypes), other placements, no weights or other buffers than the
-    model's. No collectives.
+    model's, other extras than the saved ones. Reads this rank's extras file. No collectives.
     """
     # The model and its placements first (the plainest causes), then the optimizer's kind and groups.
     layout, _ = layout_and_masters(like, group, torch.float32, optimizer or saved.saved_kind())
@@ -382,7 +427,9 @@ def _plan(
         check_buffers(saved.buffers, buffers_out, path)
     fopt = saved.saved_optimizer(optimizer)
     device = next(iter(like.values())).device if isinstance(like, Mapping) else torch.device("cpu")
-    return _Plan(layout, fopt, comm.group_rank(group), device)
+    rank, n = comm.group_rank(group), comm.group_size(group)
+    restore = _extras.read(path, saved.extras, saved.rng, saved.saved_world_size, extra, rng, rank, n)
+    return _Plan(layout, fopt, rank, device, restore)
 
 
 def _read(
