@@ -210,12 +210,12 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_bitwise_as_if_it_never_st
 
 def test_an_agent_leaves_and_the_survivor_reforms_at_half_the_world_on_the_same_stream(tmp_path, zerofn_world):
     port = free_port()
-    conf = "join_timeout=60,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=2"
+    conf = "join_timeout=60,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2"
     common = ["--nnodes=1:2", "--nproc-per-node=2", "--max-restarts=3", "--monitor-interval=0.1",
               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=zerofn-elastic",
               "--local-addr=127.0.0.1"]  # fmt: skip
     # The survivor hosts the rendezvous store; the other agent (and its workers) is killed as a node that dies.
-    slow = ["--step-delay=0.15"]  # time to see the world of 4 save and train on before the kill
+    slow = ["--step-delay=0.1"]  # time to see the world of 4 save and train on before the kill
     survivor = torchrun([*common, f"--rdzv-conf={conf},is_host=1"], slow, tmp_path, "survivor")
     leaver = torchrun([*common, f"--rdzv-conf={conf},is_host=0"], slow, tmp_path, "leaver")
     try:
