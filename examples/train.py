@@ -26,8 +26,9 @@ What makes the stream and the state world-size free:
 * the model and optimizer: :meth:`zerofn.ZeroOptimizer.save_checkpoint` writes each rank's
   shards and the weights once, and :meth:`~zerofn.ZeroOptimizer.load_checkpoint` reads them
   at any world size;
-* the rest travels in the same checkpoint (``extra=``): the loader, the LR scheduler, and
-  every rank's RNG;
+* the rest travels in the same checkpoint (``extra=``): the loader, the LR scheduler, a
+  step counter, and every rank's RNG (restored at the world size it was saved at; at
+  another, each rank keeps the RNG it seeded at start-up, as a fresh start would);
 * a checkpoint is committed atomically: ``step-000010`` is a symlink that appears only
   once every file of ``step-000010.<token>/`` is written and hashed, so a run killed while
   saving resumes from the previous one.
@@ -141,8 +142,6 @@ def prune(ckpt_dir: str, keep: int) -> None:
         target = os.path.realpath(path)
         os.remove(path)  # the link first: from here on the checkpoint is not committed
         shutil.rmtree(target, ignore_errors=True)
-        for extra in [f for f in os.listdir(ckpt_dir) if f.startswith(f"{os.path.basename(path)}.extra-")]:
-            os.remove(os.path.join(ckpt_dir, extra))  # TEMPORARY: the side files of the extras
 
 
 class Steps:
@@ -156,41 +155,6 @@ class Steps:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.done = int(state["done"])
-
-
-# TEMPORARY, until zerofn's checkpoints take extra= (save_checkpoint(path, extra=...)): each
-# rank writes its extras and RNG next to the checkpoint *before* it is committed, so a
-# committed checkpoint always has them. At another world size every rank takes rank 0's
-# (the loader position, the schedule and the counter are the same on every rank) and
-# reseeds its RNG from (seed, rank, step).
-
-
-def _extra_file(path: str, rank: int) -> str:
-    return f"{path}.extra-rank{rank}.pt"
-
-
-def save(optimizer: zf.ZeroOptimizer, path: str, extra: dict[str, Any]) -> None:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    state = {"world": world, "rng": torch.get_rng_state(), **{k: v.state_dict() for k, v in extra.items()}}
-    tmp = f"{_extra_file(path, rank)}.tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, _extra_file(path, rank))
-    optimizer.save_checkpoint(path)
-
-
-def load(optimizer: zf.ZeroOptimizer, path: str, extra: dict[str, Any], seed: int) -> None:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    optimizer.load_checkpoint(path)
-    file = _extra_file(path, rank)
-    mine = torch.load(file, weights_only=False) if os.path.exists(file) else None
-    same_world = mine is not None and mine["world"] == world
-    state = mine if same_world else torch.load(_extra_file(path, 0), weights_only=False)
-    for k, v in extra.items():
-        v.load_state_dict(state[k])
-    if state["world"] == world:
-        torch.set_rng_state(state["rng"])
-    else:
-        torch.manual_seed(seed + 1 + rank + 1000 * extra["steps"].done)
 
 
 class Log:
@@ -234,7 +198,9 @@ def train(args: argparse.Namespace) -> dict[str, torch.Tensor]:
     # Resume: the newest committed checkpoint (every rank lists the same directory).
     resume = args.resume_from or (committed(args.ckpt_dir)[-1][1] if committed(args.ckpt_dir) else None)
     if resume is not None:
-        load(optimizer, resume, extra, args.seed)  # weights, optimizer shards, loader, scheduler, steps, RNG
+        # Weights, optimizer shards, and the extras; at the saved world size each rank's RNG too
+        # (at another, the RNG seeded per rank above stays: a fresh start's, docs/resuming.md).
+        optimizer.load_checkpoint(resume, extra=extra)
     step = steps.done
     log("start", world=world, rank=rank, attempt=attempt, resumed_from=resume, step=step, time=time.time())
 
@@ -251,7 +217,7 @@ def train(args: argparse.Namespace) -> dict[str, torch.Tensor]:
                 loss=loss.item())  # fmt: skip
             if step % args.save_every == 0 or step == args.steps:
                 path = os.path.join(args.ckpt_dir, f"step-{step:06d}")
-                save(optimizer, path, extra)
+                optimizer.save_checkpoint(path, extra=extra)  # and every rank's RNG
                 if rank == 0:
                     prune(args.ckpt_dir, args.keep)
                 log("save", step=step, world=world, path=path)
