@@ -15,6 +15,7 @@ round its own store, as docs/elastic.md tells users.
 
 from __future__ import annotations
 
+import concurrent.futures
 import glob
 import importlib.util
 import json
@@ -229,7 +230,16 @@ def test_an_agent_leaves_and_the_survivor_reforms_at_half_the_world_on_the_same_
                 break
             time.sleep(0.05)
         kill_tree(leaver)  # the node is gone: its agent and its workers at once
-        finish(survivor, tmp_path, "survivor")
+        killed = time.time()
+        while not (reformed := [w for w in read_logs(tmp_path / "log") if w["time"] > killed]):
+            assert time.monotonic() < deadline and survivor.poll() is None, (tmp_path / "survivor.out").read_text()
+            time.sleep(0.05)
+        reform_s = reformed[0]["time"] - killed
+        # Meanwhile, the run started by hand from the checkpoint the survivor loaded, on the pool's 2 ranks.
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            hand = pool.submit(by_hand, zerofn_world(2), tmp_path / "by-hand", reformed[0]["resumed_from"])
+            finish(survivor, tmp_path, "survivor")
+            want = hand.result()
     finally:
         for agent in (survivor, leaver):
             if agent.poll() is None:
@@ -238,11 +248,11 @@ def test_an_agent_leaves_and_the_survivor_reforms_at_half_the_world_on_the_same_
     job = rounds(read_logs(tmp_path / "log"))
     lines = check_stream(job)
     four, last = [r for r in job if r["world"] == 4][-1], job[-1]
-    assert last["world"] == 2 and last["resumed_from"] is not None, lines
+    assert last["world"] == 2 and last["resumed_from"] == reformed[0]["resumed_from"] is not None, lines
     saved_at = int(Path(last["resumed_from"]).name.split("-")[1])
     assert four["start"] < saved_at == last["start"], lines  # the checkpoint the world of 4 saved
     redone = four["logged"] - last["start"]
     assert 0 <= redone <= SAVE_EVERY, lines
-    want = by_hand(zerofn_world(2), tmp_path / "by-hand", resume_from=last["resumed_from"])
     diff = assert_bitwise(torch.load(tmp_path / "final.pt"), want)
+    lines.append(f"re-formed {reform_s:.1f} s after the kill")
     print(f"world 4 -> 2 at step {last['start']}; steps redone {redone}; max |difference| {diff}", *lines, sep="\n")
