@@ -167,7 +167,7 @@ def save(
         counter): each rank saves its objects' ``state_dict()`` as it is at the call, and
         whether it was the same on every rank (see :func:`load` for what restores where).
       rng: save each rank's RNG states too (torch's CPU generator, the CUDA generators when
-        CUDA is available, Python's ``random``, NumPy's global generator when NumPy is
+        the process uses CUDA, Python's ``random``, NumPy's global generator when NumPy is
         imported). With a ``replicate_group``, the writing shard group's extras and RNG
         are saved.
 

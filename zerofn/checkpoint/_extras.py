@@ -3,8 +3,8 @@
 ``extra={"sched": scheduler, "loader": loader, ...}``: any object with ``state_dict()`` and
 ``load_state_dict()`` (the ``torch.distributed.checkpoint.stateful.Stateful`` protocol: LR
 schedulers, torchdata's ``StatefulDataLoader``, a user's counters). And, unless
-``rng=False``, the RNG of every rank: torch's CPU generator, the CUDA generators where
-CUDA is available, Python's ``random``, NumPy's global generator when NumPy is imported.
+``rng=False``, the RNG of every rank: torch's CPU generator, the CUDA generators when the
+process uses CUDA, Python's ``random``, NumPy's global generator when NumPy is imported.
 
 The rule for world sizes: every rank saves its own (one file per rank,
 ``extras.<rank>.pt``, its size and SHA-256 in ``zerofn.json`` like every file), and the
@@ -54,10 +54,10 @@ def extras_file(rank: int) -> str:
 
 def rng_state() -> dict[str, Any]:
     """This process's RNG states: ``torch`` (CPU generator, uint8 tensor), ``cuda`` (one per
-    device, when CUDA is available, else absent), ``python`` (``random.getstate()``),
+    device, when this process has initialized CUDA, else absent), ``python`` (``random.getstate()``),
     ``numpy`` (``numpy.random.get_state()``, only when NumPy is imported)."""
     out: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
+    if torch.cuda.is_initialized():  # a process that never used CUDA does not start it here
         out["cuda"] = torch.cuda.get_rng_state_all()
     if "numpy" in sys.modules:
         out["numpy"] = sys.modules["numpy"].random.get_state()
