@@ -149,6 +149,19 @@ def test_torch_dataloader_takes_it_as_batch_sampler():
     assert list(loader) == [ref[0][2:], ref[1][2:], ref[2][1:]]
 
 
+@pytest.mark.filterwarnings(TORCHDATA_WARNING)
+def test_a_position_ahead_of_the_loop_is_refused_under_a_prefetching_torch_dataloader():
+    s = GlobalBatchSampler(40, 4, seed=0)
+    prefetching = iter(DataLoader(Indices(40), batch_sampler=s, num_workers=2, collate_fn=as_list))
+    next(prefetching)
+    assert s.step > 1  # the workers have drawn more than the loop received
+    with pytest.raises(ValueError, match=r"workers draw batches ahead of the training loop.*StatefulDataLoader"):
+        s.state_dict()
+    del prefetching
+    next(iter(DataLoader(Indices(40), batch_sampler=s, collate_fn=as_list)))  # no workers: the position is exact
+    assert s.state_dict()["step"] == s.step
+
+
 # --------------------------------------------------------------------------- stop and resume
 
 

@@ -23,10 +23,11 @@ The state (:meth:`GlobalBatchSampler.state_dict`) is the ``torch.distributed.che
 torchdata's ``StatefulDataLoader``, which snapshots it as of the last batch the loop
 *received*: batches its workers prefetched but the loop never consumed are not counted.
 A plain ``torch.utils.data.DataLoader`` with ``num_workers > 0`` pulls batches from the
-sampler ahead of the loop, so the sampler's own position runs ahead of training there:
-checkpoint the ``StatefulDataLoader`` (``pip install 'zerofn[data]'``), or use
-``num_workers=0``, or restore the position from your step count with
-:meth:`GlobalBatchSampler.position`.
+sampler ahead of the loop, so the sampler's own position runs ahead of training there;
+:meth:`GlobalBatchSampler.state_dict` then raises rather than hand out a position that
+would skip batches on resume. Checkpoint the ``StatefulDataLoader`` (``pip install
+'zerofn[data]'``), or use ``num_workers=0``, or restore the position from your step count
+with :meth:`GlobalBatchSampler.position`.
 
 No collectives: the rank and the world size are read from the process group (or given),
 nothing is exchanged.
@@ -35,6 +36,7 @@ nothing is exchanged.
 from __future__ import annotations
 
 import operator
+import sys
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -48,6 +50,28 @@ __all__ = ["GlobalBatchSampler"]
 
 # What a saved position must agree on to mean the same samples (the world size is not one).
 _STREAM_KEYS = ("dataset_len", "global_batch", "seed", "drop_last")
+
+PREFETCHED = (
+    "{where}: a torch DataLoader with worker processes is iterating this sampler, and its workers draw batches "
+    "ahead of the training loop, so the sampler's position counts batches the loop has not trained on yet; a "
+    "checkpoint of it would skip them. Checkpoint a torchdata StatefulDataLoader instead (its state holds the "
+    "position of the last batch the loop received: extra={{'loader': loader}}), or use num_workers=0, or save "
+    "your step count and restore the position with sampler.position(step)"
+)
+
+
+def _prefetching_caller(frame: Any) -> bool:
+    """Whether ``frame`` (the caller of the sampler's iterator) is torch's multi-process loader.
+
+    torch's ``_MultiProcessingDataLoaderIter`` pulls indices ahead of the loop; torchdata's
+    ``StatefulDataLoader`` does too, but snapshots the sampler as of each batch it hands
+    out, so it is not one of these.
+    """
+    from torch.utils.data import dataloader
+
+    ahead = getattr(dataloader, "_MultiProcessingDataLoaderIter", None)
+    owner = frame.f_locals.get("self") if frame is not None else None
+    return ahead is not None and type(owner) is ahead
 
 
 def _nonneg_int(name: str, value: Any, minimum: int) -> int:
@@ -180,6 +204,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
         self._epoch = 0
         self._step = 0
         self._perm: tuple[int, torch.Tensor] | None = None  # (epoch, its permutation), the last one used
+        self._prefetched = False  # being iterated by torch's multi-process DataLoader (state_dict refuses)
 
     # ------------------------------------------------------------------ the stream
 
@@ -242,6 +267,8 @@ class GlobalBatchSampler(Sampler[list[int]]):
         The position moves as each batch is handed out (before the caller receives it),
         so :meth:`state_dict` right after a batch names the one that follows it.
         """
+        # Runs at the first next(): frame 1 is whoever pulls the batches.
+        self._prefetched = _prefetching_caller(sys._getframe(1))
         while self._step < self.steps_per_epoch:
             batch = self.local_indices(self._epoch, self._step)
             self._step += 1
@@ -275,7 +302,14 @@ class GlobalBatchSampler(Sampler[list[int]]):
 
         ``{"epoch", "step", "dataset_len", "global_batch", "seed", "drop_last"}``: the same
         on every rank, loadable at any world size the global batch allows.
+
+        Raises:
+          ValueError: a ``torch.utils.data.DataLoader`` with ``num_workers > 0`` is iterating
+            the sampler: its workers prefetch, so the position is ahead of the training
+            loop (checkpoint torchdata's ``StatefulDataLoader`` instead).
         """
+        if self._prefetched:
+            raise ValueError(PREFETCHED.format(where=f"GlobalBatchSampler.state_dict (rank {self.rank})"))
         return {
             "epoch": self._epoch,
             "step": self._step,
