@@ -67,6 +67,7 @@ from zerofn.data import GlobalBatchSampler
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
 
 CHECKPOINT = re.compile(r"^step-(\d{6})$")  # a committed checkpoint: the symlink; its target is step-NNNNNN.<token>
+WRITTEN = re.compile(r"^step-(\d{6})\.\w+$")  # a checkpoint's directory (a save cut short leaves one with no link)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -135,13 +136,21 @@ def committed(ckpt_dir: str) -> list[tuple[int, str]]:
 
 
 def prune(ckpt_dir: str, keep: int) -> None:
-    """Rank 0: drop all but the ``keep`` newest committed checkpoints."""
-    if keep <= 0:
-        return
-    for _, path in committed(ckpt_dir)[:-keep]:
-        target = os.path.realpath(path)
-        os.remove(path)  # the link first: from here on the checkpoint is not committed
-        shutil.rmtree(target, ignore_errors=True)
+    """Rank 0, after a save: drop all but the ``keep`` newest committed checkpoints, and what
+    saves cut short left behind before the newest one."""
+    kept = committed(ckpt_dir)
+    if keep > 0:
+        for _, path in kept[:-keep]:
+            target = os.path.realpath(path)
+            os.remove(path)  # the link first: from here on the checkpoint is not committed
+            shutil.rmtree(target, ignore_errors=True)
+        kept = kept[-keep:]
+    targets = {os.path.realpath(path) for _, path in kept}
+    for name in os.listdir(ckpt_dir):
+        m = WRITTEN.match(name)
+        path = os.path.realpath(os.path.join(ckpt_dir, name))
+        if m and kept and int(m.group(1)) < kept[-1][0] and path not in targets and os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 class Steps:
@@ -170,6 +179,10 @@ class Log:
         if self.file is not None:
             self.file.write(json.dumps({"event": event, **fields}) + "\n")
             self.file.flush()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
 
 
 # --------------------------------------------------------------------------- training
@@ -232,6 +245,7 @@ def train(args: argparse.Namespace) -> dict[str, torch.Tensor]:
         torch.save(weights, tmp)
         os.replace(tmp, args.out)  # the file appears whole or not at all
     log("done", step=step, world=world)
+    log.close()
     return weights
 
 
