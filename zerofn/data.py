@@ -109,10 +109,11 @@ class GlobalBatchSampler(Sampler[list[int]]):
 
     **The position.** The sampler's state is ``(epoch, step)``: the epoch and the global
     step within it that the next batch belongs to. Iterating yields the rest of the
-    current epoch from the position, moving it one step per batch handed out; after the
-    epoch's last batch the next ``iter()`` ends at once and moves the position to
-    ``(epoch + 1, 0)``. So ``for epoch in range(E): for batch in loader:`` runs one epoch
-    per pass, and a loader restored mid-epoch finishes that epoch first.
+    current epoch from the position, moving it one step per batch handed out; once the
+    epoch's last batch is out, the iteration ends (as does a new ``iter()`` from a position
+    saved just then) and the position moves to ``(epoch + 1, 0)``. So ``for epoch in
+    range(E): for batch in loader:`` runs one epoch per pass, and a loader restored
+    mid-epoch finishes that epoch first.
 
     Args:
       dataset_len: the number of samples (``len(dataset)``), ``>= 1``.
