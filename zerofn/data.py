@@ -105,7 +105,9 @@ class GlobalBatchSampler(Sampler[list[int]]):
     batch of those samples, cut into ``world_size`` contiguous parts whose sizes differ by
     at most one (the first ranks take the larger parts, ``numpy.array_split``'s rule); it is
     refused at construction when it has fewer samples than there are ranks, as a rank
-    would get an empty batch.
+    would get an empty batch. On that step each rank's loss is a mean over a part of
+    another size, so the mean over ranks weighs its samples slightly unequally, as under
+    DDP; ``drop_last=True`` keeps every step's arithmetic the same at every world size.
 
     **The position.** The sampler's state is ``(epoch, step)``: the epoch and the global
     step within it that the next batch belongs to. Iterating yields the rest of the
