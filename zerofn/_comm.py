@@ -113,6 +113,11 @@ def group_from_name(name: str | None) -> Group:
     return _resolve_process_group(name)
 
 
+def initialized() -> bool:
+    """Whether this process has a default process group (``init_process_group`` ran). No communication."""
+    return dist.is_available() and dist.is_initialized()
+
+
 def group_size(group: Group) -> int:
     """Ranks in ``group`` (``None``: the default group). No communication."""
     return dist.get_world_size(group)
