@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 import torch
 
+from zerofn import _async_checkpoint as _async
 from zerofn import _comm as comm
 from zerofn import checkpoint, optim, torch_optim
 from zerofn.state import ZeroState
@@ -174,7 +175,9 @@ class StateDictMethods:
         if block:
             yield block, size
 
-    def save_checkpoint(self: _Host, path: str, *, with_model: bool = True) -> str:
+    def save_checkpoint(
+        self: _Host, path: str, *, with_model: bool = True, async_save: bool = False
+    ) -> str | _async.PendingCheckpoint:
         """Sharded, atomic checkpoint of the optimizer state (and the model weights) at ``path``.
 
         With ``with_model`` and ``module=``, the model's persistent buffers (BatchNorm
@@ -183,12 +186,19 @@ class StateDictMethods:
         See :func:`zerofn.checkpoint.save`. Weights written into the model since the last
         step are first taken into the masters (as ``step`` would), so the checkpoint holds
         what the model holds. Every rank must call it.
+
+        With ``async_save=True`` it returns a :class:`~zerofn.checkpoint.PendingCheckpoint`
+        once this rank's state is copied into CPU memory, and the files are written in the
+        background while training goes on; ``path`` moves to the new checkpoint when every
+        rank's files are complete. The next save (or load, or :meth:`close`) waits for it.
+        Returns the committed directory otherwise.
         """
         self._entry.join("save_checkpoint")  # a collective: every rank must call it (bounded wait)
         self._fold_writes("ZeroOptimizer.save_checkpoint")
         self._state = self._state.replace(optimizer=self._current_optimizer())
         buffers = checkpoint.persistent_buffers(self._module) if with_model and self._module is not None else None
-        return checkpoint.save(
+        save = _async.save if async_save else checkpoint.save
+        return save(
             path,
             self._state,
             self._group,

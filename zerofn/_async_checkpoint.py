@@ -1,0 +1,346 @@
+"""Saving in the background: the tensors are copied now, the files written while training goes on.
+
+A background save (``save(..., async_save=True)``) runs in three parts:
+
+1. **Staging, before the call returns** (this thread): every tensor the checkpoint holds
+   is copied into CPU memory by DCP's :class:`~torch.distributed.checkpoint.staging.DefaultStager`
+   (pinned memory and a non-blocking copy on CUDA). A ``step`` or an in-place edit of the
+   params or the optimizer state right after the call does not reach the checkpoint
+   (pytorch/pytorch#144657 was DCP skipping this copy for CPU tensors). The ranks then
+   agree that every rank staged (one small all-gather over the sharding group), so a rank
+   that could not stage makes every rank raise at once, before anything is in flight.
+   DTensors are staged as their local shards and rewrapped (DCP's stager cannot copy a
+   DTensor whose local shard is a view).
+2. **Writing, in the background**: ``torch.distributed.checkpoint.async_save`` writes
+   the staged copy from its own thread (``AsyncCheckpointerType.THREAD``). Its
+   collectives (the save plan, the final gather of the write results) run on a **side
+   group**: a gloo group over the same ranks, created at the first background save of a
+   group (:func:`zerofn._comm.side_group`), so they never interleave with the training
+   loop's collectives on the sharding group (gloo matches collectives by order, per
+   group: two threads on one group would deadlock or mix their data).
+3. **Committing, when the write completes** (a finishing thread per save): the ranks
+   learn each other's verdict over the side group; only if every rank wrote its files
+   does rank 0 write ``zerofn.json`` (sizes and SHA-256 of every file) and repoint the
+   symlink. A failed write commits nothing: the symlink keeps the previous checkpoint,
+   the partial directory is removed, and every rank's handle raises the failure.
+
+One background save per sharding group is in flight at a time: any next save, load or
+shutdown on that group (or :meth:`PendingCheckpoint.wait`) waits for it first. A failure
+nobody has seen yet is raised by the next save, load, ``wait()`` or
+``ZeroOptimizer.close()``; at interpreter exit the finishing threads are joined (Python
+joins non-daemon threads before ``atexit``) and a failure nobody saw is printed to
+stderr with the path that stayed committed. Never leave a background save in flight
+across ``dist.destroy_process_group()``: call ``wait()`` (or ``ZeroOptimizer.close()``)
+first, or its collectives fail and nothing is committed.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import sys
+import threading
+import uuid
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from zerofn import _comm as comm
+from zerofn._comm import Group
+
+__all__ = ["PendingCheckpoint", "in_flight", "stage", "start", "wait_in_flight"]
+
+
+class PendingCheckpoint:
+    """A checkpoint being written in the background (from ``save(..., async_save=True)``).
+
+    ``path`` is the checkpoint path (the symlink) and ``target`` the directory this save
+    writes; ``path`` points at ``target`` only once every rank's files and ``zerofn.json``
+    are complete. ``staged_bytes``: the CPU memory this rank's staged copy holds until the
+    write completes.
+    """
+
+    def __init__(self, path: str, target: str, staged_bytes: int, group_key: Any) -> None:
+        self.path = path
+        self.target = target
+        self.staged_bytes = staged_bytes
+        self._group_key = group_key
+        self._future: Future[str] = Future()
+        self._seen = False  # a failure was raised to the caller at least once
+
+    def done(self) -> bool:
+        """Whether the background work (write, then commit or failure) has finished. No collectives."""
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> str:
+        """Wait for the write and the commit; return the committed directory (``target``).
+
+        Raises :class:`~zerofn.checkpoint.CheckpointError` if any rank's write (or rank 0's
+        commit) failed, on every rank alike (the ranks exchanged their verdicts in the
+        background), each time it is called; ``path`` then still points at the previous
+        checkpoint. ``TimeoutError`` if ``timeout`` seconds pass first. Not a collective
+        (the background threads of all ranks did the talking).
+        """
+        try:
+            return self._future.result(timeout)
+        except TimeoutError:
+            raise
+        except BaseException:
+            self._seen = True
+            raise
+
+    def __repr__(self) -> str:
+        state = "in flight" if not self.done() else ("failed" if self._future.exception() else "committed")
+        return f"PendingCheckpoint({self.path!r} -> {self.target!r}, {state})"
+
+
+# The save in flight per sharding group (its side group's key), and every handle whose
+# failure nobody has seen: reported at interpreter exit.
+_IN_FLIGHT: dict[Any, PendingCheckpoint] = {}
+_ALL: list[PendingCheckpoint] = []
+_LOCK = threading.Lock()
+
+
+def in_flight(group: Group) -> PendingCheckpoint | None:
+    """The background save of ``group`` that has not been waited for (done or not), if any."""
+    with _LOCK:
+        return _IN_FLIGHT.get(comm.group_key(group))
+
+
+def wait_in_flight(group: Group = None, *, every_group: bool = False, report: bool = True) -> None:
+    """Wait for the background save in flight on ``group`` (or, ``every_group``, on any group).
+
+    Raises its :class:`~zerofn.checkpoint.CheckpointError` if it failed and nobody has
+    seen that failure yet (on every rank alike); it is then forgotten, so the next call
+    proceeds. ``report=False`` waits and leaves an unseen failure for the next caller (or
+    the report at exit). Not a collective.
+    """
+    with _LOCK:
+        keys = list(_IN_FLIGHT) if every_group else [comm.group_key(group)]
+        handles = [_IN_FLIGHT[k] for k in keys if k in _IN_FLIGHT]
+    failure: BaseException | None = None
+    for handle in handles:
+        try:
+            handle._future.result()
+        except BaseException as e:
+            if not report:
+                continue
+            if not handle._seen and failure is None:
+                failure = e
+            handle._seen = True
+        with _LOCK:
+            if _IN_FLIGHT.get(handle._group_key) is handle:
+                del _IN_FLIGHT[handle._group_key]
+    if failure is not None:
+        raise failure
+
+
+_STAGERS: dict[str, Any] = {}
+
+
+def _stager(device_type: str) -> Any:
+    """DCP's default stager for ``device_type``: plain CPU copies (pinned, non-blocking on CUDA)."""
+    if device_type not in _STAGERS:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        accel = device_type != "cpu" and torch.accelerator.is_available()
+        _STAGERS[device_type] = DefaultStager(
+            StagingOptions(
+                use_pinned_memory=accel, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=accel
+            )
+        )
+    return _STAGERS[device_type]
+
+
+def stage(state_dict: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    """A CPU copy of a DCP state dict, and the bytes of CPU memory the copy holds.
+
+    Plain tensors are copied by DCP's ``DefaultStager`` (a view is copied with the whole
+    storage it lives in, once per storage); a DTensor is staged as its local shard and
+    rewrapped with the same mesh, placements, shape and stride. Non-tensor values are
+    kept as they are (they are immutable here: ints, strings). No collectives.
+    """
+    from torch.distributed.tensor import DTensor
+
+    plain: dict[str, torch.Tensor] = {}
+    specs: dict[str, DTensor] = {}
+    for key, value in state_dict.items():
+        if isinstance(value, DTensor):
+            plain[key], specs[key] = value.to_local(), value
+        elif isinstance(value, torch.Tensor):
+            plain[key] = value
+    device_type = next((t.device.type for t in plain.values() if t.device.type != "cpu"), "cpu")
+    staged = _stager(device_type).stage(plain)
+    seen: set[int] = set()
+    nbytes = 0
+    for t in staged.values():
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            nbytes += storage.nbytes()
+    out = dict(state_dict)
+    for key, value in staged.items():
+        like = specs.get(key)
+        out[key] = (
+            value
+            if like is None
+            else DTensor.from_local(
+                value, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
+            )
+        )
+    return out, nbytes
+
+
+def start(
+    path: str,
+    target: str,
+    staged: dict[str, Any],
+    staged_bytes: int,
+    group: Group,
+    commit: Callable[[], None],
+    *,
+    abandon: Callable[[], None],
+    describe: Callable[[str], BaseException],
+) -> PendingCheckpoint:
+    """Write ``staged`` (from :func:`stage`) to ``target`` in the background; return its handle.
+
+    ``commit`` runs on group rank 0 once every rank's files are written (it writes
+    ``zerofn.json`` and repoints ``path``); ``abandon`` on group rank 0 when a rank failed
+    (removes the partial ``target``). ``describe(text)`` makes the error every rank's
+    handle raises. Collectives (all on the side group, from background threads): DCP's
+    save plan and write-result gathers, then one object all-gather of the write verdicts
+    and one object broadcast of the commit's verdict.
+    """
+    side = comm.side_group(group)
+    rank = comm.group_rank(group)
+    handle = PendingCheckpoint(path, target, staged_bytes, comm.group_key(group))
+    upload = comm.dcp_async_save(staged, target, side)
+
+    def finish() -> None:
+        try:
+            try:
+                upload.result()
+                mine: str | None = None
+            except BaseException as e:
+                mine = f"{type(e).__name__}: {e}"
+            verdicts = comm.all_gather_objects(mine, side)
+            bad = next(((r, why) for r, why in enumerate(verdicts) if why is not None), None)
+            if bad is None and rank == 0:
+                try:
+                    commit()
+                except BaseException as e:
+                    bad = (0, f"{type(e).__name__}: {e}")
+            bad = comm.broadcast_object(bad, side)
+            if bad is not None:
+                if rank == 0:
+                    abandon()
+                raise describe(f"rank {bad[0]} failed: {bad[1]}")
+            handle._future.set_result(target)
+        except BaseException as e:
+            handle._future.set_exception(e)
+
+    with _LOCK:
+        _IN_FLIGHT[handle._group_key] = handle
+        _ALL[:] = [h for h in _ALL if not h.done() or (h._future.exception() is not None and not h._seen)]
+        _ALL.append(handle)
+    # Not a daemon: at interpreter exit Python joins it, so a write in flight completes
+    # (or fails) before the process ends, instead of being cut off half-written.
+    threading.Thread(target=finish, name=f"zerofn-checkpoint-commit-{target}", daemon=False).start()
+    return handle
+
+
+def remove_partial(target: str) -> None:
+    """Rank 0, after a failed background write: drop the uncommitted directory."""
+    shutil.rmtree(target, ignore_errors=True)
+
+
+@atexit.register
+def _report_unseen_failures() -> None:
+    """At exit (after Python joined the finishing threads): print every failure nobody saw."""
+    for handle in _ALL:
+        if handle.done() and not handle._seen and handle._future.exception() is not None:
+            print(
+                f"zerofn: the background checkpoint save to {handle.path} ({handle.target}) FAILED and was never "
+                f"waited for: {handle._future.exception()}. Nothing of it was committed: {handle.path} still "
+                "points at the previous checkpoint.",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
+def save(
+    path: str,
+    state: Any,
+    group: Group = None,
+    *,
+    params: Any = None,
+    buffers: Any = None,
+    replicate_group: Group = None,
+) -> PendingCheckpoint:
+    """:func:`zerofn.checkpoint.save` with ``async_save=True``: stage now, write and commit in the background.
+
+    What is written is what ``save`` writes, except that each model weight (``params``,
+    replicated on every rank) is staged and written by one rank (round robin in name
+    order) instead of being staged by all and deduplicated by DCP's planner: the same
+    checkpoint, ``1/N`` of the model's staging memory per rank.
+
+    Collectives before it returns (sharding group, this thread): the directory name's
+    broadcast, with whole params an object all-gather of their state kinds, and one object
+    all-gather of the staging verdicts; the first time for a group, the side group's
+    creation. The rest runs in the background (:func:`start`).
+    """
+    from zerofn import checkpoint as ck
+
+    if replicate_group is not None:
+        raise ValueError(
+            "zerofn.checkpoint.save(async_save=True) does not support a hybrid layout (replicate_group=) yet: "
+            "save it with async_save=False"
+        )
+    wait_in_flight(group)  # one background save per group: the next one waits (and reports its failure)
+    path = os.path.abspath(os.fspath(path))
+    if os.path.isdir(path) and not os.path.islink(path):
+        raise ck.CheckpointError(f"{path} is a plain directory; zerofn manages checkpoint paths as symlinks")
+    layout = state.layout
+    rank, n = comm.group_rank(group), comm.group_size(group)
+    token = comm.broadcast_object(uuid.uuid4().hex[:12] if rank == 0 else None, group)
+    target = f"{path}.{token}"
+    sd, kinds, master_dtypes = ck._rank_entries(state, rank, comm.device_mesh(group, state.state_device.type))
+    for i, name in enumerate(sorted(params or {})):
+        if i % n == rank:
+            sd[f"model/{name}"] = params[name].detach()
+    for name, t in (buffers or {}).items() if rank == 0 else ():
+        sd[f"buffer/{name}"] = t.detach()
+    if layout.has_whole:
+        owned = {name: (kinds[name], master_dtypes[name]) for name in layout.owners if name in kinds}
+        for theirs in comm.all_gather_objects(owned, group):
+            for name, (k, d) in theirs.items():  # type: ignore[union-attr]
+                kinds[name], master_dtypes[name] = k, d
+    # zerofn.json is written when the files are complete, from values taken now.
+    frozen = state.replace(step=_copy(state.step), loss_scale=type(state.loss_scale)(*map(_copy, state.loss_scale)))
+    model = sorted(params) if params is not None else None
+    buffer_meta = ck._buffer_meta(buffers)
+    try:
+        staged, nbytes = stage(sd)
+        failure: Exception | None = None
+    except Exception as e:  # e.g. out of memory on one rank: every rank raises, nothing is in flight
+        failure = ck.CheckpointError(f"{path}: staging the checkpoint in CPU memory failed: {e!r}")
+    ck.raise_alike(failure, (group,), "zerofn.checkpoint.save(async_save=True)")
+
+    def commit() -> None:
+        ck._write_meta(target, frozen, kinds, master_dtypes, model, buffer_meta)
+        ck._commit(path, target)
+
+    def describe(text: str) -> BaseException:
+        return ck.CheckpointError(
+            f"the background save to {path} ({target}) failed, on {text}. Nothing of it was committed: {path} "
+            "still points at the previous checkpoint"
+        )
+
+    return start(path, target, staged, nbytes, group, commit, abandon=lambda: remove_partial(target), describe=describe)
+
+
+def _copy(value: Any) -> Any:
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
