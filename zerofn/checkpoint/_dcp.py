@@ -22,6 +22,8 @@ from zerofn import lowbit, optim
 from zerofn._comm import Group
 from zerofn._deprecation import UNSET, renamed
 from zerofn._tree import FrozenDict
+from zerofn.checkpoint import _async
+from zerofn.checkpoint._async import PendingCheckpoint
 from zerofn.checkpoint._errors import CheckpointError, raise_alike
 from zerofn.checkpoint._format import commit, read_meta, write_meta
 from zerofn.checkpoint._manifest import Manifest
@@ -140,8 +142,9 @@ def save(
     params: Mapping[str, torch.Tensor] | None = None,
     buffers: Mapping[str, torch.Tensor] | None = None,
     replicate_group: Group = None,
+    async_save: bool = False,
     _before_commit: Callable[[], None] | None = None,
-) -> str:
+) -> str | PendingCheckpoint:
     """Write a sharded, world-size-free checkpoint of ``state`` (and ``params``) to ``path``.
 
     Each rank writes only its shards (DCP); replicated values (model ``params``, step
@@ -159,15 +162,31 @@ def save(
       replicate_group: for a hybrid layout, the ranks holding the same shards as this
         one; only the shard group whose members are rank 0 of their replicate groups
         writes, the others wait for the commit. Every rank of the world calls ``save``.
+      async_save: return once this rank's tensors are copied into CPU memory (staged),
+        and write the files in the background while training goes on; ``zerofn.json``
+        and the commit follow when every rank's files are complete
+        (:mod:`zerofn.checkpoint._async`). Not with ``replicate_group`` (yet).
 
     Returns:
       The committed directory the checkpoint was written to, on every rank (replicas
-      included), so ``load(save(path, ...), ...)`` works everywhere.
+      included), so ``load(save(path, ...), ...)`` works everywhere. With ``async_save``,
+      a :class:`PendingCheckpoint` whose ``wait()`` returns it.
+
+    A save first waits for this group's background save in flight, if any (and raises
+    its failure if nobody has seen it).
 
     Collectives: a broadcast of the directory name, DCP's plan exchange, two barriers
     (within ``group``); with replicas one more broadcast of the committed directory's
-    name over ``replicate_group``.
+    name over ``replicate_group``. With ``async_save``: the broadcast and one object
+    all-gather (the staging verdicts) before it returns; the rest in the background on a
+    side group (:func:`zerofn._comm.side_group`).
     """
+    if async_save and replicate_group is not None:
+        raise ValueError(
+            "zerofn.checkpoint.save(async_save=True) does not support a hybrid layout (replicate_group=) yet: "
+            "save it with async_save=False"
+        )
+    _async.wait_in_flight(group)  # one save at a time per group: the next waits for the one in flight
     if replicate_group is not None and comm.group_rank(replicate_group) != 0:
         # A replica: the first shard group writes the same shards; this broadcast returns
         # once the checkpoint is committed, with the directory it went to.
@@ -192,9 +211,12 @@ def save(
         for theirs in comm.all_gather_objects(owned, group):
             for n, (k, d) in theirs.items():  # type: ignore[union-attr]
                 kinds[n], master_dtypes[n] = k, d
+    model = sorted(params) if params is not None else None
+    if async_save:
+        meta = Manifest.of(state, kinds, master_dtypes, model, buffer_meta(buffers)).to_json()
+        return _async.save(path, target, sd, group, meta, has_model=params is not None)
     comm.dcp_save(sd, target, group)
     if rank == 0:
-        model = sorted(params) if params is not None else None
         write_meta(target, Manifest.of(state, kinds, master_dtypes, model, buffer_meta(buffers)).to_json())
     comm.barrier(group)
     if _before_commit is not None:
@@ -314,6 +336,7 @@ def load(
     Collectives: DCP's plan exchange; each rank reads the pieces its shards overlap.
     """
     precision = renamed("load", "policy", "precision", policy, precision)
+    _async.wait_in_flight(group)  # a save of this group in flight first completes (read what was saved)
     path = os.path.abspath(os.fspath(path))
     # 1-3: read and verify the metadata, say what was saved, check it against the live state.
     # Every rank learns every rank's verdict before DCP's collectives start: a rank that

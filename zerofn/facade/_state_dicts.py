@@ -13,9 +13,9 @@ from typing import Any, Protocol
 
 import torch
 
-from zerofn import _async_checkpoint as _async
 from zerofn import _comm as comm
 from zerofn import checkpoint, optim, torch_optim
+from zerofn.checkpoint import _async
 from zerofn.state import ZeroState
 
 __all__ = ["StateDictMethods"]
@@ -197,14 +197,14 @@ class StateDictMethods:
         self._fold_writes("ZeroOptimizer.save_checkpoint")
         self._state = self._state.replace(optimizer=self._current_optimizer())
         buffers = checkpoint.persistent_buffers(self._module) if with_model and self._module is not None else None
-        save = _async.save if async_save else checkpoint.save
-        return save(
+        return checkpoint.save(
             path,
             self._state,
             self._group,
             params=self._params if with_model else None,
             buffers=buffers,
             replicate_group=self._replicate,
+            async_save=async_save,
         )
 
     def load_checkpoint(self: _Host, path: str, *, with_model: bool = True) -> None:

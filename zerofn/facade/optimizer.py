@@ -34,11 +34,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zerofn import _async_checkpoint as _async
 from zerofn import _checks as checks
 from zerofn import _comm as comm
 from zerofn import _sync, optim, torch_optim
 from zerofn._comm import CommPolicy
+from zerofn.checkpoint import _async
 from zerofn.facade import _buffers, _entry, _guards, _options
 from zerofn.facade._grad_methods import GradMethods
 from zerofn.facade._param_methods import ParamMethods

@@ -37,11 +37,10 @@ first, or its collectives fail and nothing is committed.
 from __future__ import annotations
 
 import atexit
-import os
+import copy
 import shutil
 import sys
 import threading
-import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -50,6 +49,8 @@ import torch
 
 from zerofn import _comm as comm
 from zerofn._comm import Group
+from zerofn.checkpoint._errors import CheckpointError, raise_alike
+from zerofn.checkpoint._format import commit, write_meta
 
 __all__ = ["PendingCheckpoint", "in_flight", "stage", "start", "wait_in_flight"]
 
@@ -194,6 +195,15 @@ def stage(state_dict: dict[str, Any]) -> tuple[dict[str, Any], int]:
     return out, nbytes
 
 
+def _why(error: BaseException, rank: int) -> str:
+    """What failed, by rank: DCP's ``CheckpointException`` lists every failing rank's own error."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(error, CheckpointException) and error.failures:
+        return "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, (e, _) in sorted(error.failures.items()))
+    return f"rank {rank}: {type(error).__name__}: {error}"
+
+
 def start(
     path: str,
     target: str,
@@ -225,19 +235,20 @@ def start(
                 upload.result()
                 mine: str | None = None
             except BaseException as e:
-                mine = f"{type(e).__name__}: {e}"
+                mine = _why(e, rank)
             verdicts = comm.all_gather_objects(mine, side)
-            bad = next(((r, why) for r, why in enumerate(verdicts) if why is not None), None)
-            if bad is None and rank == 0:
-                try:
-                    commit()
-                except BaseException as e:
-                    bad = (0, f"{type(e).__name__}: {e}")
+            bad = next((why for why in verdicts if why is not None), None)
+            if rank == 0:  # commits, or removes the partial directory, before the others hear of it
+                if bad is None:
+                    try:
+                        commit()
+                    except BaseException as e:
+                        bad = _why(e, rank)
+                if bad is not None:
+                    abandon()
             bad = comm.broadcast_object(bad, side)
             if bad is not None:
-                if rank == 0:
-                    abandon()
-                raise describe(f"rank {bad[0]} failed: {bad[1]}")
+                raise describe(str(bad))
             handle._future.set_result(target)
         except BaseException as e:
             handle._future.set_exception(e)
@@ -250,11 +261,6 @@ def start(
     # (or fails) before the process ends, instead of being cut off half-written.
     threading.Thread(target=finish, name=f"zerofn-checkpoint-commit-{target}", daemon=False).start()
     return handle
-
-
-def remove_partial(target: str) -> None:
-    """Rank 0, after a failed background write: drop the uncommitted directory."""
-    shutil.rmtree(target, ignore_errors=True)
 
 
 @atexit.register
@@ -272,75 +278,43 @@ def _report_unseen_failures() -> None:
 
 
 def save(
-    path: str,
-    state: Any,
-    group: Group = None,
-    *,
-    params: Any = None,
-    buffers: Any = None,
-    replicate_group: Group = None,
+    path: str, target: str, sd: dict[str, Any], group: Group, meta: dict[str, Any], *, has_model: bool
 ) -> PendingCheckpoint:
-    """:func:`zerofn.checkpoint.save` with ``async_save=True``: stage now, write and commit in the background.
+    """The background half of :func:`zerofn.checkpoint.save` (``async_save=True``): stage ``sd`` now, write it and
+    commit ``meta`` (``zerofn.json`` without its file list) to ``target`` in the background.
 
-    What is written is what ``save`` writes, except that each model weight (``params``,
-    replicated on every rank) is staged and written by one rank (round robin in name
-    order) instead of being staged by all and deduplicated by DCP's planner: the same
-    checkpoint, ``1/N`` of the model's staging memory per rank.
+    Each model weight (``model/<name>``, replicated on every rank) is staged and written
+    by one rank only (round robin in name order) instead of being staged by every rank
+    and deduplicated by DCP's planner: the same checkpoint, ``1/N`` of the model's staging
+    memory per rank.
 
-    Collectives before it returns (sharding group, this thread): the directory name's
-    broadcast, with whole params an object all-gather of their state kinds, and one object
-    all-gather of the staging verdicts; the first time for a group, the side group's
-    creation. The rest runs in the background (:func:`start`).
+    Collectives before it returns (``group``, this thread): one object all-gather of the
+    staging verdicts; the first time for ``group``, the side group's creation. The rest
+    runs in the background (:func:`start`).
     """
-    from zerofn import checkpoint as ck
-
-    if replicate_group is not None:
-        raise ValueError(
-            "zerofn.checkpoint.save(async_save=True) does not support a hybrid layout (replicate_group=) yet: "
-            "save it with async_save=False"
-        )
-    wait_in_flight(group)  # one background save per group: the next one waits (and reports its failure)
-    path = os.path.abspath(os.fspath(path))
-    if os.path.isdir(path) and not os.path.islink(path):
-        raise ck.CheckpointError(f"{path} is a plain directory; zerofn manages checkpoint paths as symlinks")
-    layout = state.layout
     rank, n = comm.group_rank(group), comm.group_size(group)
-    token = comm.broadcast_object(uuid.uuid4().hex[:12] if rank == 0 else None, group)
-    target = f"{path}.{token}"
-    sd, kinds, master_dtypes = ck._rank_entries(state, rank, comm.device_mesh(group, state.state_device.type))
-    for i, name in enumerate(sorted(params or {})):
-        if i % n == rank:
-            sd[f"model/{name}"] = params[name].detach()
-    for name, t in (buffers or {}).items() if rank == 0 else ():
-        sd[f"buffer/{name}"] = t.detach()
-    if layout.has_whole:
-        owned = {name: (kinds[name], master_dtypes[name]) for name in layout.owners if name in kinds}
-        for theirs in comm.all_gather_objects(owned, group):
-            for name, (k, d) in theirs.items():  # type: ignore[union-attr]
-                kinds[name], master_dtypes[name] = k, d
-    # zerofn.json is written when the files are complete, from values taken now.
-    frozen = state.replace(step=_copy(state.step), loss_scale=type(state.loss_scale)(*map(_copy, state.loss_scale)))
-    model = sorted(params) if params is not None else None
-    buffer_meta = ck._buffer_meta(buffers)
+    if has_model:
+        models = sorted(k for k in sd if k.startswith("model/"))
+        mine = set(models[rank::n])
+        sd = {k: v for k, v in sd.items() if not k.startswith("model/") or k in mine}
+    meta = copy.deepcopy(meta)  # the values of now (a step or a loss scale kept as a tensor moves on)
     try:
         staged, nbytes = stage(sd)
         failure: Exception | None = None
     except Exception as e:  # e.g. out of memory on one rank: every rank raises, nothing is in flight
-        failure = ck.CheckpointError(f"{path}: staging the checkpoint in CPU memory failed: {e!r}")
-    ck.raise_alike(failure, (group,), "zerofn.checkpoint.save(async_save=True)")
+        failure = CheckpointError(f"{path}: staging the checkpoint in CPU memory failed: {e!r}")
+    raise_alike(failure, (group,), "zerofn.checkpoint.save(async_save=True)")
 
-    def commit() -> None:
-        ck._write_meta(target, frozen, kinds, master_dtypes, model, buffer_meta)
-        ck._commit(path, target)
+    def commit_meta() -> None:
+        write_meta(target, meta)
+        commit(path, target)
 
     def describe(text: str) -> BaseException:
-        return ck.CheckpointError(
-            f"the background save to {path} ({target}) failed, on {text}. Nothing of it was committed: {path} "
+        return CheckpointError(
+            f"the background save to {path} ({target}) failed ({text}). Nothing of it was committed: {path} "
             "still points at the previous checkpoint"
         )
 
-    return start(path, target, staged, nbytes, group, commit, abandon=lambda: remove_partial(target), describe=describe)
-
-
-def _copy(value: Any) -> Any:
-    return value.detach().clone() if isinstance(value, torch.Tensor) else value
+    return start(
+        path, target, staged, nbytes, group, commit_meta, abandon=lambda: shutil.rmtree(target, True), describe=describe
+    )
