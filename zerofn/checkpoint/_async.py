@@ -11,8 +11,9 @@ A background save (``save(..., async_save=True)``) runs in three parts:
    that could not stage makes every rank raise at once, before anything is in flight.
    DTensors are staged as their local shards and rewrapped (DCP's stager cannot copy a
    DTensor whose local shard is a view).
-2. **Writing, in the background**: ``torch.distributed.checkpoint.async_save`` writes
-   the staged copy from its own thread (``AsyncCheckpointerType.THREAD``). Its
+2. **Writing, in the background**: ``torch.distributed.checkpoint.async_save``, called
+   from the finishing thread (so that its set-up is not part of the caller's wait), writes
+   the staged copy from DCP's own thread (``AsyncCheckpointerType.THREAD``). Its
    collectives (the save plan, the final gather of the write results) run on a **side
    group**: a gloo group over the same ranks, created at the first background save of a
    group (:func:`zerofn._comm.side_group`), so they never interleave with the training
@@ -227,12 +228,13 @@ def start(
     side = comm.side_group(group)
     rank = comm.group_rank(group)
     handle = PendingCheckpoint(path, target, staged_bytes, comm.group_key(group))
-    upload = comm.dcp_async_save(staged, target, side)
 
     def finish() -> None:
         try:
             try:
-                upload.result()
+                # Called from here, not from the caller's thread: DCP's set-up (its executor, the
+                # first planning steps, which hold the GIL) is not part of the caller's wait.
+                comm.dcp_async_save(staged, target, side).result()
                 mine: str | None = None
             except BaseException as e:
                 mine = _why(e, rank)
