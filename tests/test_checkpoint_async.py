@@ -247,3 +247,41 @@ def test_sigkill_during_the_background_write_leaves_the_previous_checkpoint_load
     leftovers = sorted(f for f in os.listdir(tmp_path) if f.startswith("ckpt."))
     assert len(leftovers) == 2  # the committed target and the half-written one
     assert get_world(1).run(_load_w, path)[0] == (0, [1.0] * 5)
+
+
+_EXITS_MID_WRITE = textwrap.dedent(
+    """
+    import sys, time, torch, torch.distributed as dist
+    from torch.distributed.checkpoint import filesystem
+    import zerofn as zf
+    from zerofn import checkpoint as ck
+    path, store = sys.argv[1], sys.argv[2]
+    dist.init_process_group("gloo", init_method="file://" + store, rank=0, world_size=1)
+    state = zf.shard_params({"w": torch.ones(5)}, zf.optim.sgd(lr=0.1))
+    ck.save(path, state, params={"w": torch.ones(5)})
+    original = filesystem._FileSystemWriter.write_data
+
+    def write_data(self, plan, planner):  # still writing when the script ends
+        time.sleep(0.5)
+        return original(self, plan, planner)
+
+    filesystem._FileSystemWriter.write_data = write_data
+    state, _ = zf.step_shards(state, {"w": torch.ones(5)})
+    print(ck.save(path, state, params={"w": torch.zeros(5)}, async_save=True).target, flush=True)
+    """
+)
+
+
+def test_a_script_that_ends_with_a_write_in_flight_commits_it_before_the_process_exits(tmp_path):
+    from conftest import get_world
+
+    path = str(tmp_path / "ckpt")
+    done = subprocess.run(
+        [sys.executable, "-c", _EXITS_MID_WRITE, path, str(tmp_path / "store")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert os.path.realpath(path) == done.stdout.strip()  # the background save, committed at exit
+    assert get_world(1).run(_load_w, path)[0] == (1, [0.0] * 5)

@@ -11,8 +11,7 @@ A background save (``save(..., async_save=True)``) runs in three parts:
    that could not stage makes every rank raise at once, before anything is in flight.
    DTensors are staged as their local shards and rewrapped (DCP's stager cannot copy a
    DTensor whose local shard is a view).
-2. **Writing, in the background**: ``torch.distributed.checkpoint.async_save``, called
-   from the finishing thread (so that its set-up is not part of the caller's wait), writes
+2. **Writing, in the background**: ``torch.distributed.checkpoint.async_save`` writes
    the staged copy from DCP's own thread (``AsyncCheckpointerType.THREAD``). Its
    collectives (the save plan, the final gather of the write results) run on a **side
    group**: a gloo group over the same ranks, created at the first background save of a
@@ -229,12 +228,14 @@ def start(
     rank = comm.group_rank(group)
     handle = PendingCheckpoint(path, target, staged_bytes, comm.group_key(group))
 
+    # Called here, in the caller's thread: at interpreter exit Python stops executors from
+    # taking new work before it joins the threads, so a write must be submitted by now.
+    upload = comm.dcp_async_save(staged, target, side)
+
     def finish() -> None:
         try:
             try:
-                # Called from here, not from the caller's thread: DCP's set-up (its executor, the
-                # first planning steps, which hold the GIL) is not part of the caller's wait.
-                comm.dcp_async_save(staged, target, side).result()
+                upload.result()
                 mine: str | None = None
             except BaseException as e:
                 mine = _why(e, rank)
@@ -271,9 +272,7 @@ def _report_unseen_failures() -> None:
     for handle in _ALL:
         if handle.done() and not handle._seen and handle._future.exception() is not None:
             print(
-                f"zerofn: the background checkpoint save to {handle.path} ({handle.target}) FAILED and was never "
-                f"waited for: {handle._future.exception()}. Nothing of it was committed: {handle.path} still "
-                "points at the previous checkpoint.",
+                f"zerofn: a background checkpoint save FAILED and was never waited for: {handle._future.exception()}",
                 file=sys.stderr,
                 flush=True,
             )
