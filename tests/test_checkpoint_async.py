@@ -161,6 +161,24 @@ def _one_at_a_time_and_failures(path: str) -> dict[str, Any]:
             opt.save_checkpoint(path)
     out["after_unseen"] = os.path.realpath(path) == committed
 
+    # A rank that cannot stage (out of CPU memory) makes every rank raise at the call.
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    original_stage = DefaultStager.stage
+
+    def stage(self: Any, state_dict: Any, **kwargs: Any) -> Any:
+        if dist.get_rank() == 1:
+            raise MemoryError("cannot allocate (test)")
+        return original_stage(self, state_dict, **kwargs)
+
+    DefaultStager.stage = stage  # type: ignore[method-assign]
+    try:
+        with pytest.raises(ck.CheckpointError, match=r"staging .* failed \(rank 1: MemoryError: cannot allocate"):
+            opt.save_checkpoint(path, async_save=True)
+    finally:
+        DefaultStager.stage = original_stage  # type: ignore[method-assign]
+    out["after_staging"] = os.path.realpath(path) == committed
+
     # close() waits for the save in flight.
     gate = threading.Event()
     with _writes_held(gate):
@@ -183,6 +201,7 @@ def test_the_next_save_waits_wait_returns_the_commit_and_a_failure_reaches_every
         assert all("failed (rank 1: OSError: no space left on device" in e for e in r["errors"]), r["errors"]
         assert all(f"{path} still points at the previous checkpoint" in e for e in r["errors"])
         assert not r["failed_target_left"] and r["after_failure"] and r["after_unseen"], rank
+        assert r["after_staging"], rank
         assert r["loaded_step"] == 2
         assert r["closed_done"] and r["last"] == os.path.realpath(path), rank
     assert results[0]["last"] == results[1]["last"]

@@ -7,7 +7,7 @@ A background save (``save(..., async_save=True)``) runs in three parts:
    (pinned memory and a non-blocking copy on CUDA). A ``step`` or an in-place edit of the
    params or the optimizer state right after the call does not reach the checkpoint
    (pytorch/pytorch#144657 was DCP skipping this copy for CPU tensors). The ranks then
-   agree that every rank staged (one small all-gather over the sharding group), so a rank
+   agree that every rank staged (one scalar all-reduce over the side group, below), so a rank
    that could not stage makes every rank raise at once, before anything is in flight.
    DTensors are staged as their local shards and rewrapped (DCP's stager cannot copy a
    DTensor whose local shard is a view).
@@ -49,10 +49,10 @@ import torch
 
 from zerofn import _comm as comm
 from zerofn._comm import Group
-from zerofn.checkpoint._errors import CheckpointError, raise_alike
+from zerofn.checkpoint._errors import CheckpointError
 from zerofn.checkpoint._format import commit, write_meta
 
-__all__ = ["PendingCheckpoint", "in_flight", "stage", "start", "wait_in_flight"]
+__all__ = ["PendingCheckpoint", "save", "stage", "start", "wait_in_flight"]
 
 
 class PendingCheckpoint:
@@ -60,8 +60,8 @@ class PendingCheckpoint:
 
     ``path`` is the checkpoint path (the symlink) and ``target`` the directory this save
     writes; ``path`` points at ``target`` only once every rank's files and ``zerofn.json``
-    are complete. ``staged_bytes``: the CPU memory this rank's staged copy holds until the
-    write completes.
+    are complete. ``staged_bytes``: the CPU memory of this rank's staged copy (kept, while
+    the tensors it copies live, for the next save to copy into).
     """
 
     def __init__(self, path: str, target: str, staged_bytes: int, group_key: Any) -> None:
@@ -105,14 +105,8 @@ _ALL: list[PendingCheckpoint] = []
 _LOCK = threading.Lock()
 
 
-def in_flight(group: Group) -> PendingCheckpoint | None:
-    """The background save of ``group`` that has not been waited for (done or not), if any."""
-    with _LOCK:
-        return _IN_FLIGHT.get(comm.group_key(group))
-
-
-def wait_in_flight(group: Group = None, *, every_group: bool = False, report: bool = True) -> None:
-    """Wait for the background save in flight on ``group`` (or, ``every_group``, on any group).
+def wait_in_flight(group: Group = None, *, report: bool = True) -> None:
+    """Wait for the background save in flight on ``group``, if any.
 
     Raises its :class:`~zerofn.checkpoint.CheckpointError` if it failed and nobody has
     seen that failure yet (on every rank alike); it is then forgotten, so the next call
@@ -120,8 +114,7 @@ def wait_in_flight(group: Group = None, *, every_group: bool = False, report: bo
     the report at exit). Not a collective.
     """
     with _LOCK:
-        keys = list(_IN_FLIGHT) if every_group else [comm.group_key(group)]
-        handles = [_IN_FLIGHT[k] for k in keys if k in _IN_FLIGHT]
+        handles = [h for h in [_IN_FLIGHT.get(comm.group_key(group))] if h is not None]
     failure: BaseException | None = None
     for handle in handles:
         try:
@@ -139,24 +132,26 @@ def wait_in_flight(group: Group = None, *, every_group: bool = False, report: bo
         raise failure
 
 
-_STAGERS: dict[str, Any] = {}
+# One stager per (group, device type): its cache of staged storages (keyed by the source
+# storages, weakly) is reused by the group's next save, which starts after this one's write.
+_STAGERS: dict[tuple[Any, str], Any] = {}
 
 
-def _stager(device_type: str) -> Any:
+def _stager(key: Any, device_type: str) -> Any:
     """DCP's default stager for ``device_type``: plain CPU copies (pinned, non-blocking on CUDA)."""
-    if device_type not in _STAGERS:
+    if (key, device_type) not in _STAGERS:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
         accel = device_type != "cpu" and torch.accelerator.is_available()
-        _STAGERS[device_type] = DefaultStager(
+        _STAGERS[key, device_type] = DefaultStager(
             StagingOptions(
                 use_pinned_memory=accel, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=accel
             )
         )
-    return _STAGERS[device_type]
+    return _STAGERS[key, device_type]
 
 
-def stage(state_dict: dict[str, Any]) -> tuple[dict[str, Any], int]:
+def stage(state_dict: dict[str, Any], group: Group = None) -> tuple[dict[str, Any], int]:
     """A CPU copy of a DCP state dict, and the bytes of CPU memory the copy holds.
 
     Plain tensors are copied by DCP's ``DefaultStager`` (a view is copied with the whole
@@ -174,7 +169,7 @@ def stage(state_dict: dict[str, Any]) -> tuple[dict[str, Any], int]:
         elif isinstance(value, torch.Tensor):
             plain[key] = value
     device_type = next((t.device.type for t in plain.values() if t.device.type != "cpu"), "cpu")
-    staged = _stager(device_type).stage(plain)
+    staged = _stager(comm.group_key(group), device_type).stage(plain)
     seen: set[int] = set()
     nbytes = 0
     for t in staged.values():
@@ -285,26 +280,34 @@ def save(
     commit ``meta`` (``zerofn.json`` without its file list) to ``target`` in the background.
 
     Each model weight (``model/<name>``, replicated on every rank) is staged and written
-    by one rank only (round robin in name order) instead of being staged by every rank
-    and deduplicated by DCP's planner: the same checkpoint, ``1/N`` of the model's staging
-    memory per rank.
+    by one rank only (:func:`_writers`) instead of being staged by every rank and
+    deduplicated by DCP's planner: the same checkpoint, about ``1/N`` of the model's
+    staging memory per rank.
 
-    Collectives before it returns (``group``, this thread): one object all-gather of the
-    staging verdicts; the first time for ``group``, the side group's creation. The rest
-    runs in the background (:func:`start`).
+    Collectives before it returns (this thread): one scalar all-reduce of the staging
+    verdicts on the side group (the first time for ``group``, the side group's creation);
+    the rest runs in the background (:func:`start`).
     """
-    rank, n = comm.group_rank(group), comm.group_size(group)
+    rank = comm.group_rank(group)
     if has_model:
-        models = sorted(k for k in sd if k.startswith("model/"))
-        mine = set(models[rank::n])
-        sd = {k: v for k, v in sd.items() if not k.startswith("model/") or k in mine}
+        writer = _writers({k: v for k, v in sd.items() if k.startswith("model/")}, comm.group_size(group))
+        sd = {k: v for k, v in sd.items() if writer.get(k, rank) == rank}
     meta = copy.deepcopy(meta)  # the values of now (a step or a loss scale kept as a tensor moves on)
     try:
-        staged, nbytes = stage(sd)
-        failure: Exception | None = None
+        staged, nbytes = stage(sd, group)
+        mine: str | None = None
     except Exception as e:  # e.g. out of memory on one rank: every rank raises, nothing is in flight
-        failure = CheckpointError(f"{path}: staging the checkpoint in CPU memory failed: {e!r}")
-    raise_alike(failure, (group,), "zerofn.checkpoint.save(async_save=True)")
+        mine = f"rank {rank}: {type(e).__name__}: {e}"
+    # Every rank's verdict before anything is in flight, on the side group: no background
+    # thread uses it now (this group's previous save is complete), and it is gloo, so the flag
+    # is a CPU tensor whatever the training backend is.
+    side = comm.side_group(group)
+    if comm.all_reduce_scalars(torch.tensor([float(mine is not None)]), "max", side).item():
+        bad = [why for why in comm.all_gather_objects(mine, side) if why is not None]
+        raise CheckpointError(
+            f"{path}: staging the checkpoint in CPU memory failed ({'; '.join(bad)}), so no rank saved; "
+            f"{path} still points at the previous checkpoint"
+        )
 
     def commit_meta() -> None:
         write_meta(target, meta)
@@ -319,3 +322,16 @@ def save(
     return start(
         path, target, staged, nbytes, group, commit_meta, abandon=lambda: shutil.rmtree(target, True), describe=describe
     )
+
+
+def _writers(model: dict[str, torch.Tensor], n: int) -> dict[str, int]:
+    """Which rank stages and writes each model weight: the largest first, each to the rank
+    with the fewest bytes so far (ties: the lower rank). The same on every rank (the
+    weights are replicated: same names, shapes, dtypes)."""
+    load = [0] * n
+    out: dict[str, int] = {}
+    for key in sorted(model, key=lambda k: (-model[k].numel() * model[k].element_size(), k)):
+        r = min(range(n), key=lambda i: (load[i], i))
+        out[key] = r
+        load[r] += model[key].numel() * model[key].element_size()
+    return out

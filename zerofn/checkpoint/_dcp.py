@@ -177,9 +177,10 @@ def save(
 
     Collectives: a broadcast of the directory name, DCP's plan exchange, two barriers
     (within ``group``); with replicas one more broadcast of the committed directory's
-    name over ``replicate_group``. With ``async_save``: the broadcast and one object
-    all-gather (the staging verdicts) before it returns; the rest in the background on a
-    side group (:func:`zerofn._comm.side_group`).
+    name over ``replicate_group``. With ``async_save``: the broadcast, then one scalar
+    all-reduce (the staging verdicts) on a side group over the same ranks
+    (:func:`zerofn._comm.side_group`, made by the first background save of ``group``)
+    before it returns; the rest in the background on that side group.
     """
     if async_save and replicate_group is not None:
         raise ValueError(
