@@ -15,10 +15,12 @@
 
 # %%
 import os
+import random
 import shutil
 import tempfile
 
 import matplotlib.pyplot as plt
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -78,6 +80,12 @@ for r in range(3):
 #
 # Because a `ZeroState` is an immutable value, the same function then simply keeps
 # training from the state it just saved: that is the run that never stopped.
+#
+# The save also carries the rest of the training state: `extra={"progress": progress}`
+# takes any object with `state_dict()` / `load_state_dict()` (an LR scheduler, a data
+# loader, this counter), and every rank's random generators (torch, Python's `random`,
+# NumPy's) are saved by default. Here every rank seeds them alike, as a run that draws the
+# same noise on every rank would.
 
 # %%
 GLOBAL_BATCH, SAVE_AT, STEPS = 96, 20, 40
@@ -116,15 +124,38 @@ def train(state, params, start, stop):
     return state, params, losses
 
 
+class Progress:
+    """The user's own state: steps and samples done (the same on every rank)."""
+
+    def __init__(self):
+        self.steps, self.samples = 0, 0
+
+    def state_dict(self):
+        return {"steps": self.steps, "samples": self.samples}
+
+    def load_state_dict(self, state):
+        self.steps, self.samples = state["steps"], state["samples"]
+
+
+def seed_everything(seed):
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+
+
 def first_run(model, path):
+    seed_everything(1234)  # alike on every rank
     params = {k: v.detach() for k, v in model.named_parameters()}
     state = zf.shard_params(params, zf.optim.adamw(lr=1e-2))
     state, params, losses = train(state, params, 0, SAVE_AT)
-    zf.checkpoint.save(path, state, params=params)
+    progress = Progress()
+    progress.steps, progress.samples = SAVE_AT, SAVE_AT * GLOBAL_BATCH
+    zf.checkpoint.save(path, state, params=params, extra={"progress": progress})  # and the RNG
+    noise = torch.rand(3)  # the next draw after the save
     saved = zf.checkpoint.full_state_dict(state)  # the whole state, gathered: for the check at the end
     _, final, more = train(state, params, SAVE_AT, STEPS)  # the run that never stopped
     shapes = {k: tuple(v.shape) for k, v in state.master.items()}
-    return {"shapes": shapes, "saved": saved, "losses": losses + more, "final": final}
+    return {"shapes": shapes, "saved": saved, "losses": losses + more, "final": final, "noise": noise}
 
 
 ckpt_dir = tempfile.mkdtemp(prefix="zerofn-nb05-")
@@ -144,27 +175,41 @@ for name in sorted(os.listdir(target)):
 # %% [markdown]
 # Two `.distcp` files, one per saving rank (the model weights are the same on every rank,
 # so DCP writes them once, in one of the files), DCP's `.metadata` (which element ranges
-# each file holds), and `zerofn.json`: the names, shapes and dtypes, the optimizer and its
-# hyperparameters, the step count, the loss-scale state, and every file's size and
-# SHA-256, which `load` verifies before reading a tensor.
+# each file holds), one `extras.<rank>.pt` per rank (its extras and RNG states), and
+# `zerofn.json`: the names, shapes and dtypes, the optimizer and its hyperparameters, the
+# step count, the loss-scale state, which extras were the same on every rank, and every
+# file's size and SHA-256, which `load` verifies before reading a tensor.
 #
 # ## Resume on 3 ranks
 #
 # A fresh `World(3)`: three new processes that know nothing but the model's shapes.
 # `zf.checkpoint.load` builds the 3-rank layout, reads the overlapping pieces, and fills
 # the model weights in place (`params_out`); the optimizer and its hyperparameters come
-# from the checkpoint.
+# from the checkpoint. `extra=` names the saved extras: `progress` was the same on every
+# rank, so it restores at any world size, and so do the generators, seeded alike (seeded
+# per rank, they would restore only at 2 ranks: see the guide "Resuming anywhere").
 
 
 # %%
 def resume(model, path):
     like = {k: v.detach() for k, v in model.named_parameters()}  # names, shapes, dtypes
     params = {k: torch.full_like(v, float("nan")) for k, v in like.items()}  # overwritten by the load
-    state = zf.checkpoint.load(path, like, params_out=params)
+    seed_everything(dist.get_rank())  # whatever this process drew before: the load replaces it
+    progress = Progress()
+    state = zf.checkpoint.load(path, like, params_out=params, extra={"progress": progress})
+    noise = torch.rand(3)  # the next draw after the load
     loaded = zf.checkpoint.full_state_dict(state)
     shapes = {k: tuple(v.shape) for k, v in state.master.items()}
     state, final, losses = train(state, params, SAVE_AT, STEPS)
-    return {"shapes": shapes, "loaded": loaded, "losses": losses, "final": final, "step": state.step}
+    return {
+        "shapes": shapes,
+        "loaded": loaded,
+        "losses": losses,
+        "final": final,
+        "step": state.step,
+        "progress": progress.state_dict(),
+        "noise": noise,
+    }
 
 
 world = World(3)
@@ -192,6 +237,8 @@ plt.show()
 # 1. Nothing is lost: the state loaded at 3 ranks, gathered into the world-size-free
 #    full state dict (`torch.optim.AdamW`'s format plus zerofn's master weights), is bit
 #    for bit the state saved at 2 ranks.
+#    The extras and the generators are the ones saved: the next random draw on each of the 3
+#    ranks is the draw that followed the save.
 # 2. Training on from it gives the run that never stopped: the same losses and params, to
 #    float32 rounding. Not bitwise, and for a reason that has nothing to do with the
 #    checkpoint: at 3 ranks the mean gradient is summed from 3 partial sums instead of 2,
@@ -217,6 +264,9 @@ def assert_same_state(saved, loaded):
 
 for got in after:
     assert_same_state(before[0]["saved"], got["loaded"])
+    assert got["progress"] == {"steps": SAVE_AT, "samples": SAVE_AT * GLOBAL_BATCH}
+    assert torch.equal(got["noise"], before[0]["noise"])  # the draw after the load is the draw after the save
+print("progress restored on 3 ranks:", after[0]["progress"], "; next draw", after[0]["noise"].tolist())
 for got in after[1:]:
     assert all(torch.equal(got["final"][k], after[0]["final"][k]) for k in got["final"])  # ranks agree
 

@@ -26,14 +26,18 @@ at any moment leaves ``<path>`` pointing at the last complete checkpoint. A load
 sizes and hashes, the rank files and the model's names, shapes and dtypes before reading
 any tensor, and raises :class:`CheckpointError` naming what is wrong.
 
+The rest of the training state travels in the same checkpoint: ``extra=`` (any object with
+``state_dict()`` / ``load_state_dict()``: LR schedulers, data loaders, counters) and every
+rank's RNG, restored all or nothing (see :func:`load` for what restores at which world size).
+
 The package, one file per part: ``_format`` (the on-disk metadata, hashes and atomic
 commit), ``_manifest`` (what a sharded checkpoint says was saved), ``_dcp`` (the sharded
 save, and the load as one pipeline: read and verify the metadata, the manifest, check it
-against the live state, read the tensors, assemble), ``_torch_format`` (the torch-format full state dict),
-``_validate`` (what a load checks against the live state), ``_optimizer`` (the optimizer
-state as torch keeps it, and the optimizer a checkpoint describes), ``_async`` (saving in
-the background: staging, the write on a side group, the commit when it completes),
-``_errors``.
+against the live state, read the tensors, assemble), ``_torch_format`` (the torch-format
+full state dict), ``_validate`` (what a load checks against the live state), ``_optimizer``
+(the optimizer state as torch keeps it, and the optimizer a checkpoint describes),
+``_extras`` (``extra=`` objects and every rank's RNG), ``_async`` (saving in the
+background: staging, the write on a side group, the commit when it completes), ``_errors``.
 """
 
 from zerofn.checkpoint._async import PendingCheckpoint

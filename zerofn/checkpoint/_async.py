@@ -209,10 +209,13 @@ def start(
     *,
     abandon: Callable[[], None],
     describe: Callable[[str], BaseException],
+    also_write: Callable[[], None] | None = None,
 ) -> PendingCheckpoint:
     """Write ``staged`` (from :func:`stage`) to ``target`` in the background; return its handle.
 
-    ``commit`` runs on group rank 0 once every rank's files are written (it writes
+    ``also_write`` (this rank's extras file) runs in the background beside DCP's write,
+    and counts as part of it. ``commit`` runs on group rank 0 once every rank's files are
+    written (it writes
     ``zerofn.json`` and repoints ``path``); ``abandon`` on group rank 0 when a rank failed
     (removes the partial ``target``). ``describe(text)`` makes the error every rank's
     handle raises. Collectives (all on the side group, from background threads): DCP's
@@ -230,6 +233,8 @@ def start(
     def finish() -> None:
         try:
             try:
+                if also_write is not None:
+                    also_write()
                 upload.result()
                 mine: str | None = None
             except BaseException as e:
@@ -274,10 +279,19 @@ def _report_unseen_failures() -> None:
 
 
 def save(
-    path: str, target: str, sd: dict[str, Any], group: Group, meta: dict[str, Any], *, has_model: bool
+    path: str,
+    target: str,
+    sd: dict[str, Any],
+    group: Group,
+    meta: dict[str, Any],
+    *,
+    has_model: bool,
+    write_extras: Callable[[], None] | None = None,
 ) -> PendingCheckpoint:
     """The background half of :func:`zerofn.checkpoint.save` (``async_save=True``): stage ``sd`` now, write it and
     commit ``meta`` (``zerofn.json`` without its file list) to ``target`` in the background.
+    ``write_extras`` writes this rank's extras file (captured by the caller) in the background
+    too, before the commit.
 
     Each model weight (``model/<name>``, replicated on every rank) is staged and written
     by one rank only (:func:`_writers`) instead of being staged by every rank and
@@ -320,7 +334,15 @@ def save(
         )
 
     return start(
-        path, target, staged, nbytes, group, commit_meta, abandon=lambda: shutil.rmtree(target, True), describe=describe
+        path,
+        target,
+        staged,
+        nbytes,
+        group,
+        commit_meta,
+        abandon=lambda: shutil.rmtree(target, True),
+        describe=describe,
+        also_write=write_extras,
     )
 
 

@@ -9,6 +9,7 @@ overlapping pieces.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import uuid
@@ -22,7 +23,7 @@ from zerofn import lowbit, optim
 from zerofn._comm import Group
 from zerofn._deprecation import UNSET, renamed
 from zerofn._tree import FrozenDict
-from zerofn.checkpoint import _async
+from zerofn.checkpoint import _async, _extras
 from zerofn.checkpoint._async import PendingCheckpoint
 from zerofn.checkpoint._errors import CheckpointError, raise_alike
 from zerofn.checkpoint._format import commit, read_meta, write_meta
@@ -142,6 +143,8 @@ def save(
     params: Mapping[str, torch.Tensor] | None = None,
     buffers: Mapping[str, torch.Tensor] | None = None,
     replicate_group: Group = None,
+    extra: Mapping[str, Any] | None = None,
+    rng: bool = True,
     async_save: bool = False,
     _before_commit: Callable[[], None] | None = None,
 ) -> str | PendingCheckpoint:
@@ -162,10 +165,25 @@ def save(
       replicate_group: for a hybrid layout, the ranks holding the same shards as this
         one; only the shard group whose members are rank 0 of their replicate groups
         writes, the others wait for the commit. Every rank of the world calls ``save``.
+      extra: the training state beside the optimizer's, name -> any object with
+        ``state_dict()`` and ``load_state_dict()`` (an LR scheduler, a data loader, a
+        counter): each rank saves its objects' ``state_dict()`` as it is at the call, and
+        whether it was the same on every rank (see :func:`load` for what restores where).
+      rng: save each rank's RNG states too (torch's CPU generator, the CUDA generators when
+        the process uses CUDA, Python's ``random``, NumPy's global generator when NumPy is
+        imported). With a ``replicate_group``, the writing shard group's extras and RNG
+        are saved.
       async_save: return once this rank's tensors are copied into CPU memory (staged),
         and write the files in the background while training goes on; ``zerofn.json``
         and the commit follow when every rank's files are complete
-        (:mod:`zerofn.checkpoint._async`). Not with ``replicate_group`` (yet).
+        (:mod:`zerofn.checkpoint._async`). ``extra`` and the RNG are captured at the call
+        (deep copies of their ``state_dict()``), as without it. Not with
+        ``replicate_group`` (yet).
+
+    Raises:
+      CheckpointError: on every rank, before anything is written, when ``path`` is a plain
+        directory or any rank's extras cannot be saved (no ``state_dict``, another set of
+        keys than the other ranks').
 
     Returns:
       The committed directory the checkpoint was written to, on every rank (replicas
@@ -175,10 +193,11 @@ def save(
     A save first waits for this group's background save in flight, if any (and raises
     its failure if nobody has seen it).
 
-    Collectives: a broadcast of the directory name, DCP's plan exchange, two barriers
-    (within ``group``); with replicas one more broadcast of the committed directory's
-    name over ``replicate_group``. With ``async_save``: the broadcast, then one scalar
-    all-reduce (the staging verdicts) on a side group over the same ranks
+    Collectives: an object all-gather of each rank's extras keys and digests; a broadcast
+    of the directory name, DCP's plan exchange, two barriers (within ``group``); with
+    replicas one more broadcast of the committed directory's name over ``replicate_group``.
+    With ``async_save``: the all-gather and the broadcast, then one scalar all-reduce
+    (the staging verdicts) on a side group over the same ranks
     (:func:`zerofn._comm.side_group`, made by the first background save of ``group``)
     before it returns; the rest in the background on that side group.
     """
@@ -195,6 +214,7 @@ def save(
     path = os.path.abspath(os.fspath(path))
     if os.path.isdir(path) and not os.path.islink(path):
         raise CheckpointError(f"{path} is a plain directory; zerofn manages checkpoint paths as symlinks")
+    payload = _extras.capture(extra, rng, group, "zerofn.checkpoint.save")
     layout = state.layout
     rank = comm.group_rank(group)
     token = comm.broadcast_object(uuid.uuid4().hex[:12] if rank == 0 else None, group)
@@ -212,13 +232,22 @@ def save(
         for theirs in comm.all_gather_objects(owned, group):
             for n, (k, d) in theirs.items():  # type: ignore[union-attr]
                 kinds[n], master_dtypes[n] = k, d
-    model = sorted(params) if params is not None else None
-    if async_save:
-        meta = Manifest.of(state, kinds, master_dtypes, model, buffer_meta(buffers)).to_json()
-        return _async.save(path, target, sd, group, meta, has_model=params is not None)
+    if async_save:  # the extras were captured (deep copies) above: written in the background as they were
+        extras, same_rng = _extras.manifest_entries(payload)
+        model = sorted(params) if params is not None else None
+        manifest = Manifest.of(state, kinds, master_dtypes, model, buffer_meta(buffers), extras, same_rng)
+        write_extras = None if payload is None else functools.partial(_extras.write, target, rank, payload)
+        return _async.save(
+            path, target, sd, group, manifest.to_json(), has_model=params is not None, write_extras=write_extras
+        )
+    if payload is not None:  # before DCP's save, whose last collective tells rank 0 every file is written
+        _extras.write(target, rank, payload)
     comm.dcp_save(sd, target, group)
     if rank == 0:
-        write_meta(target, Manifest.of(state, kinds, master_dtypes, model, buffer_meta(buffers)).to_json())
+        model = sorted(params) if params is not None else None
+        extras, same_rng = _extras.manifest_entries(payload)
+        manifest = Manifest.of(state, kinds, master_dtypes, model, buffer_meta(buffers), extras, same_rng)
+        write_meta(target, manifest.to_json())
     comm.barrier(group)
     if _before_commit is not None:
         _before_commit()
@@ -313,6 +342,8 @@ def load(
     buffers_out: Mapping[str, torch.Tensor] | None = None,
     verify: bool = True,
     precision: PrecisionPolicy | None = None,
+    extra: Mapping[str, Any] | None = None,
+    rng: bool = True,
     policy: Any = UNSET,
 ) -> ZeroState:
     """Read a checkpoint written by :func:`save` at any world size into this group's shards.
@@ -329,12 +360,29 @@ def load(
         anything changes). A checkpoint saved without buffers leaves them as they are.
       verify: check every file's SHA-256 (sizes and presence are always checked).
       precision: the precision policy to continue with; the saved loss-scale state is restored.
+      extra: the objects to restore the saved extras into (name -> object with
+        ``load_state_dict``), exactly the names saved; ``None`` restores none of them. At
+        the saved world size each rank gets its own rank's; at another, an extra that was
+        the same on every rank when saved restores on every rank, one that differed is a
+        ``CheckpointError``.
+      rng: restore this rank's RNG states, if saved: at the saved world size each rank's
+        own; at another world size only if they were the same on every rank (else every
+        rank keeps the generators it has, as at a fresh start).
       policy: the old name of ``precision`` (deprecated, warns).
 
     Returns:
       This rank's ZeroState at ``comm.group_size(group)`` ranks.
 
-    Collectives: DCP's plan exchange; each rank reads the pieces its shards overlap.
+    Raises:
+      CheckpointError: on every rank, with nothing changed (the params, buffers, extras
+        and RNG are as they were): the files are missing, truncated or corrupt; the
+        checkpoint does not fit the model, the optimizer or its placements; ``extra``
+        names other keys than the saved ones, or a per-rank extra at another world size;
+        reading failed; an extra's ``load_state_dict`` raised on any rank.
+
+    Collectives: one object all-gather of every rank's verdict before reading; DCP's plan
+    exchange (each rank reads the pieces its shards overlap); one verdict all-gather after
+    reading, and one more after restoring the extras.
     """
     precision = renamed("load", "policy", "precision", policy, precision)
     _async.wait_in_flight(group)  # a save of this group in flight first completes (read what was saved)
@@ -344,7 +392,7 @@ def load(
     # cannot load makes all raise, and nothing has changed anywhere.
     try:
         saved = Manifest.from_json(read_meta(path, verify))
-        plan = _plan(saved, path, like, group, optimizer, params_out, buffers_out)
+        plan = _plan(saved, path, like, group, optimizer, params_out, buffers_out, extra, rng)
         failure: Exception | None = None
     except (CheckpointError, KeyError, TypeError, ValueError) as e:
         failure = e if isinstance(e, CheckpointError) else CheckpointError(f"{path}: unreadable metadata ({e!r})")
@@ -362,7 +410,9 @@ def load(
         failure.__cause__ = e
     raise_alike(failure, (group,), "zerofn.checkpoint.load")
     assert state is not None
-    # Only now, with every rank's state built, the caller's tensors change.
+    # Only now, with every rank's state built, the caller's objects change: the extras first
+    # (all or nothing across the group), then the RNG and the model's tensors.
+    _extras.apply(plan.restore, extra, group, "zerofn.checkpoint.load")
     if staged:
         with torch.no_grad():  # params_out may be leaf params that require grad
             for name, value in staged.items():
@@ -379,6 +429,7 @@ class _Plan(NamedTuple):
     optimizer: optim.Optimizer  # with the saved hyperparameters
     rank: int
     device: torch.device  # where the master shards and the state live
+    restore: _extras.ToRestore  # the extras' states and the RNG this rank restores
 
 
 def _plan(
@@ -389,12 +440,14 @@ def _plan(
     optimizer: optim.Optimizer | None,
     params_out: Mapping[str, torch.Tensor] | None,
     buffers_out: Mapping[str, torch.Tensor] | None,
+    extra: Mapping[str, Any] | None,
+    rng: bool,
 ) -> _Plan:
     """Everything :func:`load` checks before reading a tensor, and what it then reads into.
 
     Raises :class:`CheckpointError` naming what does not fit: another optimizer, another
     model (names, shapes, dtypes), other placements, no weights or other buffers than the
-    model's. No collectives.
+    model's, other extras than the saved ones. Reads this rank's extras file. No collectives.
     """
     # The model and its placements first (the plainest causes), then the optimizer's kind and groups.
     layout, _ = layout_and_masters(like, group, torch.float32, optimizer or saved.saved_kind())
@@ -406,7 +459,9 @@ def _plan(
         check_buffers(saved.buffers, buffers_out, path)
     fopt = saved.saved_optimizer(optimizer)
     device = next(iter(like.values())).device if isinstance(like, Mapping) else torch.device("cpu")
-    return _Plan(layout, fopt, comm.group_rank(group), device)
+    rank, n = comm.group_rank(group), comm.group_size(group)
+    restore = _extras.read(path, saved.extras, saved.rng, saved.saved_world_size, extra, rng, rank, n)
+    return _Plan(layout, fopt, rank, device, restore)
 
 
 def _read(

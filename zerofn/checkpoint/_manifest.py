@@ -49,6 +49,9 @@ class Manifest:
       saved_world_size: the world size that wrote it (any world size reads it).
       model: the names of the saved model weights (``None``: saved without ``params=``).
       buffers: name -> ``[shape, dtype]`` of the saved buffers (``None``: none saved).
+      extras: the ``extra=`` keys saved -> whether that state was the same on every rank
+        (``None``: saved without extras, or before they existed); see ``_extras``.
+      rng: whether the ranks' RNG states were all the same (``None``: RNG not saved).
     """
 
     names: tuple[str, ...]
@@ -65,6 +68,8 @@ class Manifest:
     saved_world_size: int
     model: tuple[str, ...] | None
     buffers: Mapping[str, list[Any]] | None
+    extras: Mapping[str, bool] | None = None
+    rng: bool | None = None
 
     @classmethod
     def of(
@@ -74,6 +79,8 @@ class Manifest:
         master_dtypes: Mapping[str, str],
         model: list[str] | None,
         buffers: Mapping[str, list[Any]] | None,
+        extras: Mapping[str, bool] | None = None,
+        rng: bool | None = None,
     ) -> Manifest:
         """What a save of ``state`` writes (``kinds`` and ``master_dtypes`` of every param)."""
         layout = state.layout
@@ -93,6 +100,8 @@ class Manifest:
             saved_world_size=layout.world_size,
             model=tuple(model) if model is not None else None,
             buffers=buffers,
+            extras=extras,
+            rng=rng,
         )
 
     @classmethod
@@ -121,6 +130,8 @@ class Manifest:
             saved_world_size=int(meta["saved_world_size"]),
             model=tuple(meta["model"]) if meta.get("model") is not None else None,
             buffers=meta.get("buffers"),
+            extras=meta.get("extras"),
+            rng=meta.get("rng"),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -141,6 +152,8 @@ class Manifest:
             "saved_world_size": self.saved_world_size,
             "model": list(self.model) if self.model is not None else None,
             "buffers": self.buffers,
+            "extras": self.extras,
+            "rng": self.rng,
         }
 
     def params_meta(self) -> dict[str, list[Any]]:

@@ -176,12 +176,23 @@ class StateDictMethods:
             yield block, size
 
     def save_checkpoint(
-        self: _Host, path: str, *, with_model: bool = True, async_save: bool = False
+        self: _Host,
+        path: str,
+        *,
+        with_model: bool = True,
+        extra: Mapping[str, Any] | None = None,
+        rng: bool = True,
+        async_save: bool = False,
     ) -> str | _async.PendingCheckpoint:
         """Sharded, atomic checkpoint of the optimizer state (and the model weights) at ``path``.
 
         With ``with_model`` and ``module=``, the model's persistent buffers (BatchNorm
         running stats) are saved too (rank 0's, as DDP's rank-0 ``model.state_dict()``).
+
+        ``extra``: the rest of the training state, name -> any object with ``state_dict()``
+        and ``load_state_dict()`` (an LR scheduler, a data loader, a counter), saved per
+        rank; ``rng``: each rank's RNG states (torch, CUDA, ``random``, NumPy) too. What
+        restores at which world size: :func:`zerofn.checkpoint.load`.
 
         See :func:`zerofn.checkpoint.save`. Weights written into the model since the last
         step are first taken into the masters (as ``step`` would), so the checkpoint holds
@@ -191,7 +202,8 @@ class StateDictMethods:
         once this rank's state is copied into CPU memory, and the files are written in the
         background while training goes on; ``path`` moves to the new checkpoint when every
         rank's files are complete. The next save (or load, or :meth:`close`) waits for it.
-        Returns the committed directory otherwise.
+        ``extra`` and the RNG are captured at the call too. Returns the committed directory
+        otherwise.
         """
         self._entry.join("save_checkpoint")  # a collective: every rank must call it (bounded wait)
         self._fold_writes("ZeroOptimizer.save_checkpoint")
@@ -204,19 +216,25 @@ class StateDictMethods:
             params=self._params if with_model else None,
             buffers=buffers,
             replicate_group=self._replicate,
+            extra=extra,
+            rng=rng,
             async_save=async_save,
         )
 
-    def load_checkpoint(self: _Host, path: str, *, with_model: bool = True) -> None:
+    def load_checkpoint(
+        self: _Host, path: str, *, with_model: bool = True, extra: Mapping[str, Any] | None = None, rng: bool = True
+    ) -> None:
         """Resume from :meth:`save_checkpoint` (any world size): state, hyperparameters, weights, buffers.
 
         With ``with_model`` and ``module=``, the model's persistent buffers take the saved
         ones (names, shapes and dtypes checked first); a checkpoint saved without buffers
-        leaves them as they are.
+        leaves them as they are. ``extra``: the objects to restore the saved extras into,
+        exactly the names saved (``None``: none restored); ``rng``: restore each rank's RNG
+        (at the saved world size; at another only if it was the same on every rank).
 
         Validated before anything changes (:func:`zerofn.checkpoint.load`): on failure every
         rank raises :class:`~zerofn.checkpoint.CheckpointError` and the state, the masters,
-        the ``param_groups`` and the model are what they were.
+        the ``param_groups``, the model, the extras and the RNG are what they were.
         """
         self._entry.join("load_checkpoint")  # a collective: every rank must call it (bounded wait)
         self._fold_writes("ZeroOptimizer.load_checkpoint")  # waits for a late gather, which would overwrite them
@@ -229,6 +247,8 @@ class StateDictMethods:
             optimizer=self._state.optimizer,
             params_out=params_out,
             buffers_out=buffers_out,
+            extra=extra,
+            rng=rng,
         )
         self._adopt(new)
         if with_model:
