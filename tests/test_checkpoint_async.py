@@ -67,13 +67,27 @@ def _train(model: Net, opt: zf.ZeroOptimizer, data: list[tuple[torch.Tensor, tor
 # --------------------------------------------------------------------------- the #144657 trap
 
 
+class _Counter:
+    """A user's Stateful object (``extra=``)."""
+
+    def __init__(self) -> None:
+        self.seen = [0]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seen": self.seen}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.seen = list(sd["seen"])
+
+
 def _sync_then_async_then_change_everything(sync_path: str, async_path: str) -> dict[str, Any]:
     model, opt, data = _facade()
     _train(model, opt, data[:3])
-    opt.save_checkpoint(sync_path)
+    counter = _Counter()
+    opt.save_checkpoint(sync_path, extra={"counter": counter})
     gate = threading.Event()
     with _writes_held(gate):
-        handle = opt.save_checkpoint(async_path, async_save=True)
+        handle = opt.save_checkpoint(async_path, extra={"counter": counter}, async_save=True)
         assert isinstance(handle, ck.PendingCheckpoint)
         # Everything the checkpoint holds changes in place before a byte is written.
         with torch.no_grad():
@@ -84,6 +98,8 @@ def _sync_then_async_then_change_everything(sync_path: str, async_path: str) -> 
             for field in ("exp_avg", "exp_avg_sq", "step"):
                 for t in getattr(opt.state.opt_state, field).values():
                     t.add_(1.0)
+        counter.seen.append(1)  # the extra object, in place, and the RNG move on too
+        torch.rand(3)
         _train(model, opt, data[3:])  # and the steps after it
         written_early = handle.done()
         gate.set()
@@ -112,6 +128,13 @@ def test_an_async_checkpoint_equals_a_sync_one_though_everything_changed_right_a
     sync_tensors, sync_meta = _contents(os.path.realpath(sync_path), str(tmp_path / "sync.pt"))
     async_tensors, async_meta = _contents(os.path.realpath(async_path), str(tmp_path / "async.pt"))
     assert async_meta == sync_meta
+    assert sync_meta["extras"] == {"counter": True}
+    for rank in (0, 1):  # the extras and the RNG as they were at the call
+        file = f"extras.{rank}.pt"
+        sync_extras = torch.load(os.path.join(os.path.realpath(sync_path), file), weights_only=False)
+        async_extras = torch.load(os.path.join(os.path.realpath(async_path), file), weights_only=False)
+        assert async_extras["extra"] == sync_extras["extra"] == {"counter": {"seen": [0]}}
+        assert torch.equal(async_extras["rng"]["torch"], sync_extras["rng"]["torch"])
     assert sorted(async_tensors) == sorted(sync_tensors)
     assert any(k.startswith("model/") for k in sync_tensors) and any(k.startswith("optim/") for k in sync_tensors)
     for key, value in sync_tensors.items():
