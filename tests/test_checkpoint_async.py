@@ -327,3 +327,31 @@ def test_a_script_that_ends_with_a_write_in_flight_commits_it_before_the_process
     assert done.returncode == 0, done.stderr
     assert os.path.realpath(path) == done.stdout.strip()  # the background save, committed at exit
     assert get_world(1).run(_load_w, path)[0] == (1, [0.0] * 5)
+
+
+# --------------------------------------------------------------------------- whole params, hybrid layouts
+
+
+def _whole_async_round_trip(path: str) -> tuple[Any, Any, bool]:
+    from test_whole_checkpoint import _initial, _load_and_dump, _optimizer, _steps
+
+    params = _initial()
+    state, params = _steps(zf.shard_params(params, _optimizer("muon_adamw")), params, 0, 3)
+    assert state.layout.has_whole
+    full = ck.full_state_dict(state, bucket_numel=64)
+    ck.save(path, state, params=params, async_save=True).wait()
+    hybrid_refused = False
+    try:
+        ck.save(path, state, replicate_group=dist.group.WORLD, async_save=True)
+    except ValueError as e:
+        hybrid_refused = "async_save=False" in str(e)
+    return full, _load_and_dump("muon_adamw", None, path)[0], hybrid_refused
+
+
+def test_whole_params_save_in_the_background_and_a_hybrid_layout_is_refused(tmp_path):
+    from conftest import get_world
+    from test_whole_checkpoint import _assert_state_dicts_equal
+
+    for saved, loaded, hybrid_refused in get_world(2).run(_whole_async_round_trip, str(tmp_path / "whole")):
+        _assert_state_dicts_equal(loaded, saved)
+        assert hybrid_refused
