@@ -1,9 +1,11 @@
 """The training state beside the optimizer's: ``extra=`` objects and every rank's RNG.
 
 Round trip at N = 2 through the facade (an LR scheduler and a counter, RNG-driven data,
-so the run after a load is bitwise the run after the save); all or nothing (a missing or
-unknown key, a ``load_state_dict`` that raises on one rank: every rank raises, nothing
-changed); the N -> M rule (rank-invariant extras and RNG restore, per-rank ones do not).
+so the run after a load is bitwise the run after the save); all or nothing (a save with a
+non-Stateful object on one rank; a load with a missing or unknown key, or a
+``load_state_dict`` that raises on one rank: every rank raises, nothing changed, the
+checkpoint still the last good one); the N -> M rule (rank-invariant extras and RNG
+restore, per-rank ones do not).
 """
 
 from __future__ import annotations
@@ -122,6 +124,10 @@ def _all_or_nothing(path: str) -> dict[str, str]:
     before = _snapshot(model, sched, counter)
     rng_before = torch.get_rng_state()
     errors = {}
+    # A save with an object that is not Stateful (on one rank only) raises on every rank and writes nothing.
+    with pytest.raises(zf.CheckpointError) as info:
+        opt.save_checkpoint(path, extra={"sched": sched, "counter": object() if dist.get_rank() == 1 else counter})
+    errors["save"] = str(info.value)
     for case, extra in {
         "missing": {"sched": sched, "counter": counter, "loader": Counter()},
         "unknown": {"sched": sched},
@@ -138,6 +144,7 @@ def _all_or_nothing(path: str) -> dict[str, str]:
 
 def test_a_load_with_other_extras_or_a_failing_extra_raises_on_every_rank_and_changes_nothing(tmp_path):
     for rank, errors in enumerate(get_world(2).run(_all_or_nothing, str(tmp_path / "ckpt"))):
+        assert "rank 1 could not save its extras" in errors["save"] and "no state_dict()" in errors["save"]
         assert "holds no extra 'loader'" in errors["missing"]
         assert "holds extra 'counter', which extra= does not name" in errors["unknown"]
         if rank == 1:
