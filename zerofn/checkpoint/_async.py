@@ -156,7 +156,8 @@ def stage(state_dict: dict[str, Any], group: Group = None) -> tuple[dict[str, An
 
     Plain tensors are copied by DCP's ``DefaultStager`` (a view is copied with the whole
     storage it lives in, once per storage); a DTensor is staged as its local shard and
-    rewrapped with the same mesh, placements, shape and stride. Non-tensor values are
+    rewrapped with the same placements, shape and stride, on a CPU mesh over the same
+    ranks. Non-tensor values are
     kept as they are (they are immutable here: ints, strings). No collectives.
     """
     from torch.distributed.tensor import DTensor
@@ -180,14 +181,27 @@ def stage(state_dict: dict[str, Any], group: Group = None) -> tuple[dict[str, An
     out = dict(state_dict)
     for key, value in staged.items():
         like = specs.get(key)
-        out[key] = (
-            value
-            if like is None
-            else DTensor.from_local(
-                value, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
-            )
+        if like is None:
+            out[key] = value
+            continue
+        # A DTensor on an accelerator's mesh would move its local shard back onto the device:
+        # the staged shard gets a CPU mesh over the same ranks (the side group's, same order).
+        mesh = like.device_mesh if like.device_mesh.device_type == "cpu" else _cpu_mesh(group)
+        out[key] = DTensor.from_local(
+            value, mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
         )
     return out, nbytes
+
+
+_CPU_MESHES: dict[Any, Any] = {}
+
+
+def _cpu_mesh(group: Group) -> Any:
+    """A CPU ``DeviceMesh`` over ``group``'s ranks in group order (on its gloo side group)."""
+    key = comm.group_key(group)
+    if key not in _CPU_MESHES:
+        _CPU_MESHES[key] = comm.device_mesh(comm.side_group(group), "cpu")
+    return _CPU_MESHES[key]
 
 
 def _why(error: BaseException, rank: int) -> str:
