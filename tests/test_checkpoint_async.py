@@ -332,7 +332,7 @@ def test_a_script_that_ends_with_a_write_in_flight_commits_it_before_the_process
 # --------------------------------------------------------------------------- whole params, hybrid layouts
 
 
-def _whole_async_round_trip(path: str) -> tuple[Any, Any, bool]:
+def _whole_async_round_trip(path: str) -> tuple[Any, Any]:
     from test_whole_checkpoint import _initial, _load_and_dump, _optimizer, _steps
 
     params = _initial()
@@ -340,18 +340,42 @@ def _whole_async_round_trip(path: str) -> tuple[Any, Any, bool]:
     assert state.layout.has_whole
     full = ck.full_state_dict(state, bucket_numel=64)
     ck.save(path, state, params=params, async_save=True).wait()
-    hybrid_refused = False
-    try:
-        ck.save(path, state, replicate_group=dist.group.WORLD, async_save=True)
-    except ValueError as e:
-        hybrid_refused = "async_save=False" in str(e)
-    return full, _load_and_dump("muon_adamw", None, path)[0], hybrid_refused
+    return full, _load_and_dump("muon_adamw", None, path)[0]
 
 
-def test_whole_params_save_in_the_background_and_a_hybrid_layout_is_refused(tmp_path):
+def test_whole_params_save_in_the_background(tmp_path):
     from conftest import get_world
     from test_whole_checkpoint import _assert_state_dicts_equal
 
-    for saved, loaded, hybrid_refused in get_world(2).run(_whole_async_round_trip, str(tmp_path / "whole")):
+    for saved, loaded in get_world(2).run(_whole_async_round_trip, str(tmp_path / "whole")):
         _assert_state_dicts_equal(loaded, saved)
-        assert hybrid_refused
+
+
+def _hybrid_async_save(path: str) -> dict[str, Any]:
+    from test_hybrid import _groups
+
+    shard, replicate = _groups("strided")
+    torch.manual_seed(0)
+    model = Net()
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    state = zf.shard_params(params, zf.optim.adamw(lr=1e-2), shard)
+    x, y = next(batches(dist.get_rank(), 1))
+    grads = torch.func.grad(lambda p: ((torch.func.functional_call(model, p, (x,)) - y) ** 2).mean())(params)
+    state, _ = zf.step_shards(state, zf.reduce_grads(grads, state.layout, shard, replicate_group=replicate), shard)
+    params = zf.gather_params(state, shard)
+    handle = ck.save(path, state, shard, params=params, replicate_group=replicate, async_save=True)
+    return {"full": ck.full_state_dict(state, shard), "written": handle.wait(), "now": os.path.realpath(path)}
+
+
+def test_a_hybrid_layout_saves_in_the_background_and_every_replica_learns_the_commit(tmp_path):
+    from conftest import get_world
+    from test_hybrid import _plain_load
+
+    path = str(tmp_path / "hybrid")
+    saved = get_world(4).run(_hybrid_async_save, path)
+    assert [s["written"] for s in saved] == [s["now"] for s in saved] == [os.path.realpath(path)] * 4
+    for loaded in get_world(2).run(_plain_load, path):
+        for key in ("state", "param_groups"):
+            assert repr(loaded[key]) == repr(saved[0]["full"][key])
+        for name, t in loaded["zerofn"]["master"].items():
+            assert torch.equal(t, saved[0]["full"]["zerofn"]["master"][name])

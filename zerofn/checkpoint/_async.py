@@ -52,7 +52,7 @@ from zerofn._comm import Group
 from zerofn.checkpoint._errors import CheckpointError
 from zerofn.checkpoint._format import commit, write_meta
 
-__all__ = ["PendingCheckpoint", "save", "stage", "start", "wait_in_flight"]
+__all__ = ["PendingCheckpoint", "replica", "save", "side_groups", "stage", "start", "wait_in_flight"]
 
 
 class PendingCheckpoint:
@@ -224,6 +224,7 @@ def start(
     abandon: Callable[[], None],
     describe: Callable[[str], BaseException],
     also_write: Callable[[], None] | None = None,
+    replicas: Any = None,
 ) -> PendingCheckpoint:
     """Write ``staged`` (from :func:`stage`) to ``target`` in the background; return its handle.
 
@@ -234,7 +235,8 @@ def start(
     (removes the partial ``target``). ``describe(text)`` makes the error every rank's
     handle raises. Collectives (all on the side group, from background threads): DCP's
     save plan and write-result gathers, then one object all-gather of the write verdicts
-    and one object broadcast of the commit's verdict.
+    and one object broadcast of the commit's verdict; with ``replicas`` (the replicate
+    group's side group), one more broadcast of it to this rank's replicas (:func:`replica`).
     """
     side = comm.side_group(group)
     rank = comm.group_rank(group)
@@ -264,19 +266,16 @@ def start(
                 if bad is not None:
                     abandon()
             bad = comm.broadcast_object(bad, side)
-            if bad is not None:
-                raise describe(str(bad))
+            error = None if bad is None else describe(str(bad))
+            if replicas is not None:  # this rank's replicas learn the outcome
+                comm.broadcast_object(None if error is None else str(error), replicas)
+            if error is not None:
+                raise error
             handle._future.set_result(target)
         except BaseException as e:
             handle._future.set_exception(e)
 
-    with _LOCK:
-        _IN_FLIGHT[handle._group_key] = handle
-        _ALL[:] = [h for h in _ALL if not h.done() or (h._future.exception() is not None and not h._seen)]
-        _ALL.append(handle)
-    # Not a daemon: at interpreter exit Python joins it, so a write in flight completes
-    # (or fails) before the process ends, instead of being cut off half-written.
-    threading.Thread(target=finish, name=f"zerofn-checkpoint-commit-{target}", daemon=False).start()
+    _launch(handle, finish)
     return handle
 
 
@@ -301,11 +300,14 @@ def save(
     *,
     has_model: bool,
     write_extras: Callable[[], None] | None = None,
+    replicate_group: Group = None,
 ) -> PendingCheckpoint:
     """The background half of :func:`zerofn.checkpoint.save` (``async_save=True``): stage ``sd`` now, write it and
     commit ``meta`` (``zerofn.json`` without its file list) to ``target`` in the background.
     ``write_extras`` writes this rank's extras file (captured by the caller) in the background
-    too, before the commit.
+    too, before the commit. With ``replicate_group`` (this rank is its rank 0, a writer),
+    the replicas learn the directory and the staging verdict now, and the outcome when it
+    is known (:func:`replica`).
 
     Each model weight (``model/<name>``, replicated on every rank) is staged and written
     by one rank only (:func:`_writers`) instead of being staged by every rank and
@@ -330,12 +332,18 @@ def save(
     # thread uses it now (this group's previous save is complete), and it is gloo, so the flag
     # is a CPU tensor whatever the training backend is.
     side = comm.side_group(group)
+    error = None
     if comm.all_reduce_scalars(torch.tensor([float(mine is not None)]), "max", side).item():
         bad = [why for why in comm.all_gather_objects(mine, side) if why is not None]
-        raise CheckpointError(
+        error = CheckpointError(
             f"{path}: staging the checkpoint in CPU memory failed ({'; '.join(bad)}), so no rank saved; "
             f"{path} still points at the previous checkpoint"
         )
+    replicas = None if replicate_group is None else comm.side_group(replicate_group)
+    if replicas is not None:
+        comm.broadcast_object((target, None if error is None else str(error)), replicas)
+    if error is not None:
+        raise error
 
     def commit_meta() -> None:
         write_meta(target, meta)
@@ -357,7 +365,57 @@ def save(
         abandon=lambda: shutil.rmtree(target, True),
         describe=describe,
         also_write=write_extras,
+        replicas=replicas,
     )
+
+
+def side_groups(group: Group, replicate_group: Group) -> None:
+    """Make the side groups a background save uses, in the same order on every rank of the
+    world (the shard group's, then the replicate group's): group creation is collective
+    among each group's members, and their names depend on how many groups each made."""
+    comm.side_group(group)
+    if replicate_group is not None:
+        comm.side_group(replicate_group)
+
+
+def replica(path: str, group: Group, replicate_group: Group) -> PendingCheckpoint:
+    """A replica's part of a background save in a hybrid layout: its writer (rank 0 of
+    ``replicate_group``) writes the same shards; this handle completes with its commit.
+
+    Raises :class:`CheckpointError` at once when the writers could not stage. Collectives
+    (on the replicate group's side group): one object broadcast now (the directory and
+    the staging verdict), one in the background (the outcome).
+    """
+    replicas = comm.side_group(replicate_group)
+    target, staging_error = comm.broadcast_object(None, replicas)  # type: ignore[misc]
+    if staging_error is not None:
+        raise CheckpointError(staging_error)
+    handle = PendingCheckpoint(path, target, 0, comm.group_key(group))
+
+    def finish() -> None:
+        try:
+            error = comm.broadcast_object(None, replicas)
+            if error is not None:
+                raise CheckpointError(error)
+            handle._future.set_result(target)
+        except BaseException as e:
+            handle._future.set_exception(e)
+
+    _launch(handle, finish)
+    return handle
+
+
+def _launch(handle: PendingCheckpoint, finish: Callable[[], None]) -> None:
+    """Register ``handle`` as its group's save in flight and run ``finish`` in a new thread.
+
+    Not a daemon: at interpreter exit Python joins it, so a write in flight completes (or
+    fails) before the process ends, instead of being cut off half-written.
+    """
+    with _LOCK:
+        _IN_FLIGHT[handle._group_key] = handle
+        _ALL[:] = [h for h in _ALL if not h.done() or (h._future.exception() is not None and not h._seen)]
+        _ALL.append(handle)
+    threading.Thread(target=finish, name=f"zerofn-checkpoint-commit-{handle.target}", daemon=False).start()
 
 
 def _writers(model: dict[str, torch.Tensor], n: int) -> dict[str, int]:

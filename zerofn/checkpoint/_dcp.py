@@ -177,8 +177,8 @@ def save(
         and write the files in the background while training goes on; ``zerofn.json``
         and the commit follow when every rank's files are complete
         (:mod:`zerofn.checkpoint._async`). ``extra`` and the RNG are captured at the call
-        (deep copies of their ``state_dict()``), as without it. Not with
-        ``replicate_group`` (yet).
+        (deep copies of their ``state_dict()``), as without it. With a
+        ``replicate_group``, the replicas' handles complete with the writers' commit.
 
     Raises:
       CheckpointError: on every rank, before anything is written, when ``path`` is a plain
@@ -198,18 +198,19 @@ def save(
     replicas one more broadcast of the committed directory's name over ``replicate_group``.
     With ``async_save``: the all-gather and the broadcast, then one scalar all-reduce
     (the staging verdicts) on a side group over the same ranks
-    (:func:`zerofn._comm.side_group`, made by the first background save of ``group``)
-    before it returns; the rest in the background on that side group.
+    (:func:`zerofn._comm.side_group`, made by the first background save of ``group``;
+    with replicas, one more over ``replicate_group``, on which the writers broadcast the
+    directory and the staging verdict) before it returns; the rest in the background on
+    the side groups.
     """
-    if async_save and replicate_group is not None:
-        raise ValueError(
-            "zerofn.checkpoint.save(async_save=True) does not support a hybrid layout (replicate_group=) yet: "
-            "save it with async_save=False"
-        )
     _async.wait_in_flight(group)  # one save at a time per group: the next waits for the one in flight
+    if async_save:  # the side groups of the background collectives, made in the same order on every rank
+        _async.side_groups(group, replicate_group)
     if replicate_group is not None and comm.group_rank(replicate_group) != 0:
         # A replica: the first shard group writes the same shards; this broadcast returns
         # once the checkpoint is committed, with the directory it went to.
+        if async_save:
+            return _async.replica(os.path.abspath(os.fspath(path)), group, replicate_group)
         return str(comm.broadcast_object(None, replicate_group))
     path = os.path.abspath(os.fspath(path))
     if os.path.isdir(path) and not os.path.islink(path):
@@ -238,7 +239,14 @@ def save(
         manifest = Manifest.of(state, kinds, master_dtypes, model, buffer_meta(buffers), extras, same_rng)
         write_extras = None if payload is None else functools.partial(_extras.write, target, rank, payload)
         return _async.save(
-            path, target, sd, group, manifest.to_json(), has_model=params is not None, write_extras=write_extras
+            path,
+            target,
+            sd,
+            group,
+            manifest.to_json(),
+            has_model=params is not None,
+            write_extras=write_extras,
+            replicate_group=replicate_group,
         )
     if payload is not None:  # before DCP's save, whose last collective tells rank 0 every file is written
         _extras.write(target, rank, payload)
