@@ -24,6 +24,10 @@ A background save (``save(..., async_save=True)``) runs in three parts:
    symlink. A failed write commits nothing: the symlink keeps the previous checkpoint,
    the partial directory is removed, and every rank's handle raises the failure.
 
+In a hybrid layout the writing shard group saves as above; each writer broadcasts to its
+replicas (over the replicate group's side group) the directory and the staging verdict
+at the call, then the outcome, so a replica's handle completes or fails with the commit.
+
 One background save per sharding group is in flight at a time: any next save, load or
 shutdown on that group (or :meth:`PendingCheckpoint.wait`) waits for it first. A failure
 nobody has seen yet is raised by the next save, load, ``wait()`` or
@@ -61,7 +65,8 @@ class PendingCheckpoint:
     ``path`` is the checkpoint path (the symlink) and ``target`` the directory this save
     writes; ``path`` points at ``target`` only once every rank's files and ``zerofn.json``
     are complete. ``staged_bytes``: the CPU memory of this rank's staged copy (kept, while
-    the tensors it copies live, for the next save to copy into).
+    the tensors it copies live, for the next save to copy into); 0 on a replica of a
+    hybrid layout, which stages nothing.
     """
 
     def __init__(self, path: str, target: str, staged_bytes: int, group_key: Any) -> None:
