@@ -268,6 +268,7 @@ def _exec_checkpoints(code: str, where: str) -> dict[str, Any]:
             "facade_step": scope["optimizer"].state.step,
             "plain_step": float(scope["plain"].state_dict()["state"][0]["step"]),
             "links": sorted(p.name for p in folder.iterdir() if p.is_symlink()),
+            "background": scope["committed"] == os.path.realpath("checkpoints/background"),
             "params": {n: p.reshape(-1).tolist() for n, p in scope["params"].items()},
         }
     finally:
@@ -279,8 +280,9 @@ def test_the_checkpoints_page_saves_loads_and_round_trips_through_torch(tmp_path
     results = get_world(2).run(_exec_checkpoints, code, str(tmp_path))
     assert results[0] == results[1]
     r = results[0]
-    assert (r["step"], r["facade_step"], r["plain_step"]) == (5, 5, 5.0)
-    assert r["links"] == ["facade", "functional"]  # each path is a symlink to its last save
+    assert (r["step"], r["facade_step"], r["plain_step"]) == (5, 8, 5.0)  # the facade trains on after its async save
+    assert r["links"] == ["background", "facade", "functional"]  # each path is a symlink to its last save
+    assert r["background"]  # wait() returned the directory the path points at
 
 
 def _exec_readme(code: str) -> dict[str, Any]:

@@ -64,17 +64,20 @@ __all__ = [
     "broadcast_object",
     "broadcast_tensors_",
     "count_bytes",
+    "dcp_async_save",
     "dcp_load",
     "dcp_save",
     "device_mesh",
     "gather_rows",
     "grid_groups",
     "group_from_name",
+    "group_key",
     "group_name",
     "group_rank",
     "group_size",
     "join",
     "monitor_group",
+    "side_group",
     "sum_across",
     "sum_rows",
     "tracing",
@@ -587,6 +590,70 @@ def dcp_save(state_dict: dict[str, Any], path: str, group: Group) -> None:
     import torch.distributed.checkpoint as dcp
 
     dcp.save(state_dict, checkpoint_id=path, process_group=group)
+
+
+def dcp_async_save(staged: dict[str, Any], path: str, side: dist.ProcessGroup) -> Any:
+    """``torch.distributed.checkpoint.async_save`` of an already staged (CPU) state dict.
+
+    Returns DCP's future of the write. The write runs in DCP's thread; its collectives
+    (plan gather/scatter, the final gather of the write results) run on ``side``, which
+    must be a gloo group no other thread uses meanwhile (:func:`side_group`).
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    class _AlreadyStaged:  # DCP's AsyncStager protocol: the caller staged (copied) the tensors
+        _synchronize_after_execute = False
+        should_synchronize_after_execute = False
+
+        def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+            return state_dict
+
+        def synchronize_staging(self) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    return dcp.async_save(
+        staged,
+        checkpoint_id=path,
+        process_group=side,
+        async_checkpointer_type=AsyncCheckpointerType.THREAD,
+        async_stager=_AlreadyStaged(),  # type: ignore[arg-type]
+    )
+
+
+def group_key(group: Group) -> tuple[int, int]:
+    """A hashable key for ``group`` (``None``: the default group) in this world."""
+    pg = group if group is not None else dist.group.WORLD
+    return (id(pg), id(dist.group.WORLD))
+
+
+# group key -> (the group, the world it belongs to, its side group): the objects are kept so
+# that their ids (in the key) cannot be reused while the entry lives.
+_SIDE_GROUPS: dict[tuple[int, int], tuple[Any, Any, dist.ProcessGroup]] = {}
+
+
+def side_group(group: Group) -> dist.ProcessGroup:
+    """A gloo group over ``group``'s ranks for collectives issued from a background thread.
+
+    gloo matches collectives by their order within a group: a background thread and the
+    training loop issuing collectives on one group would pair the wrong ones (a hang or
+    mixed data). Background checkpoint writes use this group instead, which nothing else
+    uses. Created at the first call for ``group`` by ``group``'s members only
+    (``use_local_synchronization``): every member must make that first call at the same
+    point, as a collective (a save is one). Later calls return the same group.
+    """
+    pg = group if group is not None else dist.group.WORLD
+    key = group_key(group)
+    hit = _SIDE_GROUPS.get(key)
+    if hit is not None and hit[0] is pg and hit[1] is dist.group.WORLD:
+        return hit[2]
+    ranks = dist.get_process_group_ranks(pg)
+    side = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+    _SIDE_GROUPS[key] = (pg, dist.group.WORLD, side)
+    return side
 
 
 def dcp_load(state_dict: dict[str, Any], path: str, group: Group) -> None:

@@ -36,9 +36,11 @@ save, and the load as one pipeline: read and verify the metadata, the manifest, 
 against the live state, read the tensors, assemble), ``_torch_format`` (the torch-format
 full state dict), ``_validate`` (what a load checks against the live state), ``_optimizer``
 (the optimizer state as torch keeps it, and the optimizer a checkpoint describes),
-``_extras`` (``extra=`` objects and every rank's RNG), ``_errors``.
+``_extras`` (``extra=`` objects and every rank's RNG), ``_async`` (saving in the
+background: staging, the write on a side group, the commit when it completes), ``_errors``.
 """
 
+from zerofn.checkpoint._async import PendingCheckpoint
 from zerofn.checkpoint._dcp import load, save
 from zerofn.checkpoint._errors import CheckpointError, raise_alike
 from zerofn.checkpoint._format import FORMAT_VERSION as FORMAT_VERSION
@@ -48,6 +50,7 @@ from zerofn.checkpoint._validate import check_buffers, persistent_buffers
 
 __all__ = [
     "CheckpointError",
+    "PendingCheckpoint",
     "check_buffers",
     "full_state_dict",
     "load",

@@ -9,6 +9,7 @@ overlapping pieces.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import uuid
@@ -22,7 +23,8 @@ from zerofn import lowbit, optim
 from zerofn._comm import Group
 from zerofn._deprecation import UNSET, renamed
 from zerofn._tree import FrozenDict
-from zerofn.checkpoint import _extras
+from zerofn.checkpoint import _async, _extras
+from zerofn.checkpoint._async import PendingCheckpoint
 from zerofn.checkpoint._errors import CheckpointError, raise_alike
 from zerofn.checkpoint._format import commit, read_meta, write_meta
 from zerofn.checkpoint._manifest import Manifest
@@ -143,8 +145,9 @@ def save(
     replicate_group: Group = None,
     extra: Mapping[str, Any] | None = None,
     rng: bool = True,
+    async_save: bool = False,
     _before_commit: Callable[[], None] | None = None,
-) -> str:
+) -> str | PendingCheckpoint:
     """Write a sharded, world-size-free checkpoint of ``state`` (and ``params``) to ``path``.
 
     Each rank writes only its shards (DCP); replicated values (model ``params``, step
@@ -170,6 +173,12 @@ def save(
         the process uses CUDA, Python's ``random``, NumPy's global generator when NumPy is
         imported). With a ``replicate_group``, the writing shard group's extras and RNG
         are saved.
+      async_save: return once this rank's tensors are copied into CPU memory (staged),
+        and write the files in the background while training goes on; ``zerofn.json``
+        and the commit follow when every rank's files are complete
+        (:mod:`zerofn.checkpoint._async`). ``extra`` and the RNG are captured at the call
+        (deep copies of their ``state_dict()``), as without it. With a
+        ``replicate_group``, the replicas' handles complete with the writers' commit.
 
     Raises:
       CheckpointError: on every rank, before anything is written, when ``path`` is a plain
@@ -178,15 +187,30 @@ def save(
 
     Returns:
       The committed directory the checkpoint was written to, on every rank (replicas
-      included), so ``load(save(path, ...), ...)`` works everywhere.
+      included), so ``load(save(path, ...), ...)`` works everywhere. With ``async_save``,
+      a :class:`PendingCheckpoint` whose ``wait()`` returns it.
+
+    A save first waits for this group's background save in flight, if any (and raises
+    its failure if nobody has seen it).
 
     Collectives: an object all-gather of each rank's extras keys and digests; a broadcast
     of the directory name, DCP's plan exchange, two barriers (within ``group``); with
     replicas one more broadcast of the committed directory's name over ``replicate_group``.
+    With ``async_save``: the all-gather and the broadcast, then one scalar all-reduce
+    (the staging verdicts) on a side group over the same ranks
+    (:func:`zerofn._comm.side_group`, made by the first background save of ``group``;
+    with replicas, one more over ``replicate_group``, on which the writers broadcast the
+    directory and the staging verdict) before it returns; the rest in the background on
+    the side groups.
     """
+    _async.wait_in_flight(group)  # one save at a time per group: the next waits for the one in flight
+    if async_save:  # the side groups of the background collectives, made in the same order on every rank
+        _async.side_groups(group, replicate_group)
     if replicate_group is not None and comm.group_rank(replicate_group) != 0:
         # A replica: the first shard group writes the same shards; this broadcast returns
         # once the checkpoint is committed, with the directory it went to.
+        if async_save:
+            return _async.replica(os.path.abspath(os.fspath(path)), group, replicate_group)
         return str(comm.broadcast_object(None, replicate_group))
     path = os.path.abspath(os.fspath(path))
     if os.path.isdir(path) and not os.path.islink(path):
@@ -209,6 +233,21 @@ def save(
         for theirs in comm.all_gather_objects(owned, group):
             for n, (k, d) in theirs.items():  # type: ignore[union-attr]
                 kinds[n], master_dtypes[n] = k, d
+    if async_save:  # the extras were captured (deep copies) above: written in the background as they were
+        extras, same_rng = _extras.manifest_entries(payload)
+        model = sorted(params) if params is not None else None
+        manifest = Manifest.of(state, kinds, master_dtypes, model, buffer_meta(buffers), extras, same_rng)
+        write_extras = None if payload is None else functools.partial(_extras.write, target, rank, payload)
+        return _async.save(
+            path,
+            target,
+            sd,
+            group,
+            manifest.to_json(),
+            has_model=params is not None,
+            write_extras=write_extras,
+            replicate_group=replicate_group,
+        )
     if payload is not None:  # before DCP's save, whose last collective tells rank 0 every file is written
         _extras.write(target, rank, payload)
     comm.dcp_save(sd, target, group)
@@ -354,6 +393,7 @@ def load(
     reading, and one more after restoring the extras.
     """
     precision = renamed("load", "policy", "precision", policy, precision)
+    _async.wait_in_flight(group)  # a save of this group in flight first completes (read what was saved)
     path = os.path.abspath(os.fspath(path))
     # 1-3: read and verify the metadata, say what was saved, check it against the live state.
     # Every rank learns every rank's verdict before DCP's collectives start: a rank that

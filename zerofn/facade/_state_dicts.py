@@ -15,6 +15,7 @@ import torch
 
 from zerofn import _comm as comm
 from zerofn import checkpoint, optim, torch_optim
+from zerofn.checkpoint import _async
 from zerofn.state import ZeroState
 
 __all__ = ["StateDictMethods"]
@@ -175,8 +176,14 @@ class StateDictMethods:
             yield block, size
 
     def save_checkpoint(
-        self: _Host, path: str, *, with_model: bool = True, extra: Mapping[str, Any] | None = None, rng: bool = True
-    ) -> str:
+        self: _Host,
+        path: str,
+        *,
+        with_model: bool = True,
+        extra: Mapping[str, Any] | None = None,
+        rng: bool = True,
+        async_save: bool = False,
+    ) -> str | _async.PendingCheckpoint:
         """Sharded, atomic checkpoint of the optimizer state (and the model weights) at ``path``.
 
         With ``with_model`` and ``module=``, the model's persistent buffers (BatchNorm
@@ -190,6 +197,13 @@ class StateDictMethods:
         See :func:`zerofn.checkpoint.save`. Weights written into the model since the last
         step are first taken into the masters (as ``step`` would), so the checkpoint holds
         what the model holds. Every rank must call it.
+
+        With ``async_save=True`` it returns a :class:`~zerofn.checkpoint.PendingCheckpoint`
+        once this rank's state is copied into CPU memory, and the files are written in the
+        background while training goes on; ``path`` moves to the new checkpoint when every
+        rank's files are complete. The next save (or load, or :meth:`close`) waits for it.
+        ``extra`` and the RNG are captured at the call too. Returns the committed directory
+        otherwise.
         """
         self._entry.join("save_checkpoint")  # a collective: every rank must call it (bounded wait)
         self._fold_writes("ZeroOptimizer.save_checkpoint")
@@ -204,6 +218,7 @@ class StateDictMethods:
             replicate_group=self._replicate,
             extra=extra,
             rng=rng,
+            async_save=async_save,
         )
 
     def load_checkpoint(

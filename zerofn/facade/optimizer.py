@@ -38,6 +38,7 @@ from zerofn import _checks as checks
 from zerofn import _comm as comm
 from zerofn import _sync, optim, torch_optim
 from zerofn._comm import CommPolicy
+from zerofn.checkpoint import _async
 from zerofn.facade import _buffers, _entry, _guards, _options
 from zerofn.facade._grad_methods import GradMethods
 from zerofn.facade._param_methods import ParamMethods
@@ -388,9 +389,19 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
         self._reducer.clear()
 
     def close(self) -> None:
-        """Finish pending param gathers, remove the facade's hooks from the model (also on garbage collection)."""
+        """Finish pending param gathers and background saves, remove the facade's hooks from the model.
+
+        Also on garbage collection. A background save (``save_checkpoint(async_save=True)``)
+        still in flight is waited for; if it failed and nobody has seen it yet, its
+        :class:`~zerofn.checkpoint.CheckpointError` is raised here (after the hooks are gone).
+        """
+        self._close(report=True)
+
+    def _close(self, report: bool) -> None:
+        """:meth:`close`; with ``report=False`` (garbage collection) a save's failure is left for the exit report."""
         try:
             self.wait_params()
+            _async.wait_in_flight(self._group, report=report)
         finally:
             self._reducer.close()
             if self._prefetch is not None:
@@ -405,7 +416,7 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
             # in THPVariable_clear). Nobody reads the params any more: leave everything.
             return
         with contextlib.suppress(Exception):
-            self.close()
+            self._close(report=False)
 
     def wait_params(self) -> None:
         """Complete the param gathers the last ``step`` left in flight (``overlap_allgather``).
