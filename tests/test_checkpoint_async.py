@@ -8,6 +8,7 @@ timing for what it checks.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import signal
@@ -202,6 +203,18 @@ def _one_at_a_time_and_failures(path: str) -> dict[str, Any]:
         DefaultStager.stage = original_stage  # type: ignore[method-assign]
     out["after_staging"] = os.path.realpath(path) == committed
 
+    # Garbage collection of another facade never waits for the save in flight: it may run in
+    # any thread, the writer's own included, which would then wait for itself.
+    gate = threading.Event()
+    with _writes_held(gate):
+        held = opt.save_checkpoint(path, async_save=True)
+        other = zf.ZeroOptimizer(torch.optim.SGD(Net().parameters(), lr=0.1))
+        del other
+        gc.collect()
+        out["collected_before_the_write"] = not held.done()
+        gate.set()
+        held.wait()
+
     # close() waits for the save in flight.
     gate = threading.Event()
     with _writes_held(gate):
@@ -226,6 +239,7 @@ def test_the_next_save_waits_wait_returns_the_commit_and_a_failure_reaches_every
         assert not r["failed_target_left"] and r["after_failure"] and r["after_unseen"], rank
         assert r["after_staging"], rank
         assert r["loaded_step"] == 2
+        assert r["collected_before_the_write"], rank
         assert r["closed_done"] and r["last"] == os.path.realpath(path), rank
     assert results[0]["last"] == results[1]["last"]
 

@@ -110,13 +110,12 @@ _ALL: list[PendingCheckpoint] = []
 _LOCK = threading.Lock()
 
 
-def wait_in_flight(group: Group = None, *, report: bool = True) -> None:
+def wait_in_flight(group: Group = None) -> None:
     """Wait for the background save in flight on ``group``, if any.
 
     Raises its :class:`~zerofn.checkpoint.CheckpointError` if it failed and nobody has
     seen that failure yet (on every rank alike); it is then forgotten, so the next call
-    proceeds. ``report=False`` waits and leaves an unseen failure for the next caller (or
-    the report at exit). Not a collective.
+    proceeds. Not a collective.
     """
     with _LOCK:
         handles = [h for h in [_IN_FLIGHT.get(comm.group_key(group))] if h is not None]
@@ -125,8 +124,6 @@ def wait_in_flight(group: Group = None, *, report: bool = True) -> None:
         try:
             handle._future.result()
         except BaseException as e:
-            if not report:
-                continue
             if not handle._seen and failure is None:
                 failure = e
             handle._seen = True

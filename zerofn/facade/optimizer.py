@@ -391,17 +391,21 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
     def close(self) -> None:
         """Finish pending param gathers and background saves, remove the facade's hooks from the model.
 
-        Also on garbage collection. A background save (``save_checkpoint(async_save=True)``)
-        still in flight is waited for; if it failed and nobody has seen it yet, its
+        A background save (``save_checkpoint(async_save=True)``) still in flight is waited
+        for; if it failed and nobody has seen it yet, its
         :class:`~zerofn.checkpoint.CheckpointError` is raised here (after the hooks are gone).
+        Garbage collection does the rest of this but never waits for a save: it may run in
+        any thread, the save's own writer included. A save left in flight commits by
+        itself, and the interpreter waits for it at exit.
         """
-        self._close(report=True)
+        self._close(collected=False)
 
-    def _close(self, report: bool) -> None:
-        """:meth:`close`; with ``report=False`` (garbage collection) a save's failure is left for the exit report."""
+    def _close(self, collected: bool) -> None:
+        """:meth:`close`; ``collected``: called by garbage collection, which leaves background saves alone."""
         try:
             self.wait_params()
-            _async.wait_in_flight(self._group, report=report)
+            if not collected:
+                _async.wait_in_flight(self._group)
         finally:
             self._reducer.close()
             if self._prefetch is not None:
@@ -416,7 +420,7 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
             # in THPVariable_clear). Nobody reads the params any more: leave everything.
             return
         with contextlib.suppress(Exception):
-            self._close(report=False)
+            self._close(collected=True)
 
     def wait_params(self) -> None:
         """Complete the param gathers the last ``step`` left in flight (``overlap_allgather``).
