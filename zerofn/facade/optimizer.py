@@ -38,7 +38,7 @@ from zerofn import _checks as checks
 from zerofn import _comm as comm
 from zerofn import _sync, optim, torch_optim
 from zerofn._comm import CommPolicy
-from zerofn.facade import _buffers, _entry, _guards, _options
+from zerofn.facade import _buffers, _compiled, _entry, _guards, _options
 from zerofn.facade._grad_methods import GradMethods
 from zerofn.facade._param_methods import ParamMethods
 from zerofn.facade._prefetch import ParamPrefetcher
@@ -192,11 +192,15 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
         init_sync: bool = True,
         broadcast_buffers: bool = True,
         entry_timeout: float | None = 300.0,
+        compile: bool | str = False,  # noqa: A002 (torch.compile's word, as nn.Module.compile)
     ) -> None:
         seed = {k: v for k, v in locals().items() if k in _options.PRECISION_DEFAULTS}  # precision keywords
         _options.check_settings(reduce_bucket_size, norm_type, clip_grad_norm)
         _guards.check_module(module)  # a DDP-wrapped model would have its gradients reduced twice
         named_groups, fopt, torch_groups = _options.resolve_params(optimizer, functional_optimizer, module)
+        backend = _compiled.resolve_backend(compile)
+        if backend is not None:
+            _compiled.check_compilable(fopt, overlap_allgather=overlap_allgather)
         params = {n: p for g in named_groups for n, p in g}
         if overlap_allgather:
             _options.check_gather_module(params, module)
@@ -240,6 +244,7 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
             self._init_sync(module_states)
         self._gather_how = self._comm_policy.resolve(self._group)[1]
         self._hp_cache: tuple[Any, ...] | None = None
+        self._compiled = None if backend is None else self._make_compiled(backend)
         self._last_info: StepInfo | None = None
         self._reducer = GradReducer(
             params,
@@ -273,6 +278,12 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
         with torch.no_grad():
             _sync.broadcast_(list(module_states.values()), self._group, self._replicate)
         self._state = _guards.adopt_params(self._state, self._params, self._state.layout.names)
+
+    def _make_compiled(self, backend: str) -> _compiled.CompiledStep:
+        """``compile=``'s step after backward: ``step_shards`` and the gather in one graph."""
+        return _compiled.CompiledStep(
+            backend, self._group, self._max_norm, self._norm_type, self._bucket_numel, self._comm_policy
+        )
 
     def _world_size(self) -> int:
         """Ranks of the whole data-parallel world (shard group times replicas)."""
@@ -477,12 +488,16 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
         new_state, info = self._step_shards(self._guard.inspect())
         self._last_info = info
         self._state = new_state
+        if self._compiled is not None:  # its graph wrote the gathered params (a skipped step: the values they held)
+            self._guard.record()
         if info.skipped:
             if self._verbose:
                 scales = old_scale, new_state.loss_scale.scale
                 log.info(
                     "zerofn: non-finite gradient (norm %s); step skipped, loss scale %s -> %s", info.grad_norm, *scales
                 )
+            return
+        if self._compiled is not None:
             return
         if self._prefetch is not None:  # written into the params by the next forward (or wait_params)
             self._prefetch.launch(new_state)
