@@ -129,21 +129,23 @@ class CompiledStep:
         norm_type: float,
         bucket_numel: int,
         comm_policy: CommPolicy,
+        fingerprint: str,
     ) -> None:
         self.backend = backend
-
-        def tail(
-            state: ZeroState, shards: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor]
-        ) -> tuple[ZeroState, StepInfo]:
-            new_state, info = step_shards(state, shards, group, max_norm, norm_type=norm_type)
-            # A skipped step leaves the masters as they were: the gather writes the values the params hold.
-            gather_params(
-                new_state, group, bucket_numel=bucket_numel, comm_policy=comm_policy, out=params, check=False
+        key = (backend, comm.group_name(group), max_norm, norm_type, bucket_numel, comm_policy, fingerprint)
+        fn = _SHARED.pop(key, None)
+        if fn is None:
+            fn = torch.compile(
+                _own_code(_make_tail(group, max_norm, norm_type, bucket_numel, comm_policy)),
+                fullgraph=True,
+                backend=backend,
+                dynamic=False,
             )
-            return new_state, info
-
-        self._fn = torch.compile(_own_code(tail), fullgraph=True, backend=backend, dynamic=False)
-        self._lrs: dict[tuple[int, int | None], torch.Tensor] = {}
+        _SHARED[key] = fn  # most recent last
+        while len(_SHARED) > _SHARED_MAX:
+            _SHARED.pop(next(iter(_SHARED)))
+        self._fn = fn
+        self._lrs: dict[tuple[Any, ...], torch.Tensor] = {}
         self._key: tuple[Any, ...] | None = None
         self._opt: optim.Optimizer | None = None
 
@@ -178,6 +180,28 @@ class CompiledStep:
         _fill_lrs(opt, self._lrs, ())
         assert self._opt is not None
         return self._opt
+
+
+_SHARED: dict[tuple[Any, ...], Callable[..., Any]] = {}
+"""Compiled steps by (backend, group, clipping, bucket size, policy, layout fingerprint): facades
+alike share one, so a rebuilt optimizer (a test, a restarted loop) reuses its graph."""
+_SHARED_MAX = 16
+
+
+def _make_tail(
+    group: comm.Group, max_norm: float | None, norm_type: float, bucket_numel: int, comm_policy: CommPolicy
+) -> Callable[..., tuple[ZeroState, StepInfo]]:
+    """The function compiled: ``step_shards`` then ``gather_params`` into ``params`` (detached aliases)."""
+
+    def tail(
+        state: ZeroState, shards: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor]
+    ) -> tuple[ZeroState, StepInfo]:
+        new_state, info = step_shards(state, shards, group, max_norm, norm_type=norm_type)
+        # A skipped step leaves the masters as they were: the gather writes the values the params hold.
+        gather_params(new_state, group, bucket_numel=bucket_numel, comm_policy=comm_policy, out=params, check=False)
+        return new_state, info
+
+    return tail
 
 
 def _own_code(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -282,7 +282,13 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
     def _make_compiled(self, backend: str) -> _compiled.CompiledStep:
         """``compile=``'s step after backward: ``step_shards`` and the gather in one graph."""
         return _compiled.CompiledStep(
-            backend, self._group, self._max_norm, self._norm_type, self._bucket_numel, self._comm_policy
+            backend,
+            self._group,
+            self._max_norm,
+            self._norm_type,
+            self._bucket_numel,
+            self._comm_policy,
+            self._state.layout.fingerprint,
         )
 
     def _world_size(self) -> int:
