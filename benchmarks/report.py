@@ -243,6 +243,12 @@ def markdown(results: dict[str, Any]) -> str:
             )
             if s.get("note"):
                 notes.append(f"- `{name}`: {s['note']}")
+            comp = (s.get("describe") or {}).get("compile")
+            if comp:
+                notes.append(
+                    f"- `{name}` compile time (first step minus second): cold {_f(comp.get('cold_s'))} s "
+                    f"(empty inductor cache), warm {_f(comp.get('warm_s'))} s (after a dynamo reset, caches filled)"
+                )
         lines.append("")
         lines.append(
             "\\* DDP's gradient all-reduce runs in C++ and is not counted: its bytes are the ring all-reduce "

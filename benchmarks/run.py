@@ -60,6 +60,7 @@ ALL_SYSTEMS = (
     "zerofn-s2-overlap",
     "zerofn-s2-overlap-ag",
     "zerofn-s2-byteopt",
+    "zerofn-s2-compiled",
 )
 REFERENCE = "ddp-fused"
 

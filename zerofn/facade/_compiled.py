@@ -246,4 +246,3 @@ def _fill_lrs(opt: optim.Optimizer, lrs: dict[tuple[Any, ...], torch.Tensor], pa
     for level, hp in _levels(opt):
         if "lr" in hp:
             lrs[(*path, level)].fill_(float(hp["lr"]))
-

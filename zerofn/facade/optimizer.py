@@ -192,7 +192,7 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
         init_sync: bool = True,
         broadcast_buffers: bool = True,
         entry_timeout: float | None = 300.0,
-        compile: bool | str = False,  # noqa: A002 (torch.compile's word, as nn.Module.compile)
+        compile: bool | str = False,
     ) -> None:
         seed = {k: v for k, v in locals().items() if k in _options.PRECISION_DEFAULTS}  # precision keywords
         _options.check_settings(reduce_bucket_size, norm_type, clip_grad_norm)
