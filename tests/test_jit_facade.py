@@ -199,3 +199,35 @@ def test_params_written_clip_grad_norm_state_dicts_and_lr_edits_work_as_eagerly_
         assert trace[3] == ["2.bias"]  # check_params found the .data write on every rank
         assert "rank 0 changed '0.bias' since the last step, rank 1 no param" in trace[5]
         assert [t[3] for t in trace if isinstance(t, tuple)][1] == 0.05 * 0.5  # the edit, then StepLR's gamma
+
+
+def _refusals() -> dict[str, str]:
+    """What each optimizer or option that cannot compile raises at construction."""
+    model = torch.nn.Linear(3, 2)
+    cases = {
+        "adagrad": lambda: zf.ZeroOptimizer(torch.optim.Adagrad(model.parameters()), compile=True),
+        "sgd": lambda: zf.ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), compile=True),
+        "fused": lambda: zf.ZeroOptimizer(torch.optim.AdamW(model.parameters(), fused=True), compile=True),
+        "allgather": lambda: zf.ZeroOptimizer(
+            torch.optim.AdamW(model.parameters()), module=model, overlap_allgather=True, compile=True
+        ),
+        "backend": lambda: zf.ZeroOptimizer(torch.optim.AdamW(model.parameters()), compile=1),
+    }
+    out = {}
+    for name, build in cases.items():
+        try:
+            build()
+        except (TypeError, ValueError) as e:
+            out[name] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def test_what_cannot_compile_is_refused_at_construction_saying_what_to_write():
+    (out,) = get_world(1).run(_refusals)
+    assert "torch.optim.Adagrad runs on zerofn's generic path" in out["adagrad"]
+    assert "zerofn.optim.sgd has no traced update" in out["sgd"]
+    assert "built with fused=True" in out["fused"]
+    for name in ("adagrad", "sgd", "fused"):
+        assert out[name].startswith("TypeError") and "or build the ZeroOptimizer with compile=False" in out[name]
+    assert "pass one of overlap_allgather=True and compile=" in out["allgather"]
+    assert "compile must be False, True or a torch.compile backend name" in out["backend"]

@@ -126,6 +126,16 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
         ``save_checkpoint``, ``load_checkpoint``, ``load_state_dict``, ``check_params``)
         waits for every rank to call it before raising, naming the ranks that did not and
         what to write instead (:mod:`zerofn.facade._entry`); ``None``: no such wait.
+      compile: run everything ``step`` does after backward (norm, overflow skip and loss
+        scale, unscale, clip, the optimizer update, the param gather) as one
+        ``torch.compile(fullgraph=True)`` graph; the backward hooks stay eager. ``True``:
+        the ``"inductor"`` backend (generated, fused kernels: the one that can be faster
+        than eager); a string: that backend (``"aot_eager"``: eager mode's kernels,
+        bitwise the eager facade). The first ``step`` compiles; learning rates (schedulers,
+        edits of ``param_groups``), the loss scale and the step count are tensors the graph
+        reads, so they never recompile. Needs Adam/AdamW without ``foreach``/``fused``
+        (anything else is refused here, saying what to write) and no ``overlap_allgather``.
+        See :mod:`zerofn.facade._compiled` and the docs' "jit the step" page.
       verbose: log skipped steps.
       communication_dtype: dtype gradients are cast to on the wire (``None``: the params'
         working dtype). This and the precision keywords below are the seed's, turned into
