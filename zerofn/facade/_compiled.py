@@ -24,9 +24,10 @@ What the facade does around the graph, every step, eagerly:
 
 Dynamo keeps compiled graphs per code object and stops compiling a function after
 ``torch._dynamo.config.recompile_limit`` graphs, running it eagerly from then on. Each
-facade compiles its own copy of the step function (its own code object), so facades do
-not share that count, and the call runs with ``fail_on_recompile_limit_hit``: a step that
-would recompile past the limit raises instead of silently running eagerly.
+facade configuration (group, clipping, bucket size, policy, layout) compiles its own copy
+of the step function (its own code object), which facades alike share (a rebuilt
+optimizer reuses the graph), and the call runs with ``fail_on_recompile_limit_hit``: a
+step that would recompile past the limit raises instead of silently running eagerly.
 """
 
 from __future__ import annotations
