@@ -394,7 +394,7 @@ class ZerofnFacade(System):
         overlap: bool,
         byte_optimal: bool = False,
         allgather: bool = False,
-        compile_: bool = False,
+        compile_: bool | str = False,
     ) -> None:
         super().__init__(info, ctx)
         self.model, self.opt = _facade(ctx, kernel, stage, overlap, byte_optimal, allgather, compile_)
@@ -438,7 +438,7 @@ def _facade(
     overlap: bool,
     byte_optimal: bool = False,
     allgather: bool = False,
-    compile_: bool = False,
+    compile_: bool | str = False,
 ) -> tuple[torch.nn.Module, zf.ZeroOptimizer]:
     model = models.build_model(ctx.cfg, ctx.seed, ctx.device)
     topt = torch.optim.AdamW(model.parameters(), **_adamw_kwargs(kernel))
@@ -469,7 +469,8 @@ class ZerofnCompiled(ZerofnFacade):
     def __init__(self, info: SystemInfo, ctx: Context) -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"zerofn-bench-inductor-r{ctx.rank}-")
         torch._dynamo.reset()
-        model, opt = _facade(ctx, None, 2, False, compile_=True)
+        backend = os.environ.get("ZEROFN_BENCH_COMPILE_BACKEND") or True  # run.py's --compile-backend
+        model, opt = _facade(ctx, None, 2, False, compile_=backend)
         firsts = []
         for x, y in ctx.batches[:2]:
             t0 = time.perf_counter()
@@ -481,7 +482,7 @@ class ZerofnCompiled(ZerofnFacade):
         del model, opt
         self._cold = firsts[0] - firsts[1]
         torch._dynamo.reset()
-        super().__init__(info, ctx, None, 2, overlap=False, compile_=True)
+        super().__init__(info, ctx, None, 2, overlap=False, compile_=backend)
         self._firsts: list[float] = []
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -164,8 +164,12 @@ class CompiledStep:
         # Aliases without autograd metadata (a stage-2 p.grad placeholder holds no values to trace);
         # the graph's writes land in the params' storage and move their version counters.
         out = {n: p.detach() for n, p in params.items()}
-        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        config = torch._dynamo.config
+        limit_raises, config.fail_on_recompile_limit_hit = config.fail_on_recompile_limit_hit, True  # 20 µs
+        try:
             new_state, info = self._fn(traced, shards, out)
+        finally:
+            config.fail_on_recompile_limit_hit = limit_raises
         numbers = _as_numbers(new_state).replace(optimizer=state.optimizer)
         return numbers, StepInfo(float(info.grad_norm), bool(info.skipped), float(info.clip_coef))
 
