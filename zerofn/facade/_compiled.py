@@ -120,6 +120,8 @@ class CompiledStep:
       norm_type: 2.0 or ``math.inf``.
       bucket_numel: the gather's bucket size (confirmed on every rank at construction).
       comm_policy: the collective realisations.
+      fingerprint: the layout's; with the settings above, the key under which facades
+        alike share one compiled function.
     """
 
     def __init__(
