@@ -3,9 +3,9 @@
 The gradient hooks stay eager (they run inside autograd, bucket by bucket). What ``step``
 does once the shards are in hand, :func:`~zerofn.step_shards` (global norm, overflow flag,
 loss-scale update, unscale and clip, the optimizer update, the skip) and
-:func:`~zerofn.gather_params` (the bucketed all-gather written into the model's params),
-runs as one ``torch.compile(fullgraph=True)`` graph, the functional step's
-(``docs/jit.md``): its collectives are torch's functional collectives, its decisions
+:func:`~zerofn.gather_params` (the bucketed all-gather of the new params), runs as one
+``torch.compile(fullgraph=True)`` graph, the functional step's (``docs/jit.md``), and the
+params take the gathered values once it has returned: its collectives are torch's functional collectives, its decisions
 tensor math, its checks the functional step's verdict nodes.
 
 What the facade does around the graph, every step, eagerly:
@@ -157,21 +157,24 @@ class CompiledStep:
     ) -> tuple[ZeroState, StepInfo]:
         """The step on ``state`` (numbers form, live hyperparameters); the new state in numbers form.
 
-        Writes the gathered params into ``params``. Collectives: the functional step's,
+        Writes the gathered params into ``params`` once the graph has returned (one
+        ``_foreach_copy_``; nothing when it raised). Collectives: the functional step's,
         in one graph: one scalar all-reduce (norm, overflow, rejected input), the
         bucketed gather; with a rejected input or a non-finite gradient under
         ``nonfinite="raise"``, one object all-gather before raising on every rank.
         """
         traced = state.replace(optimizer=self._with_lr_tensors(state.optimizer)).as_tensors()
-        # Aliases without autograd metadata (a stage-2 p.grad placeholder holds no values to trace);
-        # the graph's writes land in the params' storage and move their version counters.
-        out = {n: p.detach() for n, p in params.items()}
         config = torch._dynamo.config
         limit_raises, config.fail_on_recompile_limit_hit = config.fail_on_recompile_limit_hit, True  # 20 µs
         try:
-            new_state, info = self._fn(traced, shards, out)
+            new_state, info, gathered = self._fn(traced, shards)
         finally:
             config.fail_on_recompile_limit_hit = limit_raises
+        # Written here, once the graph has returned: a graph that raises (a veto, a rejected input) has
+        # written nothing, whatever order a backend gives its kernels. A skipped step's masters are
+        # unchanged, so the params get the values they hold.
+        names = list(gathered)
+        torch._foreach_copy_([params[n] for n in names], [gathered[n] for n in names])
         numbers = _as_numbers(new_state).replace(optimizer=state.optimizer)
         return numbers, StepInfo(float(info.grad_norm), bool(info.skipped), float(info.clip_coef))
 
@@ -198,15 +201,14 @@ _SHARED_MAX = 16
 def _make_tail(
     group: comm.Group, max_norm: float | None, norm_type: float, bucket_numel: int, comm_policy: CommPolicy
 ) -> Callable[..., tuple[ZeroState, StepInfo]]:
-    """The function compiled: ``step_shards`` then ``gather_params`` into ``params`` (detached aliases)."""
+    """The function compiled: ``step_shards`` then ``gather_params`` (new full tensors, copied out by the caller)."""
 
     def tail(
-        state: ZeroState, shards: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor]
-    ) -> tuple[ZeroState, StepInfo]:
+        state: ZeroState, shards: Mapping[str, torch.Tensor]
+    ) -> tuple[ZeroState, StepInfo, dict[str, torch.Tensor]]:
         new_state, info = step_shards(state, shards, group, max_norm, norm_type=norm_type)
-        # A skipped step leaves the masters as they were: the gather writes the values the params hold.
-        gather_params(new_state, group, bucket_numel=bucket_numel, comm_policy=comm_policy, out=params, check=False)
-        return new_state, info
+        gathered = gather_params(new_state, group, bucket_numel=bucket_numel, comm_policy=comm_policy, check=False)
+        return new_state, info, gathered
 
     return tail
 

@@ -62,13 +62,7 @@ class ParamMethods:
         shards = self._reducer.take_step_grads()  # stage 1: p.grad as the user left it, cut into shards
         try:
             if self._compiled is not None and veto is None:  # with a veto: the eager step, whose collectives match
-                try:
-                    return self._compiled(state, shards, self._params)
-                except Exception:
-                    # The compiled runtime moves the versions of the params its graph writes before running
-                    # it; raising, the graph wrote nothing, and without a veto nothing else had changed them.
-                    self._guard.record()
-                    raise
+                return self._compiled(state, shards, self._params)
             return step_shards(
                 state, shards, self._group, self._max_norm, norm_type=self._norm_type, donate=True, veto=veto
             )
