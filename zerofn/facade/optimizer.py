@@ -504,7 +504,7 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
         new_state, info = self._step_shards(self._guard.inspect())
         self._last_info = info
         self._state = new_state
-        if self._compiled is not None:  # its graph wrote the gathered params (a skipped step: the values they held)
+        if self._compiled is not None:  # it copied the gathered params in (a skipped step: the values they held)
             self._guard.record()
         if info.skipped:
             if self._verbose:
