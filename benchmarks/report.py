@@ -92,7 +92,12 @@ def derive(run: dict[str, Any], reference: str = "ddp-fused") -> None:
             s["state_ratio"] = s["state_master_bytes"] / theory if s.get("state_master_bytes") else None
         # bytes sent per rank per step
         s["bytes_theory"] = byte_theory
-        if s["family"] == "zerofn":
+        if name.endswith("-compiled"):
+            # A compiled graph's collectives are not counted when it runs (count_bytes sees the eager calls).
+            s["bytes_sent"] = None
+            s["bytes_source"] = "not counted: the compiled step's collectives run inside its graph"
+            s.pop("bytes_extra", None)
+        elif s["family"] == "zerofn":
             s["bytes_sent"] = s.get("zerofn_bytes")
             s["bytes_source"] = "zerofn count_bytes"
             d0 = desc[0] if desc else None
@@ -243,6 +248,13 @@ def markdown(results: dict[str, Any]) -> str:
             )
             if s.get("note"):
                 notes.append(f"- `{name}`: {s['note']}")
+            per_rank = [d.get("compile") for d in s.get("describe") or [] if d and d.get("compile")]
+            if per_rank:  # the slowest rank's
+                cold, warm = (max(c[k] for c in per_rank if c.get(k) is not None) for k in ("cold_s", "warm_s"))
+                notes.append(
+                    f"- `{name}` compile time (first step minus second, slowest rank): cold {_f(cold)} s "
+                    f"(empty inductor cache), warm {_f(warm)} s (after a dynamo reset, caches filled)"
+                )
         lines.append("")
         lines.append(
             "\\* DDP's gradient all-reduce runs in C++ and is not counted: its bytes are the ring all-reduce "

@@ -60,6 +60,7 @@ ALL_SYSTEMS = (
     "zerofn-s2-overlap",
     "zerofn-s2-overlap-ag",
     "zerofn-s2-byteopt",
+    "zerofn-s2-compiled",
 )
 REFERENCE = "ddp-fused"
 
@@ -87,6 +88,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=None,
         help="zerofn's bucket size in elements, every zerofn system (default: zerofn's own default)",
+    )
+    p.add_argument(
+        "--compile-backend",
+        default=None,
+        help="torch.compile backend of zerofn-s2-compiled (default: ZeroOptimizer's compile=True, inductor)",
     )
     p.add_argument("--memory", choices=("isolated", "off"), default=None, help="peak-RSS phase (default isolated)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
@@ -173,6 +179,8 @@ def _rank_init(threads: int) -> None:
 
 def _world(n: int, backend: str, args: argparse.Namespace) -> World:
     """N rank processes for one (model, N): gloo on the CPU, or NCCL with rank r on cuda:r."""
+    if args.compile_backend:  # read by zerofn-s2-compiled in the rank processes (they inherit the environment)
+        os.environ["ZEROFN_BENCH_COMPILE_BACKEND"] = args.compile_backend
     return World(
         n,
         backend=backend,

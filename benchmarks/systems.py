@@ -18,6 +18,7 @@ import dataclasses
 import importlib.util
 import math
 import os
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -36,8 +37,9 @@ EPS = 1e-8
 WEIGHT_DECAY = 0.01
 
 
-def _adamw_kwargs(kernel: str) -> dict[str, Any]:
-    return dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, **{kernel: True})
+def _adamw_kwargs(kernel: str | None) -> dict[str, Any]:
+    """AdamW's settings; ``kernel=None``: the single-tensor kernel (what a compiled step traces)."""
+    return dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, **({kernel: True} if kernel else {}))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +86,14 @@ SYSTEMS: dict[str, SystemInfo] = {
         SystemInfo(
             "zerofn-s2-overlap-ag",
             "zerofn ZeroOptimizer stage 2, overlap on, overlap_allgather (gather hidden behind the next forward)",
+            "zerofn",
+            True,
+            True,
+        ),
+        SystemInfo(
+            "zerofn-s2-compiled",
+            "zerofn ZeroOptimizer stage 2, overlap off, compile=True (the step after backward as one graph; "
+            "AdamW's single-tensor kernel, traced)",
             "zerofn",
             True,
             True,
@@ -180,6 +190,10 @@ class System:
 
     def settle(self) -> None:
         """End of a block (untimed): finish work a step left in flight for the next one."""
+
+    def compile_times(self) -> dict[str, float] | None:
+        """Seconds spent compiling (a compiled system), else None."""
+        return None
 
     def close(self) -> None:
         pass
@@ -380,19 +394,10 @@ class ZerofnFacade(System):
         overlap: bool,
         byte_optimal: bool = False,
         allgather: bool = False,
+        compile_: bool | str = False,
     ) -> None:
         super().__init__(info, ctx)
-        self.model = models.build_model(ctx.cfg, ctx.seed, ctx.device)
-        topt = torch.optim.AdamW(self.model.parameters(), **_adamw_kwargs(kernel))
-        self.opt = zf.ZeroOptimizer(
-            topt,
-            partition_grad=stage == 2,
-            overlap_communication=overlap,
-            overlap_allgather=allgather,
-            module=self.model,
-            comm_policy=zf.CommPolicy.byte_optimal() if byte_optimal else None,
-            **ctx.bucket_kwargs("reduce_bucket_size"),
-        )
+        self.model, self.opt = _facade(ctx, kernel, stage, overlap, byte_optimal, allgather, compile_)
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with _phase("forward"):
@@ -426,6 +431,72 @@ class ZerofnFacade(System):
         self.opt.close()
 
 
+def _facade(
+    ctx: Context,
+    kernel: str | None,
+    stage: int,
+    overlap: bool,
+    byte_optimal: bool = False,
+    allgather: bool = False,
+    compile_: bool | str = False,
+) -> tuple[torch.nn.Module, zf.ZeroOptimizer]:
+    model = models.build_model(ctx.cfg, ctx.seed, ctx.device)
+    topt = torch.optim.AdamW(model.parameters(), **_adamw_kwargs(kernel))
+    opt = zf.ZeroOptimizer(
+        topt,
+        partition_grad=stage == 2,
+        overlap_communication=overlap,
+        overlap_allgather=allgather,
+        module=model,
+        comm_policy=zf.CommPolicy.byte_optimal() if byte_optimal else None,
+        compile=compile_,
+        **ctx.bucket_kwargs("reduce_bucket_size"),
+    )
+    return model, opt
+
+
+class ZerofnCompiled(ZerofnFacade):
+    """``ZeroOptimizer(compile=True)``: ``zerofn-s2`` with the step after backward compiled.
+
+    AdamW runs its single-tensor kernel (what a compiled step traces; ``fused=True`` is
+    refused there). Compile times, measured at build: *cold*, a first facade's first step
+    in this process with an empty inductor cache (a fresh ``TORCHINDUCTOR_CACHE_DIR`` per
+    rank), minus its second step; *warm*, after ``torch._dynamo.reset()``, the first step of
+    the facade that is then timed (dynamo traces again, inductor's caches hold the graph),
+    minus its second step.
+    """
+
+    def __init__(self, info: SystemInfo, ctx: Context) -> None:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"zerofn-bench-inductor-r{ctx.rank}-")
+        torch._dynamo.reset()
+        backend = os.environ.get("ZEROFN_BENCH_COMPILE_BACKEND") or True  # run.py's --compile-backend
+        model, opt = _facade(ctx, None, 2, False, compile_=backend)
+        firsts = []
+        for x, y in ctx.batches[:2]:
+            t0 = time.perf_counter()
+            opt.backward(models.loss_fn(ctx.cfg)(model(x), y))
+            opt.step()
+            opt.zero_grad()
+            firsts.append(time.perf_counter() - t0)
+        opt.close()
+        del model, opt
+        self._cold = firsts[0] - firsts[1]
+        torch._dynamo.reset()
+        super().__init__(info, ctx, None, 2, overlap=False, compile_=backend)
+        self._firsts: list[float] = []
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
+        loss = super().step(x, y)
+        if len(self._firsts) < 2:
+            self._firsts.append(time.perf_counter() - t0)
+        return loss
+
+    def compile_times(self) -> dict[str, float] | None:
+        warm = self._firsts[0] - self._firsts[1] if len(self._firsts) == 2 else None
+        return {"cold_s": self._cold, "warm_s": warm}  # type: ignore[dict-item]
+
+
 def _make(name: str, ctx: Context) -> System:
     info = SYSTEMS[name]
     k = ctx.kernel
@@ -444,6 +515,7 @@ def _make(name: str, ctx: Context) -> System:
         "zerofn-s2-overlap": lambda: ZerofnFacade(info, ctx, k, 2, overlap=True),
         "zerofn-s2-overlap-ag": lambda: ZerofnFacade(info, ctx, k, 2, overlap=True, allgather=True),
         "zerofn-s2-byteopt": lambda: ZerofnFacade(info, ctx, k, 2, overlap=False, byte_optimal=True),
+        "zerofn-s2-compiled": lambda: ZerofnCompiled(info, ctx),
     }
     return builders[name]()
 
@@ -550,6 +622,7 @@ def describe(name: str) -> dict[str, Any]:
     """State bytes, zerofn's layout facts and memory of this rank for ``name``."""
     system = _BUILT[name]
     out: dict[str, Any] = {"state": system.state_bytes(), "steps_done": system.steps_done}
+    out["compile"] = system.compile_times()
     layout = system.zerofn_layout()
     if layout is not None:
         out["shard_elems"] = sum(s.shard_numel for s in layout.params)

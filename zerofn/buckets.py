@@ -175,13 +175,15 @@ class StagingPool:
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         free = self._free.get((dtype, device))
-        if free:
+        if free and not torch.compiler.is_compiling():  # in a trace the compiler plans the buffers
             fits = [i for i, b in enumerate(free) if b.numel() >= numel]
             if fits:
                 return free.pop(min(fits, key=lambda i: free[i].numel()))
         return torch.empty(max(numel, self._min_numel), dtype=dtype, device=device)
 
     def give(self, buf: torch.Tensor) -> None:
+        if torch.compiler.is_compiling():  # nothing kept between calls of a compiled graph
+            return
         free = self._free.setdefault((buf.dtype, buf.device), [])
         free.append(buf)
         if len(free) > self._keep:

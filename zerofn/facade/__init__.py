@@ -17,6 +17,7 @@ One file per concern (as FSDP2's ``_fully_shard/``):
 ``_grad_methods.py``   ``get_grad_norm`` / ``clip_grad_norm_`` / ``get_param_grad``, byte counts (a mixin)
 ``_buffers.py``        the module's buffers as DDP keeps them: rank 0's, broadcast before each forward
 ``_entry.py``          collective entry points wait at most ``entry_timeout`` for every rank
+``_compiled.py``       ``compile=``: the step after backward as one compiled graph
 =====================  ======================================================================
 
 The facade owns no math and no bucket code: every bucket goes through

@@ -33,6 +33,7 @@ class _Host(Protocol):
     _reducer: Any
     _guard: _guards.ParamGuard
     _entry: Any
+    _compiled: Any
 
     def wait_params(self) -> None: ...
 
@@ -60,6 +61,8 @@ class ParamMethods:
         state = self._state.replace(optimizer=self._current_optimizer())
         shards = self._reducer.take_step_grads()  # stage 1: p.grad as the user left it, cut into shards
         try:
+            if self._compiled is not None and veto is None:  # with a veto: the eager step, whose collectives match
+                return self._compiled(state, shards, self._params)
             return step_shards(
                 state, shards, self._group, self._max_norm, norm_type=self._norm_type, donate=True, veto=veto
             )

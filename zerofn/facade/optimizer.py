@@ -39,7 +39,7 @@ from zerofn import _comm as comm
 from zerofn import _sync, optim, torch_optim
 from zerofn._comm import CommPolicy
 from zerofn.checkpoint import _async
-from zerofn.facade import _buffers, _entry, _guards, _options
+from zerofn.facade import _buffers, _compiled, _entry, _guards, _options
 from zerofn.facade._grad_methods import GradMethods
 from zerofn.facade._param_methods import ParamMethods
 from zerofn.facade._prefetch import ParamPrefetcher
@@ -127,6 +127,16 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
         ``save_checkpoint``, ``load_checkpoint``, ``load_state_dict``, ``check_params``)
         waits for every rank to call it before raising, naming the ranks that did not and
         what to write instead (:mod:`zerofn.facade._entry`); ``None``: no such wait.
+      compile: run everything ``step`` does after backward (norm, overflow skip and loss
+        scale, unscale, clip, the optimizer update, the param gather) as one
+        ``torch.compile(fullgraph=True)`` graph; the backward hooks stay eager. ``True``:
+        the ``"inductor"`` backend (generated, fused kernels: the one that can be faster
+        than eager); a string: that backend (``"aot_eager"``: eager mode's kernels,
+        bitwise the eager facade). The first ``step`` compiles; learning rates (schedulers,
+        edits of ``param_groups``), the loss scale and the step count are tensors the graph
+        reads, so they never recompile. Needs Adam/AdamW without ``foreach``/``fused``
+        (anything else is refused here, saying what to write) and no ``overlap_allgather``.
+        See :mod:`zerofn.facade._compiled` and the docs' "jit the step" page.
       verbose: log skipped steps.
       communication_dtype: dtype gradients are cast to on the wire (``None``: the params'
         working dtype). This and the precision keywords below are the seed's, turned into
@@ -193,11 +203,15 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
         init_sync: bool = True,
         broadcast_buffers: bool = True,
         entry_timeout: float | None = 300.0,
+        compile: bool | str = False,
     ) -> None:
         seed = {k: v for k, v in locals().items() if k in _options.PRECISION_DEFAULTS}  # precision keywords
         _options.check_settings(reduce_bucket_size, norm_type, clip_grad_norm)
         _guards.check_module(module)  # a DDP-wrapped model would have its gradients reduced twice
         named_groups, fopt, torch_groups = _options.resolve_params(optimizer, functional_optimizer, module)
+        backend = _compiled.resolve_backend(compile)
+        if backend is not None:
+            _compiled.check_compilable(fopt, overlap_allgather=overlap_allgather)
         params = {n: p for g in named_groups for n, p in g}
         if overlap_allgather:
             _options.check_gather_module(params, module)
@@ -241,6 +255,7 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
             self._init_sync(module_states)
         self._gather_how = self._comm_policy.resolve(self._group)[1]
         self._hp_cache: tuple[Any, ...] | None = None
+        self._compiled = None if backend is None else self._make_compiled(backend)
         self._last_info: StepInfo | None = None
         self._reducer = GradReducer(
             params,
@@ -274,6 +289,18 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
         with torch.no_grad():
             _sync.broadcast_(list(module_states.values()), self._group, self._replicate)
         self._state = _guards.adopt_params(self._state, self._params, self._state.layout.names)
+
+    def _make_compiled(self, backend: str) -> _compiled.CompiledStep:
+        """``compile=``'s step after backward: ``step_shards`` and the gather in one graph."""
+        return _compiled.CompiledStep(
+            backend,
+            self._group,
+            self._max_norm,
+            self._norm_type,
+            self._bucket_numel,
+            self._comm_policy,
+            self._state.layout.fingerprint,
+        )
 
     def _world_size(self) -> int:
         """Ranks of the whole data-parallel world (shard group times replicas)."""
@@ -492,12 +519,16 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
         new_state, info = self._step_shards(self._guard.inspect())
         self._last_info = info
         self._state = new_state
+        if self._compiled is not None:  # it copied the gathered params in (a skipped step: the values they held)
+            self._guard.record()
         if info.skipped:
             if self._verbose:
                 scales = old_scale, new_state.loss_scale.scale
                 log.info(
                     "zerofn: non-finite gradient (norm %s); step skipped, loss scale %s -> %s", info.grad_norm, *scales
                 )
+            return
+        if self._compiled is not None:
             return
         if self._prefetch is not None:  # written into the params by the next forward (or wait_params)
             self._prefetch.launch(new_state)
