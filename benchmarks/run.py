@@ -54,6 +54,8 @@ ALL_SYSTEMS = (
     "deepspeed-z2",
     "zerofn-fn-pure",
     "zerofn-fn-donated",
+    "zerofn-fn-compiled",
+    "zerofn-fn-compiled-inductor",
     "zerofn-s1",
     "zerofn-s1-overlap",
     "zerofn-s2",
@@ -62,6 +64,8 @@ ALL_SYSTEMS = (
     "zerofn-s2-byteopt",
 )
 REFERENCE = "ddp-fused"
+# Run only when named (--systems): inductor compiles the step for minutes on a small CPU.
+SLOW_TO_BUILD = ("zerofn-fn-compiled-inductor",)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -104,7 +108,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     defaults = {
         "models": list(models.MODELS),
         "world_sizes": [2] if q else [2, 4],
-        "systems": list(ALL_SYSTEMS),
+        "systems": [s for s in ALL_SYSTEMS if s not in SLOW_TO_BUILD],
         "steps": 2 if q else 5,
         "rounds": 1 if q else 6,
         "warmup": 1 if q else 3,
@@ -321,6 +325,15 @@ def _bench_one(model: str, n: int, backend: str, args: argparse.Namespace) -> di
                 out[name]["note"] = f"describe failed: {_short(exc)}"
             rec = records[name]
             entry = out[name]
+            compile_s = [d["compile_s"] for d in desc or [] if "compile_s" in d]
+            if compile_s:  # the slowest rank's compile, cold (fresh process) and warm (caches filled)
+                cold, warm = max(c["cold"] for c in compile_s), max(c["warm"] for c in compile_s)
+                entry.update(compile_cold_s=cold, compile_warm_s=warm)
+                entry["note"] = (
+                    f"compile (first call, incl. one step): cold {cold:.1f} s, warm {warm:.1f} s; the collectives "
+                    "inside a compiled graph are not counted (sent MiB)"
+                )
+                _log(f"   {name}: {entry['note']}")
             per_step = [max(ts) for ts in zip(*rec["times"], strict=True)]  # the slowest rank sets the pace
             entry.update(
                 step_ms=[t * 1e3 for t in per_step],
