@@ -317,6 +317,7 @@ def _refusals() -> dict[str, tuple[str, str]]:
     cases = {
         "adafactor": zf.torch_optim.from_torch(torch.optim.Adafactor, lr=1e-2),
         "sgd_first_step": zf.optim.sgd(lr=lr, momentum=0.9),
+        "adamw8bit": zf.optim.adamw8bit(lr=1e-3),
         "muon_tensor_lr": zf.optim.partition(  # rank 1 owns no Muon param: it refuses too, never waits
             [(["0.weight"], zf.torch_optim.from_torch(torch.optim.Muon, lr=lr)), (lambda n: True, zf.optim.sgd())]
         ),
@@ -338,7 +339,7 @@ def _refusals() -> dict[str, tuple[str, str]]:
 
 def test_what_cannot_compile_is_refused_at_trace_time_naming_it():
     for out in get_world(2).run(_refusals):
-        assert set(out) == {"adafactor", "sgd_first_step", "muon_tensor_lr"}
+        assert set(out) == {"adafactor", "sgd_first_step", "muon_tensor_lr", "adamw8bit"}
         assert all(kind == "Unsupported" for kind, _ in out.values()), out  # dynamo's, raised while tracing
         assert "from_torch(Adafactor) under torch.compile" in out["adafactor"][1]
         assert ".item()" in out["adafactor"][1]
@@ -348,3 +349,4 @@ def test_what_cannot_compile_is_refused_at_trace_time_naming_it():
         )
         assert "Run the first step eagerly, then compile the step" in out["sgd_first_step"][1]
         assert "torch.optim.Muon under torch.compile takes a float lr" in out["muon_tensor_lr"][1]
+        assert "zerofn.optim.adamw8bit under torch.compile: its state is torchao's" in out["adamw8bit"][1]

@@ -247,6 +247,11 @@ _NOT_COMPILED = (
     "zerofn.optim.sgd / adam / adamw or torch.optim.Muon (through from_torch), or keep step_shards eager for "
     "{cls}"
 )
+_NOT_COMPILED_LOWBIT = (
+    "zerofn.optim.{name} under torch.compile: its state is torchao's quantized tensor subclasses, updated by "
+    "torchao's own compiled kernels, which a compiled zerofn step does not trace into its graph. Keep step_shards "
+    "eager for it, or compile a step with zerofn.optim.sgd / adam / adamw"
+)
 _NOT_COMPILED_WHY = {
     "Adafactor": " (its update also reads the step count and two norms on the host, with .item(), every step)",
 }
@@ -316,10 +321,13 @@ def refuse_uncompiled(opt: optim.Optimizer) -> None:
     of a whole-tensor part, and then never calls that part's update), so every rank
     refuses while tracing and none waits in the graph's collectives for the others.
     ``from_torch`` classes other than ``torch.optim.Muon`` drive a torch.optim instance
-    (not traceable); Muon needs a float lr.
+    (not traceable); Muon needs a float lr; the low-bit optimizers (:mod:`zerofn.lowbit`)
+    run torchao's kernels on quantized state.
     """
     for _, part in opt.parts:
         refuse_uncompiled(part)
+    if "lowbit" in opt.static:
+        _traced.refuse(_NOT_COMPILED_LOWBIT.format(name=opt.name))
     if opt.parts or opt._update is not _generic_update:
         return
     cls = opt.torch_class
