@@ -28,6 +28,7 @@ import dataclasses
 import datetime as _dt
 import functools
 import json
+import math
 import os
 import platform
 import statistics
@@ -327,7 +328,7 @@ def _bench_one(model: str, n: int, backend: str, args: argparse.Namespace) -> di
             entry = out[name]
             compile_s = [d["compile_s"] for d in desc or [] if "compile_s" in d]
             if compile_s:  # the slowest rank's compile, cold (fresh process) and warm (caches filled)
-                cold, warm = max(c["cold"] for c in compile_s), max(c["warm"] for c in compile_s)
+                cold, warm = max(c["cold"] for c in compile_s), max(c.get("warm", math.nan) for c in compile_s)
                 entry.update(compile_cold_s=cold, compile_warm_s=warm)
                 entry["note"] = (
                     f"compile (first call, incl. one step): cold {cold:.1f} s, warm {warm:.1f} s; the collectives "

@@ -429,11 +429,12 @@ class ZerofnCompiled(ZerofnFunctional):
             t0 = time.perf_counter()
             self.compiled(_clone_tree(self.state), {n: p.clone() for n, p in self.params.items()}, x, y)
             self.compile_s["cold"] = time.perf_counter() - t0
-            torch._dynamo.reset()
-            self.compiled = self._compile()
-            t0 = time.perf_counter()
-            self.compiled(_clone_tree(self.state), {n: p.clone() for n, p in self.params.items()}, x, y)
-            self.compile_s["warm"] = time.perf_counter() - t0
+            if os.environ.get("ZEROFN_BENCH_WARM_COMPILE") != "0":  # "0": compile once (e.g. a --profile run)
+                torch._dynamo.reset()
+                self.compiled = self._compile()
+                t0 = time.perf_counter()
+                self.compiled(_clone_tree(self.state), {n: p.clone() for n, p in self.params.items()}, x, y)
+                self.compile_s["warm"] = time.perf_counter() - t0
         with _phase("compiled step"):
             self.state, self.params, loss = self.compiled(self.state, self.params, x, y)
         return loss
