@@ -174,6 +174,8 @@ class StagingPool:
         self._free: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # a compiled graph plans its own buffers: never reuse in a trace
+            return torch.empty(max(numel, self._min_numel), dtype=dtype, device=device)
         free = self._free.get((dtype, device))
         if free:
             fits = [i for i, b in enumerate(free) if b.numel() >= numel]
@@ -182,6 +184,8 @@ class StagingPool:
         return torch.empty(max(numel, self._min_numel), dtype=dtype, device=device)
 
     def give(self, buf: torch.Tensor) -> None:
+        if torch.compiler.is_compiling():  # (see take: nothing is kept in a trace)
+            return
         free = self._free.setdefault((buf.dtype, buf.device), [])
         free.append(buf)
         if len(free) > self._keep:
