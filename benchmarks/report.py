@@ -252,8 +252,8 @@ def markdown(results: dict[str, Any]) -> str:
             if per_rank:  # the slowest rank's
                 cold, warm = (max(c[k] for c in per_rank if c.get(k) is not None) for k in ("cold_s", "warm_s"))
                 notes.append(
-                    f"- `{name}` compile time (first step minus second, slowest rank): cold {_f(cold)} s "
-                    f"(empty inductor cache), warm {_f(warm)} s (after a dynamo reset, caches filled)"
+                    f"- `{name}` compile time (slowest rank): cold {_f(cold)} s (a fresh process), "
+                    f"warm {_f(warm)} s (after a dynamo reset, caches filled)"
                 )
         lines.append("")
         lines.append(

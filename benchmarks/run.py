@@ -28,6 +28,7 @@ import dataclasses
 import datetime as _dt
 import functools
 import json
+import math
 import os
 import platform
 import statistics
@@ -54,6 +55,8 @@ ALL_SYSTEMS = (
     "deepspeed-z2",
     "zerofn-fn-pure",
     "zerofn-fn-donated",
+    "zerofn-fn-compiled",
+    "zerofn-fn-compiled-inductor",
     "zerofn-s1",
     "zerofn-s1-overlap",
     "zerofn-s2",
@@ -63,6 +66,8 @@ ALL_SYSTEMS = (
     "zerofn-s2-compiled",
 )
 REFERENCE = "ddp-fused"
+# Run only when named (--systems): inductor compiles the step for minutes on a small CPU.
+SLOW_TO_BUILD = ("zerofn-fn-compiled-inductor",)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -110,7 +115,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     defaults = {
         "models": list(models.MODELS),
         "world_sizes": [2] if q else [2, 4],
-        "systems": list(ALL_SYSTEMS),
+        "systems": [s for s in ALL_SYSTEMS if s not in SLOW_TO_BUILD],
         "steps": 2 if q else 5,
         "rounds": 1 if q else 6,
         "warmup": 1 if q else 3,
@@ -329,6 +334,15 @@ def _bench_one(model: str, n: int, backend: str, args: argparse.Namespace) -> di
                 out[name]["note"] = f"describe failed: {_short(exc)}"
             rec = records[name]
             entry = out[name]
+            compile_s = [d["compile"] for d in desc or [] if d.get("compile")]
+            if compile_s:  # the slowest rank's compile, cold (fresh process) and warm (caches filled)
+                cold, warm = (
+                    max((c[k] for c in compile_s if c.get(k) is not None), default=math.nan)
+                    for k in ("cold_s", "warm_s")
+                )
+                entry.update(compile_cold_s=cold, compile_warm_s=warm)
+                entry["note"] = "the collectives inside a compiled graph are not counted (sent MiB)"
+                _log(f"   {name}: compile cold {cold:.1f} s, warm {warm:.1f} s; {entry['note']}")
             per_step = [max(ts) for ts in zip(*rec["times"], strict=True)]  # the slowest rank sets the pace
             entry.update(
                 step_ms=[t * 1e3 for t in per_step],

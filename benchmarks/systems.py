@@ -79,6 +79,21 @@ SYSTEMS: dict[str, SystemInfo] = {
             True,
             True,
         ),
+        SystemInfo(
+            "zerofn-fn-compiled",
+            "zerofn functional loop (donated, as zerofn-fn-donated) compiled: torch.compile(fullgraph=True, "
+            "backend='aot_eager')",
+            "zerofn",
+            True,
+            True,
+        ),
+        SystemInfo(
+            "zerofn-fn-compiled-inductor",
+            "zerofn functional loop (donated) compiled with inductor: torch.compile(fullgraph=True)",
+            "zerofn",
+            True,
+            True,
+        ),
         SystemInfo("zerofn-s1", "zerofn ZeroOptimizer stage 1, overlap off", "zerofn", True, True),
         SystemInfo("zerofn-s1-overlap", "zerofn ZeroOptimizer stage 1, overlap on", "zerofn", True, True),
         SystemInfo("zerofn-s2", "zerofn ZeroOptimizer stage 2, overlap off", "zerofn", True, True),
@@ -382,6 +397,72 @@ class ZerofnFunctional(System):
         return dict(self.params)
 
 
+class ZerofnFunctionalCompiled(ZerofnFunctional):
+    """The donated functional loop as one ``torch.compile(fullgraph=True)`` graph.
+
+    The whole step (``torch.func.grad_and_value``, ``reduce_grads``, ``step_shards``,
+    ``gather_params(out=params)``, a ``StagingPool``) is compiled once with ``backend``
+    (``aot_eager``: eager mode's kernels replayed from one graph; ``inductor``: generated
+    kernels), the state in its tensor form (``as_tensors``) and the learning rate a 0-d
+    tensor. The first call compiles (cold: a fresh process); then the graph is dropped
+    (``torch._dynamo.reset()``) and compiled again on copies of the inputs (warm: the same
+    process, torch's in-memory and on-disk caches filled), a throwaway step every rank
+    takes alike. Both times are kept in ``compile_s`` (``compile_times``, the report's note).
+    """
+
+    def __init__(self, info: SystemInfo, ctx: Context, backend: str) -> None:
+        import torch._dynamo
+
+        super().__init__(info, ctx, "fused", donate=True)
+        lr = torch.tensor(LR, dtype=torch.float64)
+        kw = _adamw_kwargs("fused")
+        del kw["fused"]  # a compiled step runs AdamW's single-tensor kernel (fused breaks the graph)
+        self.state = zf.shard_params(self.params, zf.optim.adamw(**{**kw, "lr": lr})).as_tensors()
+        self.backend = backend
+        self.compile_s: dict[str, float] = {}
+        grad_fn, staging, bucket = self.grad_fn, self.staging, ctx.bucket_kwargs("bucket_numel")
+
+        def train_step(state: zf.ZeroState, params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> Any:
+            grads, loss = grad_fn(params, x, y)
+            gshards = zf.reduce_grads(grads, state.layout, stage=2, staging=staging, **bucket)
+            state, _ = zf.step_shards(state, gshards, donate=True)
+            return state, zf.gather_params(state, out=params, staging=staging, **bucket), loss.detach()
+
+        self.train_step = train_step
+        torch._dynamo.reset()
+        self.compiled: Callable[..., Any] | None = None
+
+    def _compile(self) -> Callable[..., Any]:
+        return torch.compile(self.train_step, fullgraph=True, backend=self.backend)
+
+    def compile_times(self) -> dict[str, float] | None:
+        return {"cold_s": self.compile_s.get("cold"), "warm_s": self.compile_s.get("warm")}  # type: ignore[dict-item]
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        import torch._dynamo
+
+        if self.compiled is None:  # cold, then warm (a throwaway step on copies)
+            self.compiled = self._compile()
+            t0 = time.perf_counter()
+            self.compiled(_clone_tree(self.state), {n: p.clone() for n, p in self.params.items()}, x, y)
+            self.compile_s["cold"] = time.perf_counter() - t0
+            if os.environ.get("ZEROFN_BENCH_WARM_COMPILE") != "0":  # "0": compile once (e.g. a --profile run)
+                torch._dynamo.reset()
+                self.compiled = self._compile()
+                t0 = time.perf_counter()
+                self.compiled(_clone_tree(self.state), {n: p.clone() for n, p in self.params.items()}, x, y)
+                self.compile_s["warm"] = time.perf_counter() - t0
+        with _phase("compiled step"):
+            self.state, self.params, loss = self.compiled(self.state, self.params, x, y)
+        return loss
+
+
+def _clone_tree(tree: Any) -> Any:
+    import torch.utils._pytree as pytree
+
+    return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, tree)
+
+
 class ZerofnFacade(System):
     """``ZeroOptimizer`` around ``torch.optim.AdamW`` in an ordinary ``nn.Module`` loop."""
 
@@ -455,7 +536,7 @@ def _facade(
     return model, opt
 
 
-class ZerofnCompiled(ZerofnFacade):
+class ZerofnFacadeCompiled(ZerofnFacade):
     """``ZeroOptimizer(compile=True)``: ``zerofn-s2`` with the step after backward compiled.
 
     AdamW runs its single-tensor kernel (what a compiled step traces; ``fused=True`` is
@@ -509,13 +590,15 @@ def _make(name: str, ctx: Context) -> System:
         "deepspeed-z2": lambda: DeepSpeedSystem(info, ctx, k, 2),
         "zerofn-fn-pure": lambda: ZerofnFunctional(info, ctx, k, donate=False),
         "zerofn-fn-donated": lambda: ZerofnFunctional(info, ctx, k, donate=True),
+        "zerofn-fn-compiled": lambda: ZerofnFunctionalCompiled(info, ctx, "aot_eager"),
+        "zerofn-fn-compiled-inductor": lambda: ZerofnFunctionalCompiled(info, ctx, "inductor"),
         "zerofn-s1": lambda: ZerofnFacade(info, ctx, k, 1, overlap=False),
         "zerofn-s1-overlap": lambda: ZerofnFacade(info, ctx, k, 1, overlap=True),
         "zerofn-s2": lambda: ZerofnFacade(info, ctx, k, 2, overlap=False),
         "zerofn-s2-overlap": lambda: ZerofnFacade(info, ctx, k, 2, overlap=True),
         "zerofn-s2-overlap-ag": lambda: ZerofnFacade(info, ctx, k, 2, overlap=True, allgather=True),
         "zerofn-s2-byteopt": lambda: ZerofnFacade(info, ctx, k, 2, overlap=False, byte_optimal=True),
-        "zerofn-s2-compiled": lambda: ZerofnCompiled(info, ctx),
+        "zerofn-s2-compiled": lambda: ZerofnFacadeCompiled(info, ctx),
     }
     return builders[name]()
 

@@ -27,6 +27,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 from conftest import get_world
 
 import zerofn as zf
@@ -105,13 +106,6 @@ def test_the_functional_step_compiles_once_and_trains_bitwise_as_eager_for_100_s
         assert out["steps"] == (STEPS, STEPS)
 
 
-@pytest.mark.parametrize("n", [1, 3, 4])
-def test_the_compiled_step_is_bitwise_eager_at_other_world_sizes(n):
-    for out in get_world(n).run(_compiled_against_eager, 1 if n == 3 else 2, False, 4):
-        assert out["params_equal"] and out["master_equal"] and out["trace_equal"]
-        assert out["graphs"] == 1
-
-
 def test_an_fp16_overflow_on_one_rank_skips_on_both_with_the_same_scale_trajectory_compiled():
     results = get_world(2).run(_compiled_against_eager, 1, True, 8, overflow_at=2)
     for out in results:
@@ -181,54 +175,178 @@ def test_validation_errors_fire_under_compile_on_every_rank_with_the_eager_messa
         )
 
 
-def _features_compiled_against_eager(steps: int) -> dict[str, Any]:
-    """One compiled step with many options at once, against the same step eagerly.
+# --------------------------------------------------------------------------- coverage: a mix of features per world size
+#
+# Each world size compiles one step that combines several of the eager loop's options, so
+# four compiles cover them all (compiling is the slow part): ``opt`` the optimizer, ``dtype``
+# the params' dtype (fp16 with dynamic loss scaling and an overflow on one rank), ``micro``
+# micro-batches whose gradients are summed in float32 before the reduction (accumulation),
+# ``donate`` the donated loop (``step_shards(donate=True)``, ``gather_params(out=params)``,
+# a ``StagingPool`` for both collectives), ``offload`` the state on ``state_device="cpu"``,
+# ``clip`` the max norm, ``comm`` the byte-optimal realisations (reduce-scatter and all-gather,
+# the functional collectives NCCL runs) instead of gloo's default; at N = 4 the layout is
+# hybrid: sharded over 2 ranks, replicated over 2. Every mix uses small buckets (3 to 6
+# per step, so that a bucket's buffer would be reused by a later one).
+MIXES: dict[int, dict[str, Any]] = {
+    1: {"opt": "sgd_nesterov", "dtype": "fp32", "micro": 2, "donate": True, "offload": False, "stage": 2, "clip": 0.5},
+    2: {"opt": "muon_adamw", "dtype": "bf16", "micro": 2, "donate": True, "offload": True, "stage": 2, "clip": 0.5},
+    3: {"opt": "sgd", "dtype": "fp16", "micro": 1, "donate": False, "offload": True, "stage": 1, "clip": None},
+    4: {"opt": "adamw", "dtype": "fp32", "micro": 1, "donate": True, "offload": False, "stage": 2, "clip": 0.5},
+}
+BYTE_OPTIMAL = {3, 4}  # world sizes whose mix also uses CommPolicy.byte_optimal()
+_HYBRID: list[Any] = []  # (shard group, replicate group) of this rank at N = 4, made once per worker
 
-    bf16 params with gradients accumulated in fp32, three params placed whole (on their
-    owner ranks), byte-optimal realisations (reduce-scatter and all-gather, the functional
-    collectives NCCL would run), small buckets, a caller's staging pool, clipping.
+
+def _hybrid_groups() -> tuple[Any, Any]:
+    """Shard groups {0, 1} {2, 3}, replica groups {0, 2} {1, 3}; created once, on every rank."""
+    if not _HYBRID:
+        shards, me = [[0, 1], [2, 3]], dist.get_rank()
+        made = {tuple(r): dist.new_group(r) for r in [*shards, [0, 2], [1, 3]]}
+        _HYBRID.extend([made[(0, 1) if me < 2 else (2, 3)], made[(0, 2) if me % 2 == 0 else (1, 3)]])
+    return _HYBRID[0], _HYBRID[1]
+
+
+def _optimizer(kind: str, lr: torch.Tensor) -> zf.optim.Optimizer:
+    if kind == "sgd_nesterov":
+        return zf.optim.sgd(lr=lr, momentum=0.9, nesterov=True, weight_decay=0.01)
+    if kind == "sgd":
+        return zf.optim.sgd(lr=lr)
+    if kind == "muon_adamw":  # Muon's matrices whole on their owners, AdamW's biases split
+        muon = zf.torch_optim.from_torch(torch.optim.Muon, lr=0.02)
+        return zf.optim.partition([(["0.weight", "2.weight"], muon), (lambda n: True, zf.optim.adamw(lr=lr))])
+    return zf.optim.adamw(lr=lr, weight_decay=0.1)
+
+
+def _mix_compiled_against_eager(steps: int) -> dict[str, Any]:
+    """This world size's mix (``MIXES``), eagerly and compiled; what differs, and how often dynamo compiled.
+
+    SGD with momentum takes its first step eagerly in both runs (it makes its buffers from
+    the first gradient, which the compiled step refuses: ``test_what_cannot_compile...``);
+    Muon's buffers are made by ``as_tensors()``.
     """
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    model = _model(False)[0].bfloat16()
+    mix = MIXES[dist.get_world_size()]
+    group, replicas = _hybrid_groups() if dist.get_world_size() == 4 else (None, None)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[mix["dtype"]]
+    model, _ = _model(False)
+    model = model.to(dtype)
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     lr = torch.tensor(1e-2, dtype=torch.float64)
-    whole = {"0.weight": "whole", "2.weight": "whole", "2.bias": "whole"}
-    precision = zf.PrecisionPolicy(param_dtype=torch.bfloat16)
-    start = zf.shard_params(params, zf.optim.adamw(lr=lr), precision=precision, placement=whole).as_tensors()
-    policy, pool = zf.CommPolicy.byte_optimal(), zf.buckets.StagingPool()
+    scaler = zf.DynamicLossScaler(initial_scale=2.0**10, growth_interval=2) if dtype == torch.float16 else None
+    precision = zf.PrecisionPolicy(param_dtype=dtype, state_device="cpu" if mix["offload"] else None)
+    precision = precision.replace(loss_scaler=scaler) if scaler is not None else precision
+    eager_first = mix["opt"] == "sgd_nesterov"  # SGD makes its momentum buffers at the first step
+    kw: dict[str, Any] = {"bucket_numel": 16}  # 3 to 6 buckets: the pipeline reuses its buffers
+    if dist.get_world_size() in BYTE_OPTIMAL:
+        kw["comm_policy"] = zf.CommPolicy.byte_optimal()
 
-    def loss_fn(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.mse_loss(torch.func.functional_call(model, p, (x,)), y)
+    def loss_fn(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, s: Any) -> torch.Tensor:
+        return zf.scale_loss(F.mse_loss(torch.func.functional_call(model, p, (x,)), y), s)
 
-    def step(state: zf.ZeroState, params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> Any:
-        grads = {n: g.float() for n, g in torch.func.grad(loss_fn)(params, x, y).items()}  # fp32 accumulation
+    def step(
+        state: zf.ZeroState, params: dict[str, torch.Tensor], xs: torch.Tensor, ys: torch.Tensor, pool: Any
+    ) -> Any:
+        grads: dict[str, torch.Tensor] = {}
+        for x, y in zip(xs, ys, strict=True):  # micro-batches: fp32 gradients, summed
+            g = torch.func.grad(loss_fn)(params, x, y, state.loss_scale)
+            grads = {n: grads[n] + t.float() if n in grads else t.float() for n, t in g.items()}
         gshards = zf.reduce_grads(
-            grads, state.layout, precision=state.precision, comm_policy=policy, staging=pool, bucket_numel=64
+            grads,
+            state.layout,
+            group,
+            mix["stage"],
+            precision=state.precision,
+            replicate_group=replicas,
+            staging=pool,
+            **kw,
         )
-        state, info = zf.step_shards(state, gshards, max_norm=0.5)
-        return state, zf.gather_params(state, comm_policy=policy, staging=pool, bucket_numel=64), info
+        state, info = zf.step_shards(state, gshards, group, mix["clip"], donate=mix["donate"])
+        out = params if mix["donate"] else None
+        return state, zf.gather_params(state, group, out=out, staging=pool, **kw), info
 
-    def run(fn: Any) -> tuple[zf.ZeroState, dict[str, torch.Tensor]]:
-        state, p = start, params
-        for i, (x, y) in enumerate(_batches(steps, False, -1)):
-            lr.fill_(1e-2 * 0.98**i)
-            state, p, _ = fn(state, p, x.bfloat16(), y.bfloat16())
-        return state, p
+    def run(compiled: bool) -> tuple[zf.ZeroState, dict[str, torch.Tensor], list[tuple[float, bool, float]]]:
+        p, trace = {n: t.clone() for n, t in params.items()}, []  # a donated loop writes into its state and params
+        state = zf.shard_params(p, _optimizer(mix["opt"], lr), group, precision=precision).as_tensors()
+        pool = zf.buckets.StagingPool() if mix["donate"] else None
+        fn = torch.compile(step, fullgraph=True, backend="aot_eager") if compiled else step
+        for k in range(steps):
+            chunk = data[k * mix["micro"] : (k + 1) * mix["micro"]]
+            xs, ys = torch.stack([b[0] for b in chunk]).to(dtype), torch.stack([b[1] for b in chunk]).to(dtype)
+            lr.fill_(1e-2 * 0.9**k)
+            state, p, info = (step if eager_first and k == 0 else fn)(state, p, xs, ys, pool)
+            trace.append((float(info.grad_norm), bool(info.skipped), float(state.loss_scale.scale)))
+        return state, p, trace
 
-    (se, pe) = run(step)
+    fp16 = dtype == torch.float16
+    data = _batches(steps * mix["micro"], fp16, overflow_at=2 if fp16 else -1)  # an overflow on rank 1
+    eager = run(False)
     with torch._dynamo.config.patch(error_on_recompile=True):
-        (sc, pc) = run(torch.compile(step, fullgraph=True, backend="aot_eager"))
+        compiled = run(True)
     torch._dynamo.reset()
+    (se, pe, te), (sc, pc, tc) = eager, compiled
+    leaves = [(a, b) for a, b in zip(pytree.tree_leaves(se.opt_state), pytree.tree_leaves(sc.opt_state), strict=True)]
     return {
         "params_equal": all(torch.equal(pe[n].view(torch.uint8), pc[n].view(torch.uint8)) for n in pe),
-        "master_equal": se.master.keys() == sc.master.keys()
-        and all(torch.equal(se.master[n], sc.master[n]) for n in se.master),
+        "master_equal": all(torch.equal(se.master[n], sc.master[n]) for n in se.master),
+        "opt_state_equal": all(torch.equal(a, b) for a, b in leaves if isinstance(a, torch.Tensor)),
+        "trace_equal": te == tc,
+        "trace": tc,
         "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
+        "steps": (int(se.step), int(sc.step)),
     }
 
 
-def test_bf16_accumulation_whole_placements_byte_optimal_collectives_and_staging_compile_bitwise():
-    for out in get_world(2).run(_features_compiled_against_eager, 4):
-        assert out["params_equal"] and out["master_equal"]
-        assert out["graphs"] == 1
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_every_option_of_the_eager_loop_compiles_bitwise_at_each_world_size(n):
+    results = get_world(n).run(_mix_compiled_against_eager, 4)
+    for rank, out in enumerate(results):
+        assert out["params_equal"] and out["master_equal"] and out["opt_state_equal"], (n, rank)
+        assert out["trace_equal"], (n, rank, out["trace"])
+        assert out["graphs"] == 1, out["graphs"]  # one graph; error_on_recompile: none again
+    if MIXES[n]["dtype"] == "fp16":  # the overflow on rank 1 only: every rank skipped step 2
+        assert [s for _, s, _ in results[0]["trace"]] == [False, False, True, False]
+        assert all(out["trace"] == results[0]["trace"] for out in results)
+
+
+def _refusals() -> dict[str, tuple[str, str]]:
+    """What a compiled ``step_shards`` refuses at trace time: (error type, message) per case."""
+    _, params = _model(False)
+    lr = torch.tensor(1e-2, dtype=torch.float64)
+    out = {}
+    cases = {
+        "adafactor": zf.torch_optim.from_torch(torch.optim.Adafactor, lr=1e-2),
+        "sgd_first_step": zf.optim.sgd(lr=lr, momentum=0.9),
+        "adamw8bit": zf.optim.adamw8bit(lr=1e-3),
+        "muon_tensor_lr": zf.optim.partition(  # rank 1 owns no Muon param: it refuses too, never waits
+            [(["0.weight"], zf.torch_optim.from_torch(torch.optim.Muon, lr=lr)), (lambda n: True, zf.optim.sgd())]
+        ),
+    }
+    for name, opt in cases.items():
+        torch._dynamo.reset()
+        state = zf.shard_params(params, opt).as_tensors()
+        shards = zf.reduce_grads({n: torch.ones_like(p) for n, p in params.items()}, state.layout)
+        compiled = torch.compile(lambda s, g: zf.step_shards(s, g), fullgraph=True, backend="aot_eager")
+        before = {n: t.clone() for n, t in state.master.items()}
+        try:
+            compiled(state, shards)
+        except Exception as e:  # the error dynamo raised while tracing
+            out[name] = (type(e).__name__, str(e))
+        assert all(torch.equal(before[n], state.master[n]) for n in before)  # nothing was stepped
+    torch._dynamo.reset()
+    return out
+
+
+def test_what_cannot_compile_is_refused_at_trace_time_naming_it():
+    for out in get_world(2).run(_refusals):
+        assert set(out) == {"adafactor", "sgd_first_step", "muon_tensor_lr", "adamw8bit"}
+        assert all(kind == "Unsupported" for kind, _ in out.values()), out  # dynamo's, raised while tracing
+        assert "from_torch(Adafactor) under torch.compile" in out["adafactor"][1]
+        assert ".item()" in out["adafactor"][1]
+        assert (
+            "momentum buffers of ['0.weight', '0.bias', '2.weight', '2.bias'] do not exist"
+            in (out["sgd_first_step"][1])
+        )
+        assert "Run the first step eagerly, then compile the step" in out["sgd_first_step"][1]
+        assert "torch.optim.Muon under torch.compile takes a float lr" in out["muon_tensor_lr"][1]
+        assert "zerofn.optim.adamw8bit under torch.compile: its state is torchao's" in out["adamw8bit"][1]

@@ -30,6 +30,7 @@ EXPECTED = [
     "05_checkpoints",
     "06_whole_tensor_optimizers",
     "07_lowbit_state",
+    "08_jit",
 ]
 # Appended to each notebook under test (not to the committed one): every World the
 # notebook started must have been closed, so no worker process outlives it.
@@ -40,7 +41,7 @@ NO_WORKERS_LEFT = (
 )
 
 
-def test_the_seven_notebooks_are_there() -> None:
+def test_the_eight_notebooks_are_there() -> None:
     assert [p.stem for p in build.NOTEBOOKS] == EXPECTED
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["failure_desc", "handler", "rebuild_failure", "verdict"]
+__all__ = ["failure_desc", "handler", "rebuild_failure", "refuse", "verdict"]
 
 Handler = Callable[..., None]
 _HANDLERS: dict[str, Handler] = {}
@@ -92,3 +92,17 @@ _FAILURE_TYPES: dict[str, type[Exception]] = {"TypeError": TypeError, "ValueErro
 def rebuild_failure(desc: tuple[str, str]) -> Exception:
     """The error :func:`failure_desc` described, to raise again."""
     return _FAILURE_TYPES.get(desc[0], RuntimeError)(desc[1])
+
+
+def refuse(message: str) -> None:
+    """Stop a compiled step at trace time because ``message`` names what cannot be compiled.
+
+    With ``fullgraph=True`` dynamo raises its ``Unsupported`` error carrying ``message``
+    while tracing, before the graph ever runs (so before any collective of that call).
+    Without it the graph breaks here and the resumed code raises ``NotImplementedError``
+    with the same message on the first call: never a silently different step. Eagerly
+    (not tracing) it raises the ``NotImplementedError`` at once.
+    """
+    if torch.compiler.is_compiling():
+        torch._dynamo.graph_break(msg=message)
+    raise NotImplementedError(message)

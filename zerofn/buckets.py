@@ -174,8 +174,10 @@ class StagingPool:
         self._free: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # a compiled graph plans its own buffers: never reuse in a trace
+            return torch.empty(max(numel, self._min_numel), dtype=dtype, device=device)
         free = self._free.get((dtype, device))
-        if free and not torch.compiler.is_compiling():  # in a trace the compiler plans the buffers
+        if free:
             fits = [i for i, b in enumerate(free) if b.numel() >= numel]
             if fits:
                 return free.pop(min(fits, key=lambda i: free[i].numel()))

@@ -32,6 +32,7 @@ import torch
 import torch.optim.adam as _torch_adam
 import torch.optim.sgd as _torch_sgd
 
+from zerofn import _traced
 from zerofn._tree import FrozenDict
 
 __all__ = [
@@ -311,6 +312,13 @@ def _sgd_update(
     new_bufs = dict(state.momentum_buffer)
     for gi, group_names in _by_group(opt, names).items():
         hp = _scalar_lr(opt.hyperparams(group_names[0]))
+        if torch.compiler.is_compiling():
+            if hp["fused"] or hp["foreach"]:
+                # As Adam's: break the graph here, saying so (with fullgraph=True the error).
+                torch._dynamo.graph_break(msg=_NOT_TRACEABLE_SGD)
+            else:
+                _sgd_group_traced(hp, group_names, grads, state, params, new_params, new_bufs)
+                continue
         ps = [_own(params[n], donate) for n in group_names]
         bufs = [
             None if state.momentum_buffer[n] is None else _own(state.momentum_buffer[n], donate) for n in group_names
@@ -336,6 +344,55 @@ def _sgd_update(
             new_params[n] = p
             new_bufs[n] = b
     return new_params, SGDState(FrozenDict(new_bufs))
+
+
+_NOT_TRACEABLE_SGD = (
+    "zerofn.optim.sgd: a compiled step runs SGD's single-tensor kernel; foreach=True or fused=True break the "
+    "graph here. Build the optimizer with foreach=None and fused=None (the CPU default) to compile the step into "
+    "one graph"
+)
+
+_FIRST_STEP_SGD = (
+    "zerofn.optim.sgd with momentum under torch.compile: the momentum buffers of {names} do not exist yet "
+    "(torch.optim.SGD creates them from the first gradient, and a skipped first step must leave them unset), so "
+    "the state would change its structure inside the graph. Run the first step eagerly, then compile the step"
+)
+
+
+def _sgd_group_traced(
+    hp: Mapping[str, Any],
+    names: list[str],
+    grads: Params,
+    state: SGDState,
+    params: Params,
+    new_params: dict[str, torch.Tensor],
+    new_bufs: dict[str, torch.Tensor | None],
+) -> None:
+    """One group's SGD update inside a compiled graph, bitwise equal to torch's single-tensor kernel.
+
+    Eagerly ``param.add_(grad, alpha=-lr)`` takes ``lr`` as a Python float (a tensor lr is
+    read as one); here a tensor lr stays an input of the graph and the same product is
+    ``addcmul(param, grad, -lr)`` with ``-lr`` rounded to the params' dtype as ``alpha``
+    is, which the CPU kernels compute with the same fused multiply-add (checked bitwise
+    by ``tests/test_jit.py``). A float lr is a constant of the graph (``add`` itself).
+    """
+    lr, momentum, dampening, wd = hp["lr"], hp["momentum"], hp["dampening"], hp["weight_decay"]
+    missing = [n for n in names if momentum != 0 and state.momentum_buffer[n] is None]
+    if missing:
+        _traced.refuse(_FIRST_STEP_SGD.format(names=missing))
+    for n in names:
+        param, grad = params[n], grads[n]
+        grad = -grad if hp["maximize"] else grad
+        if wd != 0:
+            grad = grad.add(param, alpha=wd)
+        if momentum != 0:
+            buf = state.momentum_buffer[n].mul(momentum).add(grad, alpha=1 - dampening)  # type: ignore[union-attr]
+            new_bufs[n] = buf
+            grad = grad.add(buf, alpha=momentum) if hp["nesterov"] else buf
+        if isinstance(lr, torch.Tensor):
+            new_params[n] = torch.addcmul(param, grad, (-lr.to(torch.float64)).to(param.device, param.dtype))
+        else:
+            new_params[n] = param.add(grad, alpha=-lr)
 
 
 def sgd(

@@ -62,6 +62,7 @@ from zerofn.precision import (
     unscaled_norm,
 )
 from zerofn.state import DEFAULT_POLICY, StepInfo, ZeroState
+from zerofn.torch_optim import refuse_uncompiled
 
 __all__ = [
     "StepVetoed",
@@ -693,6 +694,7 @@ def _step_shards_traced(
             state.as_tensors(), grad_shards, group, max_norm, norm_type, failure, veto
         )
         return _as_numbers(new_state), info
+    refuse_uncompiled(state.optimizer)  # (the same on every rank: before any collective of the graph)
     policy, loss_scale = state.precision, state.loss_scale
     device = state.work_device
     refused = failure is not None or veto is not None
@@ -746,8 +748,8 @@ def _step_shards_traced(
 
     old_leaves, spec = pytree.tree_flatten(state.opt_state)
     new_leaves, new_spec = pytree.tree_flatten(new_opt_state)
-    if spec != new_spec:
-        raise NotImplementedError(
+    if spec != new_spec or any(o is None and n is not None for o, n in zip(old_leaves, new_leaves, strict=True)):
+        _traced.refuse(
             f"step_shards under torch.compile: zerofn.optim.{state.optimizer.name}'s state changes its structure "
             "in a step (a buffer created on the first step); run one step eagerly before compiling"
         )

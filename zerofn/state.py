@@ -120,13 +120,20 @@ class ZeroState:
         (a skipped step is a ``torch.where``, the scale moves without recompiling), where
         Python numbers would be constants of the graph and recompile it on every change.
         The stage functions accept either form eagerly and keep the form they were given.
-        Tensors are shared, nothing is copied but the numbers.
+        Tensors are shared, nothing is copied but the numbers. Optimizer state that torch
+        creates lazily as zeros at a param's first step (``torch.optim.Muon``'s momentum
+        buffers, through :func:`~zerofn.torch_optim.from_torch`) is created here, as the
+        same zeros, so that the compiled step's state keeps one structure.
         """
+        from zerofn.torch_optim import state_for_compile
+
+        opt_state = state_for_compile(self.optimizer, self.opt_state, self.master)
         if isinstance(self.step, torch.Tensor):
-            return self
+            return self if opt_state is self.opt_state else self.replace(opt_state=opt_state)
         device = self.state_device
         scale, tracker, left = self.loss_scale
         return self.replace(
+            opt_state=opt_state,
             step=torch.tensor(self.step, dtype=torch.int64, device=device),
             loss_scale=LossScaleState(
                 torch.tensor(float(scale), dtype=torch.float64, device=device),
