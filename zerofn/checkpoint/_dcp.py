@@ -287,13 +287,18 @@ def _load_whole(
             value: Any = torch.zeros(shape, dtype=getattr(torch, dtype), device=device)
             sd[f"optim/{spec.name}/{key}"] = value
         elif what == "scalar":
-            dtype, _, dev = rest.partition(":")
-            value = torch.zeros((), dtype=getattr(torch, dtype), device=device if dev != "cpu" else "cpu")
+            value = _scalar_receiver(rest, device)
             sd[f"optim/{spec.name}/{key}"] = value
         else:
             value = json.loads(rest)
         entry[key] = value
     return entry
+
+
+def _scalar_receiver(kind_rest: str, device: torch.device) -> torch.Tensor:
+    """The 0-d tensor a saved ``scalar:<dtype>:<device>`` state entry is read into (on the CPU if saved there)."""
+    dtype, _, dev = kind_rest.partition(":")
+    return torch.zeros((), dtype=getattr(torch, dtype), device=device if dev != "cpu" else "cpu")
 
 
 def _receiving_buffers(
@@ -331,8 +336,7 @@ def _receiving_buffers(
                 value = torch.zeros(spec.shard_numel, dtype=getattr(torch, rest), device=device)
                 sd[f"optim/{spec.name}/{key}"] = _dtensor(value, spec, rank, mesh)
             elif what == "scalar":
-                dtype, _, dev = rest.partition(":")
-                value = torch.zeros((), dtype=getattr(torch, dtype), device=device if dev != "cpu" else "cpu")
+                value = _scalar_receiver(rest, device)
                 sd[f"optim/{spec.name}/{key}"] = value
             else:
                 value = json.loads(rest)
