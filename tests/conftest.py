@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from helpers import TEST_SEED
 from hypothesis import HealthCheck, settings
 
 from zerofn.testing import World, plugin
@@ -18,11 +19,15 @@ from zerofn.testing import World, plugin
 # pytester runs a user's suite against zerofn's plugin (tests/test_plugin.py).
 pytest_plugins = ["pytester"]
 
-# CI: fixed seeds and fewer examples, so a run is reproducible and fits the budget.
+# CI: fixed seeds and fewer examples, so a run is reproducible and fits the budget. The
+# seed knob (``ZEROFN_TEST_SEED``, tests/helpers.py) moves hypothesis too: at 0 each test
+# draws from its own name (derandomize), at k every test from hypothesis seed k
+# (``pytest_configure`` below), and the example database stays out of it either way.
 settings.register_profile(
     "ci",
     max_examples=25,
-    derandomize=True,
+    derandomize=TEST_SEED == 0,
+    database=None,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
@@ -35,6 +40,14 @@ settings.register_profile(
 settings.load_profile("ci" if os.environ.get("CI") else os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 WORLD_SIZES = (1, 2, 3, 4)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    """Under ``ZEROFN_TEST_SEED=k`` (k > 0) hypothesis draws from seed k, unless
+    ``--hypothesis-seed`` says otherwise (set before hypothesis' plugin reads it)."""
+    if TEST_SEED and config.getoption("hypothesis_seed", None) is None:
+        config.option.hypothesis_seed = str(TEST_SEED)
 
 
 def _world_size(item: pytest.Item) -> int | None:

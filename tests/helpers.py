@@ -11,6 +11,7 @@ import contextlib
 import copy
 import functools
 import math
+import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -36,8 +37,27 @@ __all__ = [
     "gate_used",
     "max_rel_diff",
     "mse",
+    "seeded",
     "tensor_rel_diff",
 ]
+
+# --------------------------------------------------------------------------- the seed knob
+#
+# Every seed the suite draws data or initial weights from goes through ``seeded``, so one
+# environment variable moves every test to another trajectory, as another machine's
+# kernels would: ``ZEROFN_TEST_SEED=3 make test``. At 0 (the default) each seed is itself.
+
+#: The suite's seed offset, ``ZEROFN_TEST_SEED`` (default 0); the spawned ranks inherit it.
+TEST_SEED = int(os.environ.get("ZEROFN_TEST_SEED", "0"))
+# A prime stride, so the seeds of two knob values never coincide for k below it; the
+# largest result stays below 2**32 (numpy's limit) for knob values up to 4000.
+_SEED_STRIDE = 1_000_003
+
+
+def seeded(k: int) -> int:
+    """The seed a test uses where it would write ``k``: ``k`` itself at ``ZEROFN_TEST_SEED=0``."""
+    return k + _SEED_STRIDE * TEST_SEED
+
 
 IN_FEATURES = 7
 OUT_FEATURES = 5
@@ -174,7 +194,7 @@ def gate_used(step: int) -> bool:
 
 def batches(rank: int, steps: int, batch: int = 8) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Deterministic ``(x, y)`` batches for ``rank``; different ranks get different data."""
-    gen = torch.Generator().manual_seed(1000 + rank)
+    gen = torch.Generator().manual_seed(seeded(1000 + rank))
     for _ in range(steps):
         yield (
             torch.randn(batch, IN_FEATURES, generator=gen),
@@ -449,7 +469,7 @@ class Mats(nn.Module):
 
 def whole_model(recipe: str) -> nn.Module:
     """The model a whole-tensor recipe trains (seeded): ``Mats`` for Muon alone, else ``Net``."""
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     return Mats() if recipe == "muon" else Net()
 
 

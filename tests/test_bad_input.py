@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from helpers import Net, batches, ddp_reference, max_rel_diff
+from helpers import Net, batches, ddp_reference, max_rel_diff, seeded
 
 import zerofn as zf
 
@@ -34,7 +34,7 @@ def _documented() -> dict[str, tuple[str, str]]:
 
 
 def _params() -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(seeded(0))
     return {"a.weight": torch.randn(13, 7, generator=gen), "a.bias": torch.randn(13, generator=gen)}
 
 
@@ -72,7 +72,7 @@ def _case(row: str) -> Callable[[], object]:
         if dist.get_rank() == 0:
             return lambda: None  # a member: nothing wrong here
         return lambda: zf.shard_params(params, zf.optim.sgd(), solo)
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     model = Net()
     if row == "step_first":
         return _facade(model).step
@@ -99,7 +99,7 @@ def _case(row: str) -> Callable[[], object]:
 
 def _other_model_sd() -> dict:
     """The state dict of a model whose ``a`` layer is (13, 8) instead of Net's (13, 7)."""
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     other = Net()
     other.a = nn.Linear(8, 13)
     return _facade(other).state_dict()
@@ -154,11 +154,11 @@ def test_bad_input_gets_the_documented_error_on_every_rank(worlds, row):
 
 
 def _tiny_params_vs_ddp() -> float:
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     model = nn.Sequential(nn.Linear(1, 1), nn.Linear(1, 3))  # params of 1, 1, 3 and 3 elements
 
     def data() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        gen = torch.Generator().manual_seed(dist.get_rank())
+        gen = torch.Generator().manual_seed(seeded(dist.get_rank()))
         while True:
             yield torch.randn(4, 1, generator=gen), torch.randn(4, 3, generator=gen)
 

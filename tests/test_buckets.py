@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import assert_bitwise_equal, assert_trees_close
+from helpers import assert_bitwise_equal, assert_trees_close, seeded
 
 import zerofn as zf
 from zerofn import buckets
@@ -36,7 +36,7 @@ SHAPES = {
 
 
 def _full(n: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(n)
+    gen = torch.Generator().manual_seed(seeded(n))
     return {k: torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype) for k, shape in SHAPES.items()}
 
 
@@ -143,7 +143,7 @@ def _full_mean_grads(dtype_name: str, comm_dtype_name: str | None) -> dict[str, 
     shapes = {k: v for k, v in SHAPES.items() if k not in ("big", "bigpad")}
     every = []
     for r in range(n):
-        gen = torch.Generator().manual_seed(100 + r)
+        gen = torch.Generator().manual_seed(seeded(100 + r))
         every.append({k: torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for k, s in shapes.items()})
     grads: dict[str, torch.Tensor | None] = {**every[rank], "gone": None}
     layout = make_layout(every[rank], n)
@@ -187,7 +187,7 @@ def _gathers_into_given_buffers(dtype_name: str) -> dict[str, object]:
     dtype = getattr(torch, dtype_name)
     n, rank = dist.get_world_size(), dist.get_rank()
     shapes = {k: v for k, v in SHAPES.items() if k not in ("big", "bigpad")}
-    gen = torch.Generator().manual_seed(7)
+    gen = torch.Generator().manual_seed(seeded(7))
     full = {k: torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for k, s in shapes.items()}
     layout = make_layout(full, n)
     shards = {k: buckets.cut_shard(full[k], layout[k], rank) for k in full}

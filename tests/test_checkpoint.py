@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import Net, assert_trees_equal, assert_within_floor, batches, max_rel_diff
+from helpers import Net, assert_trees_equal, assert_within_floor, batches, max_rel_diff, seeded
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -56,7 +56,7 @@ def assert_state_dicts_equal(a: Any, b: Any, where: str = "sd") -> None:
 def _trained_full_round_trip(params: dict[str, torch.Tensor], kind: str, steps: int) -> tuple[dict, dict]:
     fopt = zf.optim.adamw(lr=1e-2) if kind == "adamw" else zf.optim.sgd(lr=1e-2, momentum=0.9)
     state = zf.shard_params(params, fopt)
-    gen = torch.Generator().manual_seed(dist.get_rank())
+    gen = torch.Generator().manual_seed(seeded(dist.get_rank()))
     for step in range(steps):
         # The first param gets no gradient in odd steps: state exists for some params only.
         grads = {
@@ -92,7 +92,7 @@ def test_full_state_dict_round_trip_is_bitwise_with_padding(worlds, params, n, k
 
 def _global_batches(steps: int, batch: int = 12):
     """The same global batch sequence for every world size; rank r takes rows r::N."""
-    gen = torch.Generator().manual_seed(7)
+    gen = torch.Generator().manual_seed(seeded(7))
     for _ in range(steps):
         yield torch.randn(batch, 7, generator=gen), torch.randn(batch, 5, generator=gen)
 
@@ -140,7 +140,7 @@ def _functional_steps(
 
 
 def _zerofn_then_full(steps: int) -> dict[str, Any]:
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     model = Net()
     state = zf.shard_params(dict(model.named_parameters()), zf.optim.adamw(lr=1e-2, weight_decay=0.1))
     state = _functional_steps(state, model, steps)
@@ -148,7 +148,7 @@ def _zerofn_then_full(steps: int) -> dict[str, Any]:
 
 
 def _continue_from_torch(torch_sd: dict[str, Any], params: dict[str, torch.Tensor], skip: int, steps: int):
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     model = Net()
     state = ck.shard_state_dict(torch_sd, params, optimizer=zf.optim.adamw())
     state = _functional_steps(state, model, steps, skip=skip)
@@ -160,7 +160,7 @@ def test_zerofn_state_dict_continues_in_torch_adamw_and_back():
 
     full = get_world(2).run(_zerofn_then_full, 5)[0]
     # One process, plain torch: the master weights become the params, the state loads as is.
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     model = Net()
     names = full["zerofn"]["names"]
     with torch.no_grad():
@@ -199,7 +199,7 @@ def test_zerofn_state_dict_continues_in_torch_adamw_and_back():
 
 
 def _save_after(path: str, steps: int) -> dict[str, Any]:
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     model = Net()
     state = zf.shard_params(dict(model.named_parameters()), zf.optim.adamw(lr=1e-2, weight_decay=0.1))
     state = _functional_steps(state, model, steps)
@@ -208,7 +208,7 @@ def _save_after(path: str, steps: int) -> dict[str, Any]:
 
 
 def _load_and_continue(path: str, skip: int, steps: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    torch.manual_seed(1)  # different init: everything must come from the checkpoint
+    torch.manual_seed(seeded(1))  # different init: everything must come from the checkpoint
     model = Net()
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     state = ck.load(path, weights, params_out=weights)
@@ -219,7 +219,7 @@ def _load_and_continue(path: str, skip: int, steps: int) -> tuple[dict[str, Any]
 
 
 def _never_stopped(steps: int) -> dict[str, torch.Tensor]:
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     model = Net()
     state = zf.shard_params(dict(model.named_parameters()), zf.optim.adamw(lr=1e-2, weight_decay=0.1))
     return zf.gather_params(_functional_steps(state, model, steps))
@@ -237,7 +237,7 @@ def _measured_floor(skip: int, steps: int) -> float:
     """
     key = (dist.get_world_size(), skip, steps)
     if key not in _FLOORS:
-        torch.manual_seed(0)
+        torch.manual_seed(seeded(0))
         model = Net()
         state = zf.shard_params(dict(model.named_parameters()), zf.optim.adamw(lr=1e-2, weight_decay=0.1))
         state = _functional_steps(state, model, skip)
@@ -262,7 +262,7 @@ def test_save_at_n_load_at_every_m_equals_the_saved_state_and_keeps_training(wor
 
 
 def _facade_run(path: str, phase: str, steps: int, dtype: str = "float32") -> dict[str, Any]:
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     model = Net().to(getattr(torch, dtype))
     # fp16: the dynamic loss scaler grows every 3 good steps, so its state moves while we train.
     opt = zf.ZeroOptimizer(
@@ -311,7 +311,7 @@ def test_resume_after_a_killed_run_is_bitwise_equal_to_never_stopping(worlds, tm
 
 
 def _facade_state_dict_api(max_shard: int) -> dict[str, Any]:
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     model = Net()
     opt = zf.ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), module=model)
     x, y = next(batches(dist.get_rank(), 1))
@@ -438,7 +438,7 @@ def test_corrupt_missing_and_mismatched_checkpoints_raise_clear_errors(worlds, t
 
 
 def _versions() -> dict[str, Any]:
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     params = {"w": torch.randn(5, 3), "b": torch.randn(3)}
     state = zf.shard_params(params, zf.optim.adamw(lr=1e-2))
     grads = {n: torch.randn_like(p) for n, p in params.items()}

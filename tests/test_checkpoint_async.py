@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import Net, assert_bitwise_equal, batches
+from helpers import Net, assert_bitwise_equal, batches, seeded
 
 import zerofn as zf
 from zerofn import checkpoint as ck
@@ -52,7 +52,7 @@ def _writes_held(gate: threading.Event, fail_on_rank: int | None = None) -> Iter
 
 
 def _facade() -> tuple[Net, zf.ZeroOptimizer, list[tuple[torch.Tensor, torch.Tensor]]]:
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     model = Net()
     opt = zf.ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), partition_grad=True, module=model)
     return model, opt, list(batches(dist.get_rank(), 6))
@@ -369,7 +369,7 @@ def _hybrid_async_save(path: str) -> dict[str, Any]:
     from test_hybrid import _groups
 
     shard, replicate = _groups("strided")
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     model = Net()
     params = {n: p.detach() for n, p in model.named_parameters()}
     state = zf.shard_params(params, zf.optim.adamw(lr=1e-2), shard)

@@ -14,7 +14,7 @@ import shutil
 
 import torch
 from conftest import get_world
-from helpers import tensor_rel_diff
+from helpers import seeded, tensor_rel_diff
 
 import zerofn as zf
 
@@ -24,12 +24,12 @@ STEPS = 2
 
 
 def _params() -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(seeded(0))
     return {n: torch.randn(s, generator=gen) for n, s in SHAPES.items()}
 
 
 def _grads(step: int) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(100 + step)
+    gen = torch.Generator().manual_seed(seeded(100 + step))
     return {n: torch.randn(s, generator=gen) for n, s in SHAPES.items()}
 
 

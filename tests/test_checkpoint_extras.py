@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from conftest import get_world
+from helpers import seeded
 
 import zerofn as zf
 
@@ -45,13 +46,13 @@ def _draws() -> list[float]:
 
 
 def _setup(seed: int) -> tuple[torch.nn.Module, zf.ZeroOptimizer, Any]:
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     opt = zf.ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), partition_grad=True, module=model)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
-    torch.manual_seed(seed)  # per-rank generators: each rank draws its own data
-    random.seed(seed)
-    np.random.seed(seed)
+    torch.manual_seed(seeded(seed))  # per-rank generators: each rank draws its own data
+    random.seed(seeded(seed))
+    np.random.seed(seeded(seed))
     return model, opt, sched
 
 
@@ -156,9 +157,9 @@ def test_a_load_with_other_extras_or_a_failing_extra_raises_on_every_rank_and_ch
 def _save_functional(path: str, same_seed: bool) -> list[float]:
     state = zf.shard_params({"w": torch.ones(5)}, zf.optim.sgd(lr=0.1))
     seed = 5 if same_seed else 5 + dist.get_rank()
-    torch.manual_seed(seed)
-    random.seed(seed)
-    np.random.seed(seed)
+    torch.manual_seed(seeded(seed))
+    random.seed(seeded(seed))
+    np.random.seed(seeded(seed))
     extra = {"shared": Counter(7), "per_rank": Counter(dist.get_rank())}
     zf.checkpoint.save(path, state, extra=extra)
     return _draws()
@@ -166,7 +167,7 @@ def _save_functional(path: str, same_seed: bool) -> list[float]:
 
 def _load_at_another_world_size(path: str, same_seed: bool) -> dict[str, Any]:
     like = {"w": torch.zeros(5)}
-    torch.manual_seed(99)
+    torch.manual_seed(seeded(99))
     with pytest.raises(zf.CheckpointError) as info:
         zf.checkpoint.load(path, like, extra={"shared": Counter(), "per_rank": Counter()})
     shared = Counter()

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import Snapshot, assert_trees_close, assert_trees_equal, tensor_rel_diff
+from helpers import Snapshot, assert_trees_close, assert_trees_equal, seeded, tensor_rel_diff
 
 import zerofn as zf
 
@@ -20,7 +20,7 @@ LR = 1.0  # plain SGD with lr 1: the new params are exactly params - clipped gra
 
 
 def _params():
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(seeded(0))
     return {
         "a.weight": torch.randn(13, 7, generator=gen),
         "a.bias": torch.randn(13, generator=gen),
@@ -30,7 +30,7 @@ def _params():
 
 
 def _local_grads(rank):
-    gen = torch.Generator().manual_seed(10 + rank)
+    gen = torch.Generator().manual_seed(seeded(10 + rank))
     return {n: torch.randn(p.shape, generator=gen) for n, p in _params().items()}
 
 

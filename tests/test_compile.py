@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from helpers import Net, assert_trees_equal, batches, max_rel_diff
+from helpers import Net, assert_trees_equal, batches, max_rel_diff, seeded
 
 import zerofn as zf
 
@@ -43,7 +43,7 @@ def _train(options: dict[str, Any], backend: str | None, compile_first: bool = F
     issue 12 failed there), or before with ``compile_first``.
     """
     torch._dynamo.reset()
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     model = Net()
     run: nn.Module = model
     if backend is not None and compile_first:
@@ -97,7 +97,7 @@ def test_report_4_an_inductor_compiled_model_with_overlap_allgather_trains(world
 def _functional() -> dict[str, Any]:
     """The functional loop with a compiled ``torch.func.grad``, and ``step_shards`` compiled, against eager."""
     torch._dynamo.reset()
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     model = Net()
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
 
@@ -155,10 +155,10 @@ def _report_2_case(case: str) -> dict[str, Any]:
     overlapped reduction, with and without overlap_allgather on one compiled model."""
     backend, how, bucket, optimizer, reference_first = COMPILED_CASES[case]
     torch._dynamo.reset()
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
     initial = {k: v.clone() for k, v in net.state_dict().items()}
-    gen = torch.Generator().manual_seed(dist.get_rank())
+    gen = torch.Generator().manual_seed(seeded(dist.get_rank()))
     data = [torch.randn(4, 8, generator=gen) for _ in range(4)]
     compiled: Any = None
     if how == "before":

@@ -17,6 +17,7 @@ from collections.abc import Iterable
 
 import pytest
 import torch
+from helpers import seeded
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, Dataset
@@ -53,7 +54,7 @@ def as_list(batch: list[int]) -> list[int]:
 def reference_epoch(dataset_len: int, global_batch: int, seed: int, epoch: int, drop_last: bool) -> list[list[int]]:
     """The global batches of one epoch, from the definition (not from the sampler)."""
     g = torch.Generator()
-    g.manual_seed(seed + epoch)
+    g.manual_seed(seeded(seed + epoch))
     perm = torch.randperm(dataset_len, generator=g).tolist()
     stop = dataset_len - dataset_len % global_batch if drop_last else dataset_len
     return [perm[i : min(i + global_batch, stop)] for i in range(0, stop, global_batch)]

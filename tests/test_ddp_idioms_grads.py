@@ -47,6 +47,7 @@ from helpers import (
     ddp_reference,
     gate_used,
     max_rel_diff,
+    seeded,
 )
 
 import zerofn as zf
@@ -67,7 +68,7 @@ def _grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
 
 def _pair(stage: int, overlap: bool, **options: Any) -> tuple[nn.Module, Any, torch.optim.Optimizer, Any]:
     """The same Net under the facade and under DDP, AdamW on both."""
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     model = Net()
     ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(model), find_unused_parameters=True)
     topt = torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.1)
@@ -99,7 +100,7 @@ def _measured_floor(steps: int, *, accumulate: int = 1, clip: float | None = Non
     """
     key = (dist.get_world_size(), steps, accumulate, clip, gate)
     if key not in _FLOORS:
-        torch.manual_seed(0)
+        torch.manual_seed(seeded(0))
         model = Net()
         options: dict[str, Any] = {
             "steps": steps,
@@ -254,7 +255,7 @@ def _precision_accumulation(stage_overlap: tuple[int, bool]) -> dict[str, Any]:
     bf16 (the wire), all-reduced, the p.grad DDP would hold for such a wire.
     """
     _, overlap = stage_overlap
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     model = Net()
     ref = copy.deepcopy(model).to(torch.bfloat16)
     zopt = zf.ZeroOptimizer(
@@ -393,7 +394,7 @@ def test_get_grad_norm_is_the_current_norm_before_step_and_the_last_steps_after(
 
 def _fp16_norms(stage: int) -> dict[str, Any]:
     """fp16 params with the dynamic loss scaler: the norms users see are the true ones."""
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     model = Net()
     zopt = zf.ZeroOptimizer(
         torch.optim.AdamW(model.parameters(), lr=1e-3),
@@ -522,7 +523,7 @@ def test_torch_gradient_idioms_at_stage2_raise_on_every_rank_and_change_nothing(
 
 def _grad_scaler_report5() -> dict[str, Any]:
     """Report 5 verbatim: GradScaler driving a stage-2 facade."""
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     model = Net()
     opt = zf.ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), partition_grad=True)
     scaler = torch.amp.GradScaler("cpu")
@@ -684,7 +685,7 @@ def test_stage1_p_grad_in_a_hybrid_layout_is_the_mean_over_all_ranks(worlds, ove
 
 def _whole_param_grads(stage: int) -> dict[str, Any]:
     """Muon places every param whole on one owner: p.grad (stage 1), get_param_grad and the norm on every rank."""
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     model = nn.Sequential(nn.Linear(7, 13, bias=False), nn.Tanh(), nn.Linear(13, 5, bias=False))
     ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(model))
     muon = zf.torch_optim.from_torch(torch.optim.Muon, lr=1e-2)

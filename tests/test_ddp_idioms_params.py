@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from helpers import Net, assert_trees_equal, assert_within_floor, batches, ddp_noise_floor, ddp_reference
+from helpers import Net, assert_trees_equal, assert_within_floor, batches, ddp_noise_floor, ddp_reference, seeded
 
 import zerofn as zf
 from zerofn.facade._guards import ParamsChangedError
@@ -40,7 +40,7 @@ def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def _pretrained() -> dict[str, torch.Tensor]:
-    torch.manual_seed(1)
+    torch.manual_seed(seeded(1))
     sd = Net().state_dict()
     sd["a.weight"][0, 0] = 7.0
     return sd
@@ -56,7 +56,7 @@ def _torch_adamw(model: nn.Module) -> torch.optim.Optimizer:
 
 def _pair(cfg: dict[str, Any], **extra: Any) -> tuple[nn.Module, zf.ZeroOptimizer]:
     """Net (seed 0) under the facade; ``helpers.ddp_reference`` of a seed-0 Net is its DDP twin."""
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     model = Net()
     zopt = zf.ZeroOptimizer(
         _torch_adamw(model),
@@ -71,7 +71,7 @@ def _pair(cfg: dict[str, Any], **extra: Any) -> tuple[nn.Module, zf.ZeroOptimize
 
 def _edit_and_train(cfg: dict[str, Any], edit: str) -> dict[str, Any]:
     """Train both; before step 0 and after step 2, ``edit`` the params of both models alike."""
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     initial = Net()
     model, zopt = _pair(cfg)
     found: list[list[str]] = []
@@ -128,7 +128,7 @@ def test_params_written_between_steps_are_trained_as_with_ddp(worlds, n, edit):
 
 def _report_1(cfg: dict[str, Any]) -> dict[str, Any]:
     """The issue's script: SGD lr 0, load pretrained weights after building the optimizer, one step."""
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     model = Net()
     opt = zf.ZeroOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.0),
@@ -159,7 +159,7 @@ def test_report_1_weights_loaded_after_building_the_optimizer_are_kept(worlds, n
 
 
 def _bf16_adoption() -> dict[str, Any]:
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     model = Net().to(torch.bfloat16)
     opt = zf.ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), partition_grad=True, module=model)
     x, y = next(batches(dist.get_rank(), 1))
@@ -283,7 +283,7 @@ def test_a_write_through_an_old_view_while_the_gather_is_pending_raises_on_every
 
 
 def _mistake(kind: str, stage: int) -> str:
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     model = Net()
     if kind == "ddp_module":
         ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
@@ -348,7 +348,7 @@ def test_porting_mistakes_fail_at_once_with_the_fix(worlds, n, kind, expected):
 
 
 def _hybrid_round_trip(path: str) -> dict[str, Any]:
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     model = Net()
     opt = zf.ZeroOptimizer(
         torch.optim.AdamW(model.parameters(), lr=1e-2), partition_grad=True, sub_dp_size=2, module=model

@@ -1,6 +1,6 @@
 """State as DDP keeps it, against DDP + the same torch optimizer on real gloo ranks.
 
-Every rank builds its model from its own seed (``torch.manual_seed(100 + rank)``, as
+Every rank builds its model from its own seed (``torch.manual_seed(seeded(100 + rank))``, as
 scripts that seed per rank for data augmentation do), the model has BatchNorm buffers, and
 each test runs DDP and the facade side by side in the same process on the same batches,
 comparing params and buffers after every operation:
@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from conftest import get_world
-from helpers import bits
+from helpers import bits, seeded
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -49,12 +49,12 @@ class BNNet(nn.Module):
 
 def _seeded_model() -> BNNet:
     """A BNNet seeded per rank (different initial weights on every rank, as DDP scripts allow)."""
-    torch.manual_seed(100 + dist.get_rank())
+    torch.manual_seed(seeded(100 + dist.get_rank()))
     return BNNet()
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1000 * step + dist.get_rank())
+    gen = torch.Generator().manual_seed(seeded(1000 * step + dist.get_rank()))
     return torch.randn(5, 6, generator=gen), torch.randn(5, 3, generator=gen)
 
 
@@ -187,7 +187,7 @@ def test_functional_start_checks_values_or_syncs_them():
         assert "param 'a.weight' holds different values on rank 0 and rank 1" in r["error"], r.get("error")
         assert "zf.broadcast_params(params, group)" in r["error"] and "sync=True" in r["error"]
         assert r["unchanged"] and r["same_tensors"] and r["checks"]
-    torch.manual_seed(100)
+    torch.manual_seed(seeded(100))
     rank0 = _states(BNNet())
     for r in results:
         assert _equal_bits(r["gathered"], rank0) == []
@@ -195,7 +195,7 @@ def test_functional_start_checks_values_or_syncs_them():
 
 
 def _pretrained() -> dict[str, torch.Tensor]:
-    torch.manual_seed(7)
+    torch.manual_seed(seeded(7))
     return BNNet().state_dict()
 
 
@@ -302,7 +302,7 @@ def _save_load_continue(stage: int, fmt: str, path: str) -> dict[str, Any]:
     saved_buffers = {n: b.clone() for n, b in zf.checkpoint.persistent_buffers(model).items()}
     for step in (2, 3):
         _train_step(model, zopt, step)
-    torch.manual_seed(999 + dist.get_rank())
+    torch.manual_seed(seeded(999 + dist.get_rank()))
     fresh = BNNet()
     fopt = _facade_of(fresh, stage)
     if fmt == "full":
@@ -537,7 +537,7 @@ def _hybrid_start(path: str) -> dict[str, Any]:
 
 
 def test_hybrid_layouts_start_from_world_rank_0_and_functional_checkpoints_carry_buffers(tmp_path):
-    torch.manual_seed(100)
+    torch.manual_seed(seeded(100))
     rank0 = _states(BNNet())
     for rank, r in enumerate(get_world(4).run(_hybrid_start, str(tmp_path / "ckpt"))):
         assert _equal_bits(r["start"], rank0) == [], f"rank {rank}"
@@ -547,7 +547,7 @@ def test_hybrid_layouts_start_from_world_rank_0_and_functional_checkpoints_carry
 
 def _fp16_without_zero_grad() -> str | None:
     """Stage 1 under fp16 loss scaling: p.grad is unscaled, the next backward's gradients scaled: it raises."""
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     model = nn.Linear(6, 3)
     zopt = zf.ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), forced_dtype=torch.float16, module=model)
     x, y = _batch(0)

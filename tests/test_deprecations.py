@@ -11,14 +11,14 @@ import warnings
 from typing import Any
 
 import torch
-from helpers import assert_trees_equal
+from helpers import assert_trees_equal, seeded
 
 import zerofn as zf
 from zerofn import checkpoint
 
 
 def _old_names(path: str) -> dict[str, Any]:
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     params = {"w": torch.randn(5, 3), "b": torch.randn(3)}
     grads = {k: torch.randn_like(v) for k, v in params.items()}
     opt = zf.optim.sgd(lr=0.1)

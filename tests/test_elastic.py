@@ -31,6 +31,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import seeded
 
 from zerofn.data import GlobalBatchSampler
 
@@ -190,7 +191,7 @@ def assert_bitwise(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) 
 
 
 def test_a_killed_worker_is_restarted_and_the_run_ends_bitwise_as_if_it_never_stopped(tmp_path, zerofn_world):
-    kill_at = random.Random(23).randint(SAVE_EVERY + 1, STEPS - 2)  # a drawn step, past the first checkpoint
+    kill_at = random.Random(seeded(23)).randint(SAVE_EVERY + 1, STEPS - 2)  # a drawn step, past the first checkpoint
     launch = ["--standalone", "--nproc-per-node=2", "--max-restarts=1", "--monitor-interval=0.1"]
     agent = torchrun(launch, [f"--kill-at={kill_at}", "--kill-rank=1"], tmp_path, "standalone")
     try:

@@ -24,7 +24,16 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from helpers import Net, assert_trees_equal, assert_within_floor, batches, ddp_noise_floor, ddp_reference, gate_used
+from helpers import (
+    Net,
+    assert_trees_equal,
+    assert_within_floor,
+    batches,
+    ddp_noise_floor,
+    ddp_reference,
+    gate_used,
+    seeded,
+)
 
 import zerofn as zf
 from zerofn.facade._reducer import ShardedGrad
@@ -73,7 +82,7 @@ def _ddp_twin(kind: str, clip: float, accumulate: int, scheduler: str | None, st
     size do not change what DDP does."""
     key = (dist.get_world_size(), kind, clip, accumulate, scheduler, steps)
     if key not in _DDP_TWINS:
-        torch.manual_seed(0)
+        torch.manual_seed(seeded(0))
         model = Net()
         options = dict(
             steps=steps, accumulate=accumulate, clip=clip or None, scheduler=_make_scheduler(scheduler, steps)
@@ -98,7 +107,7 @@ def _train_pair(
 ) -> dict[str, Any]:
     """Train the same Net under the facade and under DDP (``helpers.ddp_reference``) on this rank's batches."""
     ref, floor = _ddp_twin(kind, clip, accumulate, scheduler, steps)
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     model = Net()
     make_scheduler = _make_scheduler(scheduler, steps)
     zopt = zf.ZeroOptimizer(
@@ -186,7 +195,7 @@ def test_generic_path_optimizers_match_torch(worlds, kind):
 def _functional_vs_torch_constructor() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     outs = []
     for build in ("torch", "functional"):
-        torch.manual_seed(0)
+        torch.manual_seed(seeded(0))
         model = Net()
         if build == "torch":
             opt = zf.ZeroOptimizer(_torch_optimizer("adamw", model), partition_grad=True, module=model)
@@ -213,7 +222,7 @@ def test_named_params_with_a_functional_optimizer_equal_the_wrapped_torch_optimi
 
 
 def _count_step_bytes(policy: str, stage: int, bucket: int) -> dict[str, Any]:
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     model = Net()
     pol = zf.CommPolicy.byte_optimal() if policy == "byte_optimal" else zf.CommPolicy()
     opt = zf.ZeroOptimizer(
@@ -266,7 +275,7 @@ def test_counted_bytes_equal_the_formula_of_the_realisation_in_use(worlds, n, po
 
 
 def _grad_memory(stage: int, overlap: bool, bucket: int) -> dict[str, int]:
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(8)])
     opt = zf.ZeroOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1),
@@ -281,7 +290,7 @@ def _grad_memory(stage: int, overlap: bool, bucket: int) -> dict[str, int]:
 
     # Registered after the facade's hooks, so each sample sees what the facade kept.
     handles = [p.register_post_accumulate_grad_hook(sample) for p in model.parameters()]
-    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(dist.get_rank()))
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(seeded(dist.get_rank())))
     opt.backward(model(x).square().mean())
     peak[0] = max(peak[0], opt.grad_bytes())
     for h in handles:
@@ -308,7 +317,7 @@ def test_stage2_holds_about_one_nth_of_the_gradients_plus_a_bucket(worlds, n):
 
 
 def _param_grad_vs_ddp() -> float:
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     model = Net()
     ref = nn.parallel.DistributedDataParallel(copy.deepcopy(model), find_unused_parameters=True)
     opt = zf.ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), partition_grad=True)
@@ -335,7 +344,7 @@ def test_get_param_grad_gathers_the_mean_gradient(world):
 
 
 def _misc_api() -> dict[str, Any]:
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     model = Net()
     model.a.requires_grad_(False)
     frozen = model.a.weight.detach().clone()

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from helpers import Net, batches
+from helpers import Net, batches, seeded
 
 import zerofn as zf
 from zerofn.testing import RankFailure, World
@@ -21,7 +21,7 @@ TIMEOUT_S = 6.0
 
 
 def _trained_facade(path: str) -> tuple[Net, zf.ZeroOptimizer]:
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     model = Net()
     opt = zf.ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), partition_grad=True, module=model)
     data = batches(dist.get_rank(), 3)
@@ -52,7 +52,7 @@ def _fail_mid_step(path: str, how: str) -> dict[str, Any]:
 
 
 def _load_step(path: str) -> int:
-    torch.manual_seed(1)
+    torch.manual_seed(seeded(1))
     model = Net()
     opt = zf.ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), partition_grad=True, module=model)
     opt.load_checkpoint(path)

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import Net, assert_within_floor, batches, ddp_noise_floor, ddp_reference, max_rel_diff
+from helpers import Net, assert_within_floor, batches, ddp_noise_floor, ddp_reference, max_rel_diff, seeded
 
 import zerofn as zf
 from zerofn import checkpoint as ck
@@ -47,7 +47,7 @@ def _groups(arrangement: str) -> tuple[Any, Any]:
 
 def _hybrid_vs_ddp(arrangement: str, kind: str, clip: float, stage: int) -> dict[str, Any]:
     shard, replicate = _groups(arrangement)
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     model = Net()
 
     def make_optimizer(m: torch.nn.Module) -> torch.optim.Optimizer:
@@ -94,7 +94,7 @@ def test_hybrid_2x2_matches_ddp_over_all_four_ranks(worlds, arrangement, kind, c
 
 def _hybrid_save(path: str) -> dict[str, Any]:
     shard, replicate = _groups("strided")
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     model = Net()
     params = {n: p.detach() for n, p in model.named_parameters()}
     state = zf.shard_params(params, zf.optim.adamw(lr=1e-2), shard)
@@ -109,7 +109,7 @@ def _hybrid_save(path: str) -> dict[str, Any]:
 
 
 def _plain_load(path: str) -> dict[str, Any]:
-    torch.manual_seed(1)
+    torch.manual_seed(seeded(1))
     params = {n: p.detach().clone() for n, p in Net().named_parameters()}
     return ck.full_state_dict(ck.load(path, params, params_out=params))
 
@@ -132,7 +132,7 @@ def _adamw(m: torch.nn.Module) -> torch.optim.Optimizer:
 
 
 def _facade_hybrid_vs_ddp(how: str, overlap: bool) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], float]:
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     model = Net()
     options: dict[str, Any] = dict(steps=10, use_gate=None, clip=0.05)
     data = functools.partial(batches, dist.get_rank(), 10)

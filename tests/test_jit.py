@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from conftest import get_world
+from helpers import seeded
 
 import zerofn as zf
 
@@ -36,7 +37,7 @@ STEPS = 100
 
 
 def _model(fp16: bool) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     model = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Tanh(), torch.nn.Linear(10, 1))
     if fp16:
         model = model.half()
@@ -45,7 +46,7 @@ def _model(fp16: bool) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
 
 def _batches(steps: int, fp16: bool, overflow_at: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     rank = dist.get_rank()
-    g = torch.Generator().manual_seed(1 + rank)
+    g = torch.Generator().manual_seed(seeded(1 + rank))
     out = []
     for i in range(steps):
         x = torch.randn(4, 6, generator=g)

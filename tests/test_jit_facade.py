@@ -26,6 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import get_world
+from helpers import seeded
 
 import zerofn as zf
 
@@ -42,7 +43,7 @@ CONFIGS = {
 
 def _facade(n: int, compile_: bool | str) -> tuple[torch.nn.Module, zf.ZeroOptimizer]:
     stage, fp16, clip, _, _, _ = CONFIGS[n]
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     model = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))  # pads at N = 2, 3, 4
     if fp16:
         model = model.half()
@@ -95,7 +96,7 @@ def _train(n: int, compile_: bool | str) -> dict[str, Any]:
     _, _, _, micro, steps, overflow_at = CONFIGS[n]
     model, opt = _facade(n, compile_)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.98**i)
-    gen = torch.Generator().manual_seed(1 + dist.get_rank())
+    gen = torch.Generator().manual_seed(seeded(1 + dist.get_rank()))
     trace = []
     for i in range(steps):
         for m in range(micro):
@@ -144,7 +145,7 @@ def _drop_in(compile_: bool | str) -> dict[str, Any]:
     rank = dist.get_rank()
     model, opt = _facade(2, compile_)
     sched = torch.optim.lr_scheduler.StepLR(opt, 2, gamma=0.5)
-    gen = torch.Generator().manual_seed(7 + rank)
+    gen = torch.Generator().manual_seed(seeded(7 + rank))
     trace: list[Any] = []
     saved = None
     for i in range(8):

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import Net, Snapshot, batches
+from helpers import Net, Snapshot, batches, seeded
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -156,7 +156,7 @@ OPS = [
 def _torch_side(kind: str, mutated: dict[str, Any]) -> dict[str, Any]:
     """Plain torch: one step, load ``mutated``, one more step. Accepted iff nothing raised."""
     first, second = _two_batches()
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     model = Net()
     opt = OPTIMIZERS[kind](model.parameters())
     _loss(model, first).backward()
@@ -175,7 +175,7 @@ def _torch_side(kind: str, mutated: dict[str, Any]) -> dict[str, Any]:
 def _zerofn_side(kind: str, mutated: dict[str, Any]) -> dict[str, Any]:
     """The facade on this rank: one step, load ``mutated``; then one more step, or check nothing changed."""
     first, second = _two_batches()
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     model = Net()
     opt = zf.ZeroOptimizer(OPTIMIZERS[kind](model.parameters()), partition_grad=True, module=model)
     opt.backward(_loss(model, first))
@@ -197,7 +197,7 @@ def _zerofn_side(kind: str, mutated: dict[str, Any]) -> dict[str, Any]:
 
 
 def _valid_state_dict(kind: str) -> dict[str, Any]:
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     model = Net()
     opt = OPTIMIZERS[kind](model.parameters())
     _loss(model, _two_batches()[0]).backward()
@@ -324,7 +324,7 @@ def test_declared_state_follows_the_options_and_the_shape():
 
 
 def _facade(seed: int = 0) -> tuple[torch.nn.Module, zf.ZeroOptimizer]:
-    torch.manual_seed(seed)
+    torch.manual_seed(seeded(seed))
     model = Net()
     opt = zf.ZeroOptimizer(OPTIMIZERS["adamw"](model.parameters()), partition_grad=True, module=model)
     opt.backward(_loss(model, _two_batches()[0]))

@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import get_world
-from helpers import assert_trees_equal
+from helpers import assert_trees_equal, seeded
 
 import zerofn as zf
 from zerofn.buckets import cut_shard
@@ -37,12 +37,12 @@ SHAPES = {"w": (64, 64), "b": (64,), "odd": (7, 9)}
 
 
 def _params() -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(seeded(0))
     return {n: torch.randn(s, generator=gen) for n, s in SHAPES.items()}
 
 
 def _grads(steps: int = STEPS) -> list[dict[str, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(1)
+    gen = torch.Generator().manual_seed(seeded(1))
     return [{n: torch.randn(s, generator=gen) for n, s in SHAPES.items()} for _ in range(steps)]
 
 
@@ -182,7 +182,7 @@ class Lin(torch.nn.Module):
 
 def _same_batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The same batches on every rank (the mean of equal gradients is exact at N = 1 and 2)."""
-    gen = torch.Generator().manual_seed(7)
+    gen = torch.Generator().manual_seed(seeded(7))
     return [(torch.randn(8, 64, generator=gen), torch.randn(8, 8, generator=gen)) for _ in range(steps)]
 
 
@@ -192,7 +192,7 @@ def _train_facade(name: str, kind: str) -> dict[str, torch.Tensor]:
     cfg = dict(FACADE[name])
     accumulate = cfg.pop("accumulate", 1)
     precision = zf.PrecisionPolicy.for_dtype(torch.bfloat16) if cfg.pop("precision", None) else None
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     model = Lin()
     cls = {"adamw8bit": torchao.optim.AdamW8bit, "adamwfp8": torchao.optim.AdamWFp8}[kind]
     inner = cls(model.parameters(), **HP)
@@ -231,7 +231,7 @@ def test_facade_over_a_torchao_optimizer_is_bitwise_equal_at_one_and_two_ranks(n
 def test_facade_at_one_rank_is_bitwise_the_plain_torchao_optimizer():
     import torchao.optim
 
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     model = Lin()
     opt = torchao.optim.AdamW8bit(model.parameters(), **HP)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
@@ -352,7 +352,7 @@ def _cross_load(fulls: dict[str, dict]) -> list[str]:
 
     errors = []
     for cls, other in ((torch.optim.AdamW, "adamw8bit"), (torchao.optim.AdamW8bit, "adamw")):
-        torch.manual_seed(0)
+        torch.manual_seed(seeded(0))
         model = Lin()
         opt = zf.ZeroOptimizer(cls(model.parameters(), **HP), module=model)
         x, y = _same_batches(1)[0]
@@ -369,7 +369,7 @@ def _cross_load(fulls: dict[str, dict]) -> list[str]:
 
 
 def test_low_bit_state_offered_to_an_fp32_adamw_facade_and_the_reverse_is_a_checkpoint_error():
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     fulls = get_world(2).run(_lin_state_dicts)[0]
     errors = get_world(1).run(_cross_load, fulls)[0]
     assert "holds adamw8bit state, but the optimizer is adamw" in errors[0]
@@ -383,7 +383,7 @@ def _lin_state_dicts() -> dict[str, dict]:
 
     out = {}
     for name, cls in (("adamw", torch.optim.AdamW), ("adamw8bit", torchao.optim.AdamW8bit)):
-        torch.manual_seed(0)
+        torch.manual_seed(seeded(0))
         model = Lin()
         opt = zf.ZeroOptimizer(cls(model.parameters(), **HP), module=model)
         for x, y in _same_batches(2):

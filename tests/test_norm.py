@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 import torch
+from helpers import seeded
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -25,7 +26,7 @@ sizes = st.sampled_from([0, 1, 7, CHUNK_NUMEL - 1, CHUNK_NUMEL, CHUNK_NUMEL + 1,
 
 
 def _pieces(shapes: list[int], dtypes: list[torch.dtype], seed: int) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(seeded(seed))
     return [torch.randn(n, generator=gen, dtype=torch.float32).to(d) * 3 for n, d in zip(shapes, dtypes, strict=True)]
 
 
@@ -101,7 +102,7 @@ def test_the_fused_path_cuda_takes_agrees_on_the_cpu(specs, seed):
 def test_adjacent_views_of_one_row_count_each_element_once(widths, dropped, seed):
     # The reducer's stage-2 shards: consecutive views of one reduced row. Some are left out
     # (a param without gradient), one repeated: only exactly adjacent pieces merge.
-    row = torch.randn(sum(widths), generator=torch.Generator().manual_seed(seed))
+    row = torch.randn(sum(widths), generator=torch.Generator().manual_seed(seeded(seed)))
     shards = list(row.split(widths))
     kept = [s for i, s in enumerate(shards) if i not in set(dropped)] or shards[:1]
     pieces = [*kept, kept[0]]  # the first again, at the end: counted twice, as given

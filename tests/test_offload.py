@@ -28,7 +28,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
-from helpers import Net, assert_trees_equal, batches, gate_used
+from helpers import Net, assert_trees_equal, batches, gate_used, seeded
 from torch.func import functional_call, grad
 
 import zerofn as zf
@@ -49,7 +49,7 @@ def _loss(params, model, x, y, use_gate, loss_scale):
 
 
 def _functional(dtype: torch.dtype, stage: int, offload: bool) -> dict[str, Any]:
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     model = Net().to(dtype)
     params = {k: p.detach().clone() for k, p in model.named_parameters()}
     scaler = DynamicLossScaler(initial_scale=2.0**14, growth_interval=2) if dtype == torch.float16 else None
@@ -83,7 +83,7 @@ def _functional(dtype: torch.dtype, stage: int, offload: bool) -> dict[str, Any]
 
 
 def _facade(dtype: torch.dtype, stage: int, offload: bool) -> dict[str, Any]:
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     model = Net()
     opt = zf.ZeroOptimizer(
         torch.optim.AdamW(model.parameters(), lr=1e-2),
@@ -151,7 +151,7 @@ def _state_on_meta() -> dict[str, Any]:
     policy = PrecisionPolicy.for_dtype(torch.bfloat16, state_device="meta")
     state = zf.shard_params(params, zf.optim.adamw(lr=1e-2), precision=policy)
     after_shard = {str(t.device) for t in state.master.values()}
-    gen = torch.Generator().manual_seed(dist.get_rank())
+    gen = torch.Generator().manual_seed(seeded(dist.get_rank()))
     grads = {k: torch.randn(p.shape, generator=gen).bfloat16() for k, p in params.items()}
     shards = zf.reduce_grads(grads, state.layout, precision=state.precision)
     new, info = zf.step_shards(state, shards)

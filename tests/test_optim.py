@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from helpers import Snapshot, assert_bitwise_equal, assert_trees_equal
+from helpers import Snapshot, assert_bitwise_equal, assert_trees_equal, seeded
 
 import zerofn as zf
 
@@ -19,14 +19,14 @@ STEPS = 5
 
 
 def _params(dtype=torch.float32):
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(seeded(0))
     shapes = {"a.weight": (5, 3), "a.bias": (5,), "b.weight": (2, 5), "scale": ()}
     return {n: torch.randn(s, generator=gen).to(dtype) for n, s in shapes.items()}
 
 
 def _grad_steps(params, steps=STEPS, skip=None):
     """Per step a grads dict; ``skip(step, name)`` True leaves ``name`` without a gradient."""
-    gen = torch.Generator().manual_seed(1)
+    gen = torch.Generator().manual_seed(seeded(1))
     out = []
     for step in range(steps):
         grads = {}

@@ -54,6 +54,7 @@ from helpers import (
     functional_reference,
     gate_used,
     max_rel_diff,
+    seeded,
 )
 from torch.func import functional_call, grad
 
@@ -136,7 +137,7 @@ def _ddp_twin(opt_name: str, clip: bool) -> tuple[dict[str, torch.Tensor], float
     communication policy changes zerofn's collectives, not DDP's."""
     key = (dist.get_world_size(), opt_name, clip)
     if key not in _DDP_TWINS:
-        torch.manual_seed(0)
+        torch.manual_seed(seeded(0))
         model = Net()
         make_optimizer = functools.partial(_torch_optimizer, opt_name)
         data = functools.partial(batches, dist.get_rank(), STEPS)
@@ -148,7 +149,7 @@ def _ddp_twin(opt_name: str, clip: bool) -> tuple[dict[str, torch.Tensor], float
 
 def _train_both(opt_name, clip, policy_name):
     """On every rank: zerofn stage 1, zerofn stage 2, DDP and the torch.func reference from the same model."""
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     model = Net()
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     out = {"initial": initial, "clipped": {}}

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import get_world
-from helpers import assert_bitwise_equal
+from helpers import assert_bitwise_equal, seeded
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -167,7 +167,7 @@ def _reduce(grads_per_rank, placement, stage):
 @pytest.mark.parametrize("stage", [1, 2])
 def test_reduce_leaves_whole_mean_grads_on_their_owner_only(world, stage):
     n = world.world_size
-    gen = torch.Generator().manual_seed(3)
+    gen = torch.Generator().manual_seed(seeded(3))
     shapes = {"w": (5, 4), "v": (3, 3), "b": (7,), "e": (0, 2)}
     grads = [{k: torch.randn(s, generator=gen) for k, s in shapes.items()} for _ in range(n)]
     placement = {"w": "whole", "v": "whole", "e": "whole"}

@@ -12,6 +12,7 @@ import math
 import hypothesis.strategies as st
 import pytest
 import torch
+from helpers import seeded
 from hypothesis import given, settings
 
 import zerofn.precision as zp
@@ -334,7 +335,7 @@ def test_coef_applied_to_scaled_grads_gives_clipped_true_grads(
     norm_type: float,
     max_norm: float | None,
 ) -> None:
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seeded(0))
     true_grads = [torch.randn(7, generator=g, dtype=torch.float64) for _ in range(3)]
     scale = 2.0**10
     scaled = [t * scale for t in true_grads]

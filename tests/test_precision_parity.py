@@ -74,7 +74,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from helpers import Net, Snapshot, assert_trees_equal, batches, gate_used
+from helpers import Net, Snapshot, assert_trees_equal, batches, gate_used, seeded
 from test_precision import ReferenceScaler
 from torch.func import functional_call, grad
 
@@ -140,7 +140,7 @@ class MixedNet(nn.Module):
 
 
 def _base(cfg: dict) -> nn.Module:
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     return MixedNet() if cfg.get("model") == "mixed" else Net()
 
 
@@ -438,7 +438,7 @@ def _inf_on_last_rank(api: str, variant: str) -> dict[str, Any]:
     """
     rank, n = dist.get_rank(), dist.get_world_size()
     scaler = dict(initial_scale=2.0**10, hysteresis=1, growth_interval=100)
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     model = Net().half()
     data = batches(rank, 2)
     x, y = next(data)
@@ -517,7 +517,7 @@ def _bf16_loss(params, model, x, y):
 def _nan_in_bf16(api: str, nonfinite: str) -> dict[str, Any]:
     """The last rank's a.weight gradient gets a NaN in the second step."""
     rank, n = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     model = Net()
     data = batches(rank, 3)
     out: dict[str, Any] = {}
@@ -598,7 +598,7 @@ def _accumulate(stage: int, overlap: bool, accum_dtype: Any) -> dict[str, Any]:
     """
     rank, n = dist.get_rank(), dist.get_world_size()
     dtype, micro, steps = torch.bfloat16, 4, 3
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     base = Net()
     model = copy.deepcopy(base)
     opt = zf.ZeroOptimizer(
@@ -704,7 +704,7 @@ def _reduce_dtypes() -> dict[str, Any]:
     rank = dist.get_rank()
     params = {"w": torch.zeros(7, 13, dtype=torch.bfloat16), "b": torch.zeros(13, dtype=torch.bfloat16)}
     state = zf.shard_params(params, zf.optim.sgd(lr=0.1), precision=PrecisionPolicy.for_dtype(torch.bfloat16))
-    gen = torch.Generator().manual_seed(rank)
+    gen = torch.Generator().manual_seed(seeded(rank))
     acc = {k: torch.randn(p.shape, generator=gen) for k, p in params.items()}  # float32 accumulators
     out: dict[str, Any] = {}
     for comm in (None, torch.float32):
@@ -746,7 +746,7 @@ def test_reduce_grads_takes_float32_accumulators_sends_the_wire_dtype_and_casts_
 
 def _fp16_purity(donate: bool) -> bool:
     rank = dist.get_rank()
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     params = {k: p.detach().half() for k, p in Net().named_parameters()}
     snap = Snapshot(params)
     policy = PrecisionPolicy.for_dtype(
@@ -757,7 +757,7 @@ def _fp16_purity(donate: bool) -> bool:
     assert state.precision is policy and state.loss_scale == zf.LossScaleState(2.0**14, 0, 2)
     assert all(t.dtype == torch.float32 for t in state.master.values())
     assert all(s.dtype == torch.float16 for s in state.layout.params)
-    gen = torch.Generator().manual_seed(rank)
+    gen = torch.Generator().manual_seed(seeded(rank))
     for step in range(4):
         grads = {k: (torch.randn(p.shape, generator=gen) * 64).half() for k, p in params.items()}
         if step == 2:

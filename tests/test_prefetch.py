@@ -28,7 +28,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from helpers import Net, Wide, assert_trees_equal, assert_within_floor, batches, ddp_noise_floor, gate_used
+from helpers import Net, Wide, assert_trees_equal, assert_within_floor, batches, ddp_noise_floor, gate_used, seeded
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -65,7 +65,7 @@ def _train(
     without it the next forward's hooks write them (what the option is for), and the
     params are read once, after the last step.
     """
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     model = (Wide() if wide else Net()).to(dtype)
     opt = zf.ZeroOptimizer(
         torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1),
@@ -173,7 +173,7 @@ READS = ("detach", "data", "norm", "foreach", "other_path", "state_dict", "deepc
 
 def _readers() -> dict[str, Any]:
     """After a step (no forward yet), each reader of the params sees the updated values, with no wait_params()."""
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     model = Net()
     eager_model = copy.deepcopy(model)
 
@@ -233,7 +233,7 @@ def test_every_reader_of_the_params_waits_for_the_pending_gathers(worlds):
 
 def _checkpoint_round_trip(path: str) -> dict[str, Any]:
     """save_checkpoint right after a step saves the new weights; load_checkpoint is not overwritten."""
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     model = Net()
     eager_model = copy.deepcopy(model)
     opts = [
@@ -311,7 +311,7 @@ class Aliased(nn.Module):
 def _container_params() -> dict[str, Any]:
     out: dict[str, Any] = {}
     for model_class, allgather in itertools.product((Blocks, Sneaky), (False, True)):
-        torch.manual_seed(0)
+        torch.manual_seed(seeded(0))
         model = model_class()
         opt = zf.ZeroOptimizer(
             torch.optim.AdamW(model.parameters(), lr=1e-2),
@@ -339,7 +339,7 @@ def test_params_read_outside_their_modules_forward_are_written_first(world):
 
 
 def _stale_read() -> dict[str, Any]:
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     model = Aliased()
     opt = zf.ZeroOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1), partition_grad=True, overlap_allgather=True, module=model
@@ -375,7 +375,7 @@ def test_a_forward_that_reads_an_alias_of_a_param_before_its_gather_is_written_r
 
 
 def _lifetime() -> dict[str, Any]:
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     model = Net()
     eager_model = copy.deepcopy(model)
     eager = zf.ZeroOptimizer(torch.optim.SGD(eager_model.parameters(), lr=0.1), partition_grad=True)
@@ -481,7 +481,7 @@ def _ema_script(system: str) -> dict[str, Any]:
     gathers left in flight by ``step``). No ``wait_params()``: the EMA and the logged norms
     read the params as a DDP script does.
     """
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     model = _mlp()
     run: nn.Module = model
     if system == "ddp":
@@ -519,7 +519,7 @@ def _ema_script(system: str) -> dict[str, Any]:
 def _ema_systems() -> dict[str, Any]:
     out = {s: _ema_script(s) for s in ("ddp", "zero", "overlap_allgather")}
     # This machine's noise floor for the params (0.0 at N = 2, where zerofn is bitwise).
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     data = functools.partial(batches, dist.get_rank(), 4)
     sgd = functools.partial(_sgd, lr=0.1)
     out["floor"] = ddp_noise_floor(_mlp(), sgd, data, out["ddp"]["params"], steps=4, use_gate=None)
@@ -572,7 +572,7 @@ def _replay(ops: list[tuple[Any, ...]], path: str) -> dict[str, Any]:
     rank = dist.get_rank()
     systems = []
     for allgather in (False, True):
-        torch.manual_seed(0)
+        torch.manual_seed(seeded(0))
         model = Net()
         opt = zf.ZeroOptimizer(
             torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1),
@@ -584,7 +584,7 @@ def _replay(ops: list[tuple[Any, ...]], path: str) -> dict[str, Any]:
         )
         systems.append((model, opt))
     data = batches(rank, sum(op[0] == "train" for op in ops))
-    x_eval = torch.randn(3, 7, generator=torch.Generator().manual_seed(rank))
+    x_eval = torch.randn(3, 7, generator=torch.Generator().manual_seed(seeded(rank)))
     seen: list[list[dict[str, torch.Tensor]]] = [[], []]
     pending_at_reads = 0
     saved: list[str | None] = [None, None]

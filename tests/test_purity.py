@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.utils._pytree as pytree
-from helpers import Snapshot, assert_trees_equal
+from helpers import Snapshot, assert_trees_equal, seeded
 
 import zerofn as zf
 
@@ -19,7 +19,7 @@ BUCKET = 16
 
 
 def _params():
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(seeded(0))
     return {
         "a.weight": torch.randn(7, 13, generator=gen),
         "a.bias": torch.randn(13, generator=gen),
@@ -33,7 +33,7 @@ def _params():
 
 def _grads(params, rank):
     """This rank's full grads; "nograd" gets ``None`` and "tiny" is missing (layer drop)."""
-    gen = torch.Generator().manual_seed(100 + rank)
+    gen = torch.Generator().manual_seed(seeded(100 + rank))
     grads = {n: torch.randn(p.shape, generator=gen).to(p.dtype) for n, p in params.items()}
     grads["nograd"] = None
     del grads["tiny"]

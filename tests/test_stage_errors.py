@@ -13,13 +13,13 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import Snapshot
+from helpers import Snapshot, seeded
 
 import zerofn as zf
 
 
 def _params():
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(seeded(0))
     return {"a.weight": torch.randn(13, 7, generator=gen), "a.bias": torch.randn(13, generator=gen)}
 
 

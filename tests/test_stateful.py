@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from helpers import Net, max_rel_diff
+from helpers import Net, max_rel_diff, seeded
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -32,7 +32,7 @@ _S: dict[str, Any] = {}
 
 def _setup(stage: int, overlap: bool, kind: str, clip: float) -> None:
     _S.clear()
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     model = Net()
     ref = copy.deepcopy(model)
     ddp = nn.parallel.DistributedDataParallel(ref, find_unused_parameters=True)
@@ -55,7 +55,7 @@ def _setup(stage: int, overlap: bool, kind: str, clip: float) -> None:
             module=model,
         ),
         clip=clip,
-        gen=torch.Generator().manual_seed(100 + dist.get_rank()),
+        gen=torch.Generator().manual_seed(seeded(100 + dist.get_rank())),
     )
 
 

@@ -23,6 +23,7 @@ from helpers import (
     batches,
     gate_used,
     is_matrix,
+    seeded,
 )
 from torch.func import functional_call, grad
 
@@ -42,7 +43,7 @@ def _optimizer(recipe: str) -> zf.optim.Optimizer:
 
 
 def _initial() -> dict[str, torch.Tensor]:
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     return {n: p.detach().clone() for n, p in Net().named_parameters()}
 
 

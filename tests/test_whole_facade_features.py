@@ -44,6 +44,7 @@ from helpers import (
     batches,
     ddp_reference,
     gate_used,
+    seeded,
     whole_model,
     whole_torch_optimizers,
 )
@@ -471,7 +472,7 @@ def _whole_state_on_meta() -> dict:
     fopt = zf.optim.partition([(lambda n: n.endswith("weight"), muon), (lambda n: True, zf.optim.adamw(**ADAMW))])
     policy = zf.PrecisionPolicy.for_dtype(torch.bfloat16, state_device="meta")
     state = zf.shard_params({n: p.bfloat16() for n, p in params.items()}, fopt, precision=policy)
-    gen = torch.Generator().manual_seed(dist.get_rank())
+    gen = torch.Generator().manual_seed(seeded(dist.get_rank()))
     grads = {n: torch.randn(p.shape, generator=gen).bfloat16() for n, p in params.items()}
     new, info = zf.step_shards(state, zf.reduce_grads(grads, state.layout, precision=state.precision))
     tensors = [t for t in _tensors((new.master, new.opt_state)) if t.dim() > 0]

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from conftest import get_world
-from helpers import IN_FEATURES, OUT_FEATURES, Net, Snapshot, batches
+from helpers import IN_FEATURES, OUT_FEATURES, Net, Snapshot, batches, seeded
 
 import zerofn as zf
 from zerofn.precision import NonFiniteGradError
@@ -74,7 +74,7 @@ def _muon_adamw(model: nn.Module, matrices: str = "muon") -> list[torch.optim.Op
 def _build(how: str) -> zf.ZeroOptimizer:
     """Rank 0 builds the usual Muon + AdamW facade; rank 1 does what ``how`` says."""
     odd = dist.get_rank() == 1
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     model = Wider() if odd and how == "shapes" else Net()
     if odd and how == "adamw_only":  # every param split
         return zf.ZeroOptimizer(torch.optim.AdamW(model.parameters(), **ADAMW), partition_grad=True, module=model)
@@ -121,13 +121,13 @@ def test_a_rank_that_builds_other_whole_placements_makes_every_rank_raise(world,
 
 
 def _whole_state(nonfinite: str = "skip") -> tuple[zf.ZeroState, dict[str, torch.Tensor]]:
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     params = {"w": torch.randn(5, 4), "v": torch.randn(4, 4), "b": torch.randn(3)}
     muon = zf.torch_optim.from_torch(torch.optim.Muon, **MUON)
     fopt = zf.optim.partition([(lambda n: n in ("w", "v"), muon), (lambda n: True, zf.optim.adamw(**ADAMW))])
     precision = zf.PrecisionPolicy(nonfinite=nonfinite)
     state = zf.shard_params(params, fopt, precision=precision)
-    torch.manual_seed(1)
+    torch.manual_seed(seeded(1))
     grads = {n: torch.randn(p.shape) for n, p in params.items()}
     state, _ = zf.step_shards(state, zf.reduce_grads(grads, state.layout))  # momentum exists
     return state, grads
@@ -211,7 +211,7 @@ def test_a_non_finite_whole_gradient_raises_on_every_rank_naming_the_param(world
 
 def _facade_desync_step() -> dict[str, Any]:
     """One rank's whole params get no gradient in a step where the peers' do (a layer dropped on one rank)."""
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     model = Net()
     zo = zf.ZeroOptimizer(_muon_adamw(model), partition_grad=False, module=model)
     x, y = next(batches(dist.get_rank(), 1))
@@ -243,7 +243,7 @@ def test_a_layer_dropped_on_one_rank_only_makes_every_rank_raise(world):
 def _rules(first: type[torch.optim.Optimizer]) -> str:
     from zerofn.facade import _options
 
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     model = Net()
     named = list(model.named_parameters())
     mats = [(n, p) for n, p in named if n.endswith("weight")]

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import get_world
-from helpers import Net, assert_trees_equal, batches, gate_used
+from helpers import Net, assert_trees_equal, batches, gate_used, seeded
 from torch.func import functional_call, grad
 
 import zerofn as zf
@@ -32,7 +32,7 @@ def _loss(params, x, y, use_gate):
 
 def _train(placement, *, stage=2, precision=None, comm_dtype=torch.float64, hybrid=False, max_norm=None):
     """AdamW on Net with layer drop and a never-used layer; returns the gathered params."""
-    torch.manual_seed(0)
+    torch.manual_seed(seeded(0))
     params = {n: p.detach().clone() for n, p in Net().named_parameters()}
     group, replicas = zf._comm.grid_groups(None, 2) if hybrid else (None, None)
     if precision is not None:

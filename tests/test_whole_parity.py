@@ -76,6 +76,7 @@ from helpers import (
     is_matrix,
     max_rel_diff,
     noise_floor,
+    seeded,
     whole_model,
     whole_torch_optimizers,
 )
@@ -232,13 +233,13 @@ def test_clipping_is_bitwise_equal_to_ddp_clipping_in_float64_and_clips_every_st
 
 
 def _one_step_norm():
-    torch.manual_seed(1)
+    torch.manual_seed(seeded(1))
     params = {"w": torch.randn(5, 4), "v": torch.randn(3, 3), "b": torch.randn(7)}
     opt = zf.optim.partition(
         [(["w", "v"], zf.torch_optim.from_torch(torch.optim.Muon, lr=0.02)), (["b"], zf.optim.sgd(lr=0.1))]
     )
     state = zf.shard_params(params, opt)
-    gen = torch.Generator().manual_seed(dist.get_rank())
+    gen = torch.Generator().manual_seed(seeded(dist.get_rank()))
     grads = {n: torch.randn(p.shape, generator=gen) for n, p in params.items()}
     shards = zf.reduce_grads(grads, state.layout)
     _, info = zf.step_shards(state, shards)

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import get_world
+from helpers import seeded
 
 from zerofn.testing import RankFailure, World, WorldError
 
@@ -167,7 +168,7 @@ def _init_hook(seed):
     """Runs once per worker after the group is up: a collective, a seed, a thread count."""
     total = torch.tensor([float(dist.get_rank() + 1)])
     dist.all_reduce(total)
-    torch.manual_seed(seed + dist.get_rank())
+    torch.manual_seed(seeded(seed + dist.get_rank()))
     torch.set_num_threads(2)
     _INIT_SEEN.update(pid=os.getpid(), rank=dist.get_rank(), sum=float(total), calls=_INIT_SEEN.get("calls", 0) + 1)
 
@@ -202,7 +203,7 @@ def test_init_hook_runs_once_on_every_rank_with_the_group_up_and_again_after_a_r
 
 def test_init_hook_closures_travel_by_value_and_a_failing_hook_stops_the_start():
     seed = 1234  # captured by value: the workers cannot import this test's locals
-    with World(1, init=lambda: torch.manual_seed(seed)) as world:
+    with World(1, init=lambda: torch.manual_seed(seeded(seed))) as world:
         assert world.run(torch.initial_seed) == [seed]
     world = World(2, init=_raise_on_last_rank_in_init)
     with pytest.raises(WorldError, match=r"1 rank\(s\) failed in the init hook \(pool closed\)") as info:
