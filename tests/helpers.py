@@ -33,9 +33,13 @@ __all__ = [
     "bits",
     "clip_in_float64",
     "ddp_reference",
+    "exact_wire",
+    "float64_wire_hook",
+    "fp32_wire_sgd_bound",
     "functional_reference",
     "gate_used",
     "max_rel_diff",
+    "mean_over_ranks",
     "mse",
     "seeded",
     "tensor_rel_diff",
@@ -224,6 +228,96 @@ class Wide(nn.Module):
         return self.b(h)
 
 
+# --------------------------------------------------------------------------- the exact wire
+#
+# At 1 and 2 ranks zerofn's fp32 mean gradient has DDP's bits: there is no sum at 1 rank,
+# and a sum of two addends does not depend on the order (DDP divides by 2, zerofn
+# multiplies by 0.5: both exact). At 3 and 4 ranks gloo adds an element's addends in an
+# order that depends on the element's offset in the flat buffer, and DDP's buckets and
+# zerofn's rank-major rows put it at different offsets, so fp32 sums differ in the last bit.
+#
+# A float64 wire on both sides makes the sum exact, so its order cannot matter: each rank
+# scales its fp32 gradient by the same 0-d fp32 factor 1/N (zerofn's pack_grads, the same
+# bits on both sides), the scaled values go on the wire as float64, gloo sums N of them,
+# and the sum is rounded back to fp32 once. Every addend is an fp32 number, exact in
+# float64 (53 bits hold 24), and a sum of N <= 4 such numbers whose exponents lie within
+# 2**27 of each other is exact in float64 in any order (24 + 27 + 2 bits fit in 53). Where
+# they do not (an addend below 1e-8 of the largest, which then hardly moves the sum), the
+# float64 sums may differ by one float64 ulp, and the fp32 results only if the exact sum
+# lies within that ulp of an fp32 rounding boundary: a chance of about 2**-29 per such
+# element. So zerofn with ``comm_dtype=torch.float64`` against ``ddp_reference(...,
+# wire=torch.float64)`` is bitwise at every world size: any difference is a logic error.
+
+
+def exact_wire(n: int) -> torch.dtype | None:
+    """The wire a bitwise parity test uses at ``n`` ranks: fp32 (``None``, the default users
+    keep) up to 2 ranks, float64 from 3 on (see above)."""
+    return None if n <= 2 else torch.float64
+
+
+def _scale_to_wire(grad: torch.Tensor, world: int, wire: torch.dtype) -> torch.Tensor:
+    """``grad`` scaled by 1/N as zerofn's ``pack_grads`` scales it (a 0-d factor in the
+    gradient's compute dtype), then cast to the wire dtype."""
+    factor = torch.tensor(1.0 / world, dtype=torch.promote_types(grad.dtype, torch.float32), device=grad.device)
+    return (grad * factor).to(wire)
+
+
+def float64_wire_hook(group: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """A DDP comm hook with zerofn's arithmetic on a float64 wire: scale by 1/N in the
+    gradients' dtype, all-reduce (SUM) in float64, round back once. Exact at any world size
+    (see the section above), so DDP's bucket order no longer matters.
+
+    Collectives: one ``all_reduce`` of the bucket, float64.
+    """
+    buffer = bucket.buffer()
+    wire = _scale_to_wire(buffer, dist.get_world_size(group), torch.float64)
+    work = dist.all_reduce(wire, group=group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0].to(buffer.dtype))
+
+
+def mean_over_ranks(grad: torch.Tensor, group: Any = None, *, wire: torch.dtype | None = None) -> torch.Tensor:
+    """The mean of ``grad`` over the group, as DDP's default hook computes it (``wire=None``:
+    divide by N, all-reduce SUM in the gradient's dtype) or as ``float64_wire_hook`` does."""
+    world = dist.get_world_size(group)
+    if wire is None:
+        g = grad / world
+        dist.all_reduce(g, group=group)
+        return g
+    g = _scale_to_wire(grad, world, wire)
+    dist.all_reduce(g, group=group)
+    return g.to(grad.dtype)
+
+
+#: fp32's unit roundoff: the largest relative error of one rounding.
+FP32_U = 2.0**-24
+
+
+def fp32_wire_sgd_bound(
+    *, steps: int, world: int, lr: float, momentum: float, grad_max: float, param_max: float
+) -> float:
+    r"""The largest ``max_rel_diff`` an fp32 wire may leave between zerofn and DDP after
+    ``steps`` steps of SGD, from error analysis (the same on every machine).
+
+    Per step and element, each side's mean gradient is a sum of ``N`` addends ``g_i / N``,
+    each rounded once when scaled: at most :math:`(N + 1) u \bar g` from the exact mean,
+    with :math:`\bar g = \sum |g_i| / N \le G` (``grad_max``, the largest gradient
+    element of the run). The two sides differ by at most twice that. Momentum keeps a
+    difference for :math:`1 / (1 - \mu)` steps; the update moves it to the param times
+    ``lr``, and the param's own rounding adds one ulp of ``param_max`` a side. Relative to
+    ``param_max`` one step is
+
+    .. math:: \delta = \frac{2 (N + 1) u\, \mathrm{lr}\, G}{(1 - \mu) P} + 2u,
+
+    and ``steps`` steps at most :math:`2^{T}\,T\,\delta`: a param's difference enters
+    the next gradients too, and with ``lr`` times the loss' curvature below 1 (true of the
+    tests' models at their learning rates) it at most doubles a step. A logic error (a
+    wrong mean, a stale or dropped param) moves params by ``lr * G`` a step, orders of
+    magnitude above this for a few steps.
+    """
+    per_step = 2 * (world + 1) * FP32_U * lr * grad_max / ((1 - momentum) * param_max) + 2 * FP32_U
+    return 2.0**steps * steps * per_step
+
+
 # --------------------------------------------------------------------------- reference loops
 #
 # What every parity test compares against: the plain data-parallel training loop, written
@@ -311,6 +405,7 @@ def ddp_reference(
     before_step: Callable[[nn.Module, int], None] | None = None,
     group: Any = None,
     bucket_cap_mb: float | None = None,
+    wire: torch.dtype | None = None,
 ) -> dict[str, Any]:
     """Train a copy of ``model`` with DistributedDataParallel + torch.optim, the user's DDP script.
 
@@ -341,6 +436,9 @@ def ddp_reference(
         writing params between steps (``load_state_dict``, ``copy_``, ``p.data``).
       group: DDP's ``process_group`` (default: the whole world).
       bucket_cap_mb: DDP's bucket size (default: DDP's own).
+      wire: ``torch.float64``: DDP reduces through ``float64_wire_hook`` (exact at any
+        world size; pair it with zerofn's ``comm_dtype=torch.float64``); ``None``: DDP's
+        default all-reduce in the gradients' dtype.
 
     Returns:
       ``{"params": name -> final param (a clone), "losses": per step the loss of each
@@ -350,6 +448,9 @@ def ddp_reference(
     ddp = nn.parallel.DistributedDataParallel(
         copy.deepcopy(model), process_group=group, find_unused_parameters=True, **kw
     )
+    if wire is not None:
+        assert wire == torch.float64, wire
+        ddp.register_comm_hook(group, float64_wire_hook)
     opts = _as_list(make_optimizer(ddp.module))
     scheds = [scheduler(o) for o in opts] if scheduler is not None else []
     data = iter(batches)
@@ -389,6 +490,7 @@ def functional_reference(
     before_step: Callable[[nn.Module, int], None] | None = None,
     group: Any = None,
     no_grad: Callable[[int], Iterable[str]] = lambda step: (),
+    wire: torch.dtype | None = None,
 ) -> dict[str, Any]:
     """``ddp_reference``'s loop with ``torch.func.grad`` and an all-reduce mean in place of DDP.
 
@@ -402,11 +504,11 @@ def functional_reference(
       no_grad: ``no_grad(step)`` names the params that get no gradient that step (their
         ``p.grad`` stays None, as DDP leaves an unused param's): ``torch.func.grad`` gives
         zeros for them and cannot tell.
+      wire: as in ``ddp_reference`` (``mean_over_ranks``).
     """
     module = copy.deepcopy(model)
     opts = _as_list(make_optimizer(module))
     scheds = [scheduler(o) for o in opts] if scheduler is not None else []
-    world = dist.get_world_size(group)
     data = iter(batches)
     losses, norms = [], []
 
@@ -432,9 +534,7 @@ def functional_reference(
         for n, p in module.named_parameters():
             if n in skip:
                 continue
-            g = total[n] / world
-            dist.all_reduce(g, group=group)
-            p.grad = g
+            p.grad = mean_over_ranks(total[n], group, wire=wire)
         norm = _finish_step(module, opts, scheds, clip=clip, clip_dtype=clip_dtype, grad_edit=grad_edit)
         if norm is not None:
             norms.append(norm)
