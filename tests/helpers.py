@@ -708,3 +708,11 @@ def assert_within_floor(
     bound = max(rel, FLOOR_FACTOR * floor)
     assert diff <= bound, f"{what}: {diff:.3g} against DDP; DDP against DDP {floor:.3g}, bound {bound:.3g}"
     return diff
+
+
+# DDP's ``register_comm_hook`` compares a hook's annotations with the objects themselves
+# (``bucket`` must be ``dist.GradBucket``), and ``from __future__ import annotations`` at
+# the top of this file leaves them as strings, which it refuses ("bucket annotation should
+# be dist.GradBucket"). The hook gets them as objects, so ``ddp_reference(...,
+# wire=torch.float64)`` and ``ddp.register_comm_hook(group, float64_wire_hook)`` work.
+float64_wire_hook.__annotations__.update({"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]})
