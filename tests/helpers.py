@@ -20,6 +20,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from zerofn.testing import float64_wire_hook
+
 __all__ = [
     "IN_FEATURES",
     "OUT_FEATURES",
@@ -236,17 +238,11 @@ class Wide(nn.Module):
 # order that depends on the element's offset in the flat buffer, and DDP's buckets and
 # zerofn's rank-major rows put it at different offsets, so fp32 sums differ in the last bit.
 #
-# A float64 wire on both sides makes the sum exact, so its order cannot matter: each rank
-# scales its fp32 gradient by the same 0-d fp32 factor 1/N (zerofn's pack_grads, the same
-# bits on both sides), the scaled values go on the wire as float64, gloo sums N of them,
-# and the sum is rounded back to fp32 once. Every addend is an fp32 number, exact in
-# float64 (53 bits hold 24), and a sum of N <= 4 such numbers whose exponents lie within
-# 2**27 of each other is exact in float64 in any order (24 + 27 + 2 bits fit in 53). Where
-# they do not (an addend below 1e-8 of the largest, which then hardly moves the sum), the
-# float64 sums may differ by one float64 ulp, and the fp32 results only if the exact sum
-# lies within that ulp of an fp32 rounding boundary: a chance of about 2**-29 per such
-# element. So zerofn with ``comm_dtype=torch.float64`` against ``ddp_reference(...,
-# wire=torch.float64)`` is bitwise at every world size: any difference is a logic error.
+# A float64 wire on both sides makes the sum exact, so its order cannot matter: zerofn
+# with ``comm_dtype=torch.float64`` against DDP through ``zerofn.testing.float64_wire_hook``
+# (``ddp_reference(..., wire=torch.float64)``) is bitwise at every world size, and any
+# difference is a logic error. Why the float64 sum is exact, and the one case (an addend
+# below about 1e-8 of the largest) where it may not be: that hook's module docstring.
 
 
 def exact_wire(n: int) -> torch.dtype | None:
@@ -260,19 +256,6 @@ def _scale_to_wire(grad: torch.Tensor, world: int, wire: torch.dtype) -> torch.T
     gradient's compute dtype), then cast to the wire dtype."""
     factor = torch.tensor(1.0 / world, dtype=torch.promote_types(grad.dtype, torch.float32), device=grad.device)
     return (grad * factor).to(wire)
-
-
-def float64_wire_hook(group: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """A DDP comm hook with zerofn's arithmetic on a float64 wire: scale by 1/N in the
-    gradients' dtype, all-reduce (SUM) in float64, round back once. Exact at any world size
-    (see the section above), so DDP's bucket order no longer matters.
-
-    Collectives: one ``all_reduce`` of the bucket, float64.
-    """
-    buffer = bucket.buffer()
-    wire = _scale_to_wire(buffer, dist.get_world_size(group), torch.float64)
-    work = dist.all_reduce(wire, group=group, async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0].to(buffer.dtype))
 
 
 def mean_over_ranks(grad: torch.Tensor, group: Any = None, *, wire: torch.dtype | None = None) -> torch.Tensor:
@@ -708,11 +691,3 @@ def assert_within_floor(
     bound = max(rel, FLOOR_FACTOR * floor)
     assert diff <= bound, f"{what}: {diff:.3g} against DDP; DDP against DDP {floor:.3g}, bound {bound:.3g}"
     return diff
-
-
-# DDP's ``register_comm_hook`` compares a hook's annotations with the objects themselves
-# (``bucket`` must be ``dist.GradBucket``), and ``from __future__ import annotations`` at
-# the top of this file leaves them as strings, which it refuses ("bucket annotation should
-# be dist.GradBucket"). The hook gets them as objects, so ``ddp_reference(...,
-# wire=torch.float64)`` and ``ddp.register_comm_hook(group, float64_wire_hook)`` work.
-float64_wire_hook.__annotations__.update({"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]})
