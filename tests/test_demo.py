@@ -152,25 +152,29 @@ def test_world_size_that_disagrees_with_torchrun_is_an_option_error(
 
 
 def test_run_returns_the_report_at_world_size_3(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At 3 ranks on the float64 wire the demo's two runs are bitwise equal: every addend of
+    a gradient sum is an fp32 number, exact in float64, so the sum has no order and DDP's
+    buckets and zerofn's rank-major rows give the same bits (``zerofn.testing._wire``).
+    On the default fp32 wire they differ in last bits, which AdamW's eps 1e-8 may amplify;
+    the parity tests hold that wire to a bound from error analysis with SGD instead."""
     for name in LAUNCH_VARS:
         monkeypatch.delenv(name, raising=False)
-    cfg = demo.DemoConfig(world_size=3, steps=5, comm="byte-optimal", seed=SEED, progress=False)
+    cfg = demo.DemoConfig(world_size=3, steps=5, comm="byte-optimal", seed=SEED, wire="fp64", progress=False)
     r = demo.run(cfg)
-    assert (r["world_size"], r["stage"], r["steps"], r["precision"]) == (3, 2, 5, "fp32")
+    assert (r["world_size"], r["stage"], r["steps"], r["precision"], r["wire"]) == (3, 2, 5, "fp32", "fp64")
     assert (r["reduce"], r["gather"]) == ("reduce_scatter", "all_gather")
     assert r["num_params"] == 22_026
-    assert r["max_rel_diff"] < 1e-6
-    assert r["max_abs_diff"] < 1e-6
+    assert r["max_abs_diff"] == 0 and r["max_rel_diff"] == 0
+    assert r["losses"] == r["ddp_losses"]
+    assert "bitwise equal" in demo.format_report(r) and "float64 wire" in demo.format_report(r)
     assert r["loss_end"] < r["loss_start"]
-    assert r["loss_start"] == pytest.approx(r["ddp_loss_start"], rel=1e-6)
-    assert r["loss_end"] == pytest.approx(r["ddp_loss_end"], rel=1e-5)
     # Each rank holds a third of master + moments (plus a little padding).
     assert r["state_bytes_per_rank"] == pytest.approx(r["ddp_state_bytes"] / 3, rel=1e-2)
-    # Byte-optimal: reduce-scatter + all-gather send 2(N-1)/N·Ψ·b, plus padding and a few
-    # scalars (rank agreement, the global norm).
+    # Byte-optimal: the reduce-scatter sends (N-1)/N·Ψ float64 gradients, the all-gather
+    # (N-1)/N·Ψ fp32 params, plus padding and a few scalars (rank agreement, the norm);
+    # the report's yardstick stays the working dtype's 2(N-1)/N·Ψ·b.
     assert r["theory_bytes_per_step"] == pytest.approx(2 * 2 / 3 * 22_026 * 4)
-    assert r["theory_bytes_per_step"] <= r["bytes_sent_per_step"]
-    assert r["bytes_sent_per_step"] == pytest.approx(r["theory_bytes_per_step"], rel=1e-2)
+    assert r["bytes_sent_per_step"] == pytest.approx(2 / 3 * 22_026 * (8 + 4), rel=1e-2)
     assert set(r["bytes_by_collective"]) >= {"reduce_scatter", "all_gather"}
     assert r["ms_per_step"] > 0 and r["ddp_ms_per_step"] > 0
     assert "ZeRO stage 2, functional API, 3 gloo rank(s)" in demo.format_report(r)
@@ -195,6 +199,8 @@ def test_overlap_picks_the_facade_and_api_is_explicit_otherwise(monkeypatch: pyt
     assert (_config("--overlap").api, _config("--overlap").overlap) == ("facade", True)
     assert _config("--api", "facade").api == "facade"
     assert _config("--api", "facade", "--overlap", "--accumulate", "3").accumulate == 3
+    assert (_config().wire, _config("--wire", "fp64").wire) == ("working", "fp64")
+    assert demo.DemoConfig(wire="fp16").problems() == ["--wire must be one of working, fp64, got 'fp16'"]
 
 
 def test_plot_problems_are_option_errors_before_any_rank_starts(

@@ -17,7 +17,7 @@ from typing import Any, TextIO
 
 import torch.distributed as dist
 
-from zerofn.demo.config import APIS, COMM_CHOICES, DTYPES, DemoConfig
+from zerofn.demo.config import APIS, COMM_CHOICES, DTYPES, WIRES, DemoConfig
 from zerofn.demo.report import format_report, write_plot
 from zerofn.demo.training import train
 
@@ -129,6 +129,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="clip the global gradient norm to this in both runs (default: no clipping)",
     )
+    parser.add_argument(
+        "--wire",
+        choices=WIRES,
+        default=d.wire,
+        help="what gradients are reduced in: working (the working dtype, default) or fp64 (both runs "
+        "in float64, where a sum has no order: bitwise equal to DDP at any world size)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="draw no progress bar")
     parser.set_defaults(world_size_default=d.world_size)
 
@@ -185,6 +192,7 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         seed=args.seed,
         comm=args.comm,
         max_norm=args.max_norm,
+        wire=args.wire,
         progress=not args.no_progress,
     )
     problems += cfg.problems()

@@ -11,11 +11,16 @@ import math
 
 import torch
 
-__all__ = ["APIS", "COMM_CHOICES", "DTYPES", "TOLERANCE", "DemoConfig"]
+__all__ = ["APIS", "COMM_CHOICES", "DTYPES", "TOLERANCE", "WIRES", "DemoConfig"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 APIS = ("functional", "facade")
 COMM_CHOICES = ("auto", "byte-optimal")
+# What gradients travel in: the working dtype (what training uses), or float64 in both runs
+# (zerofn's comm_dtype and DDP's zerofn.testing.float64_wire_hook), where a sum of a few
+# ranks' addends is exact and so has no order: the runs are then bitwise equal at any
+# world size, and the remaining difference of the default wire is shown to be the order.
+WIRES = ("working", "fp64")
 # How far zerofn's params may be from DDP's, as "max rel diff" (per tensor max|a - b| /
 # max|b|, the worst tensor on the worst rank). At 1 and 2 ranks without clipping the two
 # runs are bitwise equal in every dtype (the same local gradients; a sum of two addends
@@ -56,6 +61,9 @@ class DemoConfig:
         with clipping the two runs drift apart by an ulp now and then (about 1e-7
         relative after hundreds of steps in fp32); without it they are bitwise equal at
         1 and 2 ranks.
+      wire: ``"working"`` (gradients reduced in the working dtype, as in training) or
+        ``"fp64"`` (both runs reduce in float64: bitwise equal at any world size without
+        clipping; twice the bytes of fp32 on the wire, so the byte figures grow).
       progress: draw the progress bar on rank 0 (stderr).
     """
 
@@ -71,6 +79,7 @@ class DemoConfig:
     batch_per_rank: int = 32
     lr: float = 3e-3
     max_norm: float | None = None
+    wire: str = "working"
     progress: bool = True
 
     def problems(self) -> list[str]:
@@ -96,6 +105,8 @@ class DemoConfig:
             out.append(f"--accumulate must be at least 1 (micro-batches per step), got {self.accumulate}")
         if self.comm not in COMM_CHOICES:
             out.append(f"--comm must be one of {', '.join(COMM_CHOICES)}, got {self.comm!r}")
+        if self.wire not in WIRES:
+            out.append(f"--wire must be one of {', '.join(WIRES)}, got {self.wire!r}")
         if self.max_norm is not None and not (self.max_norm > 0 and math.isfinite(self.max_norm)):
             out.append(f"--max-norm must be a positive finite number, got {self.max_norm}")
         if self.batch_per_rank < 1:

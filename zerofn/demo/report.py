@@ -54,7 +54,8 @@ def _what_ran(r: dict[str, Any]) -> str:
     steps = f"{r['steps']} steps"
     if r["accumulate"] > 1:
         steps += f" x {r['accumulate']} micro-batches"
-    return f"ZeRO stage {r['stage']}, {api}, {r['world_size']} gloo rank(s), {r['precision']}, {steps}"
+    wire = ", float64 wire" if r.get("wire") == "fp64" else ""
+    return f"ZeRO stage {r['stage']}, {api}, {r['world_size']} gloo rank(s), {r['precision']}{wire}, {steps}"
 
 
 def format_report(r: dict[str, Any]) -> str:

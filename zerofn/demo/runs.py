@@ -25,6 +25,7 @@ from torch import nn
 
 import zerofn as zf
 from zerofn.demo.config import DTYPES, DemoConfig
+from zerofn.testing import float64_wire_hook
 
 __all__ = [
     "CLASSES",
@@ -138,6 +139,8 @@ def precision_policy(cfg: DemoConfig) -> zf.PrecisionPolicy:
     # DDP sums them in p.grad, so that the two runs stay comparable. The default ("auto")
     # sums fp16/bf16 gradients in fp32: more accurate, what to use outside this comparison.
     changes: dict[str, Any] = {"grad_accum_dtype": None}
+    if cfg.wire == "fp64":  # DDPRun reduces through float64_wire_hook to match
+        changes["comm_dtype"] = torch.float64
     if dtype == torch.float16:
         # hysteresis=1: back off at every overflow, as torch.amp.GradScaler does (the
         # seed's default, 2, lets one overflow pass before backing off).
@@ -253,6 +256,8 @@ class DDPRun:
         dtype = DTYPES[cfg.precision]
         self.model = make_model(cfg.seed, dtype)
         self.ddp = nn.parallel.DistributedDataParallel(self.model, process_group=group)
+        if cfg.wire == "fp64":  # zerofn's arithmetic in float64: a sum with no order
+            self.ddp.register_comm_hook(group, float64_wire_hook)
         self.mixed = dtype != torch.float32
         params = list(self.model.parameters())
         # fp32: the params are their own masters. bf16/fp16: fp32 copies, what AdamW updates.

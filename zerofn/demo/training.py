@@ -186,6 +186,7 @@ def _summarise(
         "seed": cfg.seed,
         "comm": cfg.comm,
         "max_norm": cfg.max_norm,
+        "wire": cfg.wire,
         "reduce": collectives[0] if world > 1 else "none",
         "gather": collectives[1] if world > 1 else "none",
         "num_params": num_params,
