@@ -57,9 +57,9 @@ def _world_size(item: pytest.Item) -> int | None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """``make test-numerics`` (``ZEROFN_NUMERICS_RERUN``) reruns the floor and tolerance checks
-    under another kernel family at 3 and 4 ranks, where the floor lives: a sum of one or two
-    ranks' gradients does not depend on order, and the first run checked those cases."""
+    """``make test-numerics`` (``ZEROFN_NUMERICS_RERUN``) reruns the bitwise and bounded
+    checks under another kernel family at 3 and 4 ranks, where a sum has more than two
+    addends: a sum of one or two does not depend on order, and the first run checked those."""
     if not os.environ.get("ZEROFN_NUMERICS_RERUN"):
         return
     below_three = [item for item in items if _world_size(item) in (1, 2)]
