@@ -9,15 +9,18 @@ The facade maps the wrapped optimizers onto the functional path of
   accumulation against DDP's ``no_sync``, clipping (``clip_grad_norm=`` and
   ``opt.clip_grad_norm_``) against DDP clipping with zerofn's float64 coefficient, and an
   LR scheduler on the wrapped Muon against the same scheduler on DDP's Muon;
-* at 3 and 4 ranks with a float64 wire on both sides (``communication_dtype=torch.float64``,
-  and a DDP communication hook that sums in float64): bitwise, stage 1 and 2. Three or
-  four float32 addends then sum exactly, so the order of the sum (DDP's buckets, zerofn's
-  rank-major rows) cannot show: what is left to differ is zerofn's own arithmetic. With
-  a float32 wire the sums differ in the last bit and Muon's bfloat16 Newton-Schulz can
-  turn that into a 1e-2 difference on one machine and none on another (see
-  ``tests/test_whole_parity.py``, which judges the functional path against the noise
-  floor measured over 24 steps); over these 9 steps a bitwise check is the one that
-  holds on every machine.
+* at 3 and 4 ranks the same configurations with a float64 wire on both sides
+  (``communication_dtype=torch.float64`` and ``helpers.float64_wire_hook`` on DDP):
+  bitwise. Three or four fp32 addends then sum exactly in float64 and are rounded to fp32
+  once, so the order of the sum (DDP's buckets, zerofn's rank-major rows) cannot show,
+  and Muon's bfloat16 Newton-Schulz and AdamW get the same bits on both sides: any
+  difference is zerofn's own arithmetic. (On the fp32 wire the sums differ in the last bit, which Muon's bfloat16
+  Newton-Schulz can turn into a 1e-2 difference: no comparison is made there.)
+
+Bitwise everywhere also needs the clipping coefficient exact: the DDP side clips with
+zerofn's arithmetic (``helpers.clip_in_float64``: the norm in float64, the coefficient in
+Python floats); the two float64 norms may differ in their last bit (other summation order),
+which changes the fp32 coefficient with a chance of about 2**-29 per step.
 
 The state dicts are torch's: each dict of ``state_dict()`` equals, bitwise, the state of
 the plain torch optimizer that trained next to DDP, and loads into it.
@@ -40,6 +43,9 @@ from helpers import (
     WHOLE_RECIPES,
     assert_trees_equal,
     batches,
+    clip_in_float64,
+    exact_wire,
+    float64_wire_hook,
     gate_used,
     whole_model,
     whole_torch_optimizers,
@@ -56,16 +62,6 @@ MAX_NORM = 0.05  # below every step's gradient norm here: clipping acts
 
 def _micro(x: torch.Tensor, y: torch.Tensor, accumulate: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(x[:4], y[:4]), (x[4:], y[4:])] if accumulate else [(x, y)]
-
-
-def _clip_as_zerofn(params: list[nn.Parameter], max_norm: float) -> None:
-    """Clip with zerofn's arithmetic: the norm in float64, ``1 / max(1, (norm + 1e-6) / max_norm)``."""
-    grads = [p.grad for p in params if p.grad is not None]
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]))
-    coef = 1.0 / max(1.0, (float(norm) + 1e-6) / max_norm)
-    if coef != 1.0:
-        for g in grads:
-            g.mul_(coef)
 
 
 def _decay(step: int) -> float:
@@ -108,22 +104,15 @@ def _train_facade(recipe, stage, *, overlap=False, accumulate=False, clip=None, 
     return params, state if isinstance(state, list) else [state], [g["lr"] for o in opts for g in o.param_groups]
 
 
-def _wire64_hook(state, bucket):  # unannotated on purpose: DDP checks the annotations' objects
-    """DDP communication hook: the mean with the sum in float64 (``g / N`` rounded once to float32)."""
-    del state
-    buf = bucket.buffer()
-    wire = buf.mul(1.0 / dist.get_world_size()).double()
-    return dist.all_reduce(wire, async_op=True).get_future().then(lambda f: f.value()[0].to(buf.dtype))
+def _train_ddp(recipe, *, accumulate=False, clip64=False, schedule=False, wire64=False):
+    """DDP + the torch optimizers: params, the optimizers' state dicts, their lrs.
 
-
-def _train_ddp(
-    recipe, *, accumulate=False, clip64=False, schedule=False, bucket_cap_mb=None, grad_edit=None, wire64=False
-):
-    """DDP + the torch optimizers: params, the optimizers' state dicts, their lrs."""
-    kw = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
-    ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(whole_model(recipe)), find_unused_parameters=True, **kw)
+    ``clip64``: clip with zerofn's arithmetic (``helpers.clip_in_float64``); ``wire64``: the
+    mean on a float64 wire (``helpers.float64_wire_hook``).
+    """
+    ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(whole_model(recipe)), find_unused_parameters=True)
     if wire64:
-        ddp.register_comm_hook(None, _wire64_hook)
+        ddp.register_comm_hook(None, float64_wire_hook)
     opts, scheds = _wrapped(recipe, ddp.module, schedule)
     for step, (x, y) in enumerate(batches(dist.get_rank(), STEPS)):
         for o in opts:
@@ -132,10 +121,8 @@ def _train_ddp(
         for i, (xm, ym) in enumerate(micro):
             with ddp.no_sync() if i < len(micro) - 1 else contextlib.nullcontext():
                 ((ddp(xm, use_gate=gate_used(step)) - ym) ** 2).mean().backward()
-        if grad_edit is not None:  # a floor variant: other last bits in the averaged gradients
-            grad_edit(ddp.module)
         if clip64:
-            _clip_as_zerofn(list(ddp.parameters()), MAX_NORM)
+            clip_in_float64(ddp.parameters(), MAX_NORM)
         for o in opts:
             o.step()
         for s in scheds:
@@ -157,9 +144,12 @@ CONFIGS = [
 
 
 def _run_bitwise(recipe):
+    """Every config of ``CONFIGS``: the facade next to DDP, both on the exact wire
+    (``helpers.exact_wire``: the default fp32 one up to 2 ranks, float64 from 3)."""
+    wire = exact_wire(dist.get_world_size())
     out = {}
     for name, zkw, dkw in CONFIGS:
-        out[name] = _train_facade(recipe, **zkw), _train_ddp(recipe, **dkw)
+        out[name] = _train_facade(recipe, **zkw, wire=wire), _train_ddp(recipe, **dkw, wire64=wire is not None)
     return out
 
 
@@ -173,41 +163,36 @@ def _states_equal(ours: list[dict], theirs: list[dict]) -> None:
         assert [g["lr"] for g in mine["param_groups"]] == [g["lr"] for g in plain["param_groups"]]
 
 
+def _check_bitwise(rank_result, recipe):
+    for name, ((params, state, lrs), (ddp_params, ddp_state, ddp_lrs)) in rank_result.items():
+        assert not torch.equal(params["a.weight"], whole_model(recipe).a.weight.detach()), name
+        assert_trees_equal(params, ddp_params)
+        _states_equal(state, ddp_state)  # torch's format, torch's values
+        assert lrs == ddp_lrs, name
+    sched_lrs = rank_result["stage2_scheduler"][0][2]  # the scheduler drove its own optimizer's groups only
+    first = WHOLE_ADAFACTOR if recipe == "adafactor" else WHOLE_MUON
+    assert sched_lrs[0] == pytest.approx(first["lr"] * _decay(STEPS))
+    if recipe == "muon_adamw":
+        assert sched_lrs[-1] == WHOLE_ADAMW["lr"]
+
+
 @pytest.mark.parametrize("recipe", WHOLE_RECIPES)
 @pytest.mark.parametrize("n", [1, 2], ids=["N1", "N2"])
 def test_bitwise_equal_to_ddp_with_the_same_torch_optimizers_at_one_and_two_ranks(n, recipe):
+    """Bitwise on the default fp32 wire: one or two addends per element sum to the same bits
+    in any order, and DDP clips with zerofn's float64 arithmetic (module docstring)."""
     for rank_result in get_world(n).run(_run_bitwise, recipe):
-        for name, ((params, state, lrs), (ddp_params, ddp_state, ddp_lrs)) in rank_result.items():
-            assert not torch.equal(params["a.weight"], whole_model(recipe).a.weight.detach()), name
-            assert_trees_equal(params, ddp_params)
-            _states_equal(state, ddp_state)  # torch's format, torch's values
-            assert lrs == ddp_lrs, name
-        sched_lrs = rank_result["stage2_scheduler"][0][2]  # the scheduler drove its own optimizer's groups only
-        first = WHOLE_ADAFACTOR if recipe == "adafactor" else WHOLE_MUON
-        assert sched_lrs[0] == pytest.approx(first["lr"] * _decay(STEPS))
-        if recipe == "muon_adamw":
-            assert sched_lrs[-1] == WHOLE_ADAMW["lr"]
-
-
-def _run_wide(recipe):
-    """The facade at stage 1 and 2 and DDP, both with a float64 wire."""
-    wide = {stage: _train_facade(recipe, stage, overlap=stage == 2, wire=torch.float64) for stage in (1, 2)}
-    return wide, _train_ddp(recipe, wire64=True)
+        _check_bitwise(rank_result, recipe)
 
 
 @pytest.mark.parametrize("recipe", WHOLE_RECIPES)
 @pytest.mark.parametrize("n", [3, 4], ids=["N3", "N4"])
 def test_bitwise_equal_to_ddp_at_three_and_four_ranks_with_a_float64_wire(n, recipe):
-    results = get_world(n).run(_run_wide, recipe)
-    for wide, (ddp64, ddp64_state, ddp64_lrs) in results:
-        assert not torch.equal(ddp64["a.weight"], whole_model(recipe).a.weight.detach())
-        for stage in (1, 2):
-            # Three or four float32 addends sum exactly in float64 on both sides, and
-            # zerofn gives DDP's bits.
-            params, state, lrs = wide[stage]
-            assert_trees_equal(params, ddp64)
-            _states_equal(state, ddp64_state)
-            assert lrs == ddp64_lrs
+    """Bitwise on a float64 wire on both sides, every config of the 1- and 2-rank test:
+    three or four fp32 addends sum exactly in any order, then one rounding to fp32, and
+    DDP clips with zerofn's float64 arithmetic (module docstring)."""
+    for rank_result in get_world(n).run(_run_bitwise, recipe):
+        _check_bitwise(rank_result, recipe)
 
 
 def _round_trip():
