@@ -14,43 +14,33 @@ Every rank trains from the same start on the same per-rank batches:
 The model has the usual corners: ``gate`` dropped every third step (missing grads),
 ``unused`` never in the forward (``None`` grads), nothing divisible by 2, 3 or 4.
 
-Tolerances (fp32), ``max_rel_diff`` = max over tensors of ``max|a-b| / max|b|``:
+Every comparison is bitwise, at every world size, because both sides run the same
+arithmetic on the same bits:
 
-* bitwise at 1 and 2 ranks, accumulation included: the mean gradient has the same bits
-  as DDP's (one addend, or two in either order) and the torch class runs unchanged on the
-  full tensor on its owner. With clipping, bitwise against DDP clipping with zerofn's
-  float64 coefficient (torch's ``clip_grad_norm_`` rounds it in float32);
-* at 3 and 4 ranks: within the DDP-against-DDP noise floor for the same optimizer,
-  measured in the same run (``helpers.FLOOR_VARIANTS``: other buckets, the gradients
-  rounded twice, one ulp on every element; the largest over N = 3 and 4, clipping on and
-  off, and float64 clipping), times ``helpers.FLOOR_FACTOR``.
-  Gloo adds three or four addends in an order that depends on an element's offset in the
-  flat buffer, and zerofn's rows place elements elsewhere than DDP's buckets, so some
-  averaged gradient elements differ in the last bit.
+* the mean gradient (``helpers.exact_wire``): at 1 and 2 ranks the default fp32 wire, the
+  one users keep (one addend, or two in either order); at 3 and 4 ranks a float64 wire on
+  both sides (zerofn ``comm_dtype=torch.float64``, DDP ``helpers.float64_wire_hook``):
+  each rank scales its fp32 gradient by the same 0-d fp32 1/N, three or four fp32 addends
+  sum exactly in float64 in any order, and both round the exact sum to fp32 once. On the
+  fp32 wire at 3 and 4 ranks gloo adds an element's addends in an order that depends on
+  its offset in the flat buffer, and zerofn's rows place elements elsewhere than DDP's
+  buckets, so some mean-gradient elements differ in the last bit; ``torch.optim.Muon``
+  casts the momentum to bfloat16 for its Newton-Schulz iterations, where a last-bit
+  difference that crosses a bfloat16 rounding boundary becomes a 2^-8 relative change
+  spread over the whole matrix: an amplifier whose output depends on the machine's
+  kernels. With identical mean-gradient bits Muon runs on identical inputs.
+* the optimizers: the torch class runs unchanged on the full tensor on its owner (Muon,
+  Adafactor), AdamW's float32 kernels are element-wise (a shard gives the whole tensor's
+  bits).
+* clipping: zerofn computes the norm in float64 and the coefficient in Python floats; the
+  reference clips the same way (``clip_dtype=torch.float64``; torch's ``clip_grad_norm_``
+  rounds both in float32, and against it zerofn differs by exactly what the two DDP
+  clippings differ by). The two float64 norms may differ in their last bit (another
+  order of the sum of squares), which flips the float32 coefficient only within one
+  float64 ulp of a float32 rounding boundary: a chance of about 2**-29 a step.
 
-Why the floor of Muon is 1e-2 and not 1e-7, and why it differs between machines: the
-difference stays at the fp32 last bit (about 1e-7) until a Newton-Schulz step of
-``torch.optim.Muon`` casts the momentum to bfloat16 (``_zeropower_via_newtonschulz``:
-``grad.bfloat16()`` and five bfloat16 matmul iterations). When a last-bit difference puts
-one momentum element on the other side of a bfloat16 rounding boundary, that element
-changes by 2^-8 relative, the bfloat16 iterations spread it over the whole matrix, and
-momentum carries it on. Traced on an AMD EPYC (AVX-512 with bf16), N = 3, Muon + AdamW,
-no clipping, DDP against DDP with other buckets: 1e-7 until step 9, then 1.2e-3 at step
-10 in ``a.weight`` (a Muon param), 4.7e-3 in ``gate.weight`` at step 11, 1.1e-2 after
-24 steps; with Newton-Schulz in float32 instead, the same run stays at 1e-6. Whether and
-when such a flip happens depends on the exact bits of the trajectory, and those come
-from ATen's vectorised float32 kernels (tanh, the loss's reductions, the matmuls of
-forward and backward), not from the bfloat16 matmul's ISA: on the same machine
-``ONEDNN_MAX_CPU_ISA=AVX2`` and ``ATEN_CPU_CAPABILITY=avx2`` leave both figures as they
-are (1.1e-2 other buckets, 7.5e-3 rounded twice), while ``ATEN_CPU_CAPABILITY=default``
-gives 7.3e-3 and 8.6e-8 (the rounded-twice gradients flip nothing there). So the floor is
-measured, never recorded. A flip is a discrete event, so the floor is the largest of
-fourteen DDP-against-DDP runs (N = 3 and 4, clipping on and off, three variants each and
-float64 clipping) over 24 steps: at N = 3 the other-buckets and rounded-twice variants
-flipped in 4 of 4 runs under the best kernels and in 1 of 4 under ``default``, and the
-one-ulp variant, which moves every element, adds the most likely flip of all. The
-facade's own path is checked bitwise with a float64 wire in ``tests/test_whole_facade.py``.
-Adafactor runs in float32 throughout and its floor stays near 1e-7.
+The fp32 wire at 3 and 4 ranks, where no amplifier acts, is checked against its error
+bound in ``tests/test_parity_ddp.py``.
 """
 
 from __future__ import annotations
@@ -62,20 +52,17 @@ import torch
 import torch.distributed as dist
 from conftest import get_world
 from helpers import (
-    FLOOR_VARIANTS,
     WHOLE_ADAFACTOR,
     WHOLE_ADAMW,
     WHOLE_MUON,
     WHOLE_RECIPES,
-    assert_floor_is_noise,
     assert_trees_equal,
-    assert_within_floor,
     batches,
     ddp_reference,
+    exact_wire,
     gate_used,
     is_matrix,
     max_rel_diff,
-    noise_floor,
     seeded,
     whole_model,
     whole_torch_optimizers,
@@ -109,7 +96,9 @@ def _micro(x, y, accumulate):
 
 
 def _train_zero(recipe, stage, clip, accumulate):
+    """The functional loop on the exact wire (``comm_dtype=exact_wire(N)``)."""
     rank = dist.get_rank()
+    wire = exact_wire(dist.get_world_size())
     model = whole_model(recipe)
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     state = zf.shard_params(params, _zero_optimizer(recipe))
@@ -125,7 +114,7 @@ def _train_zero(recipe, stage, clip, accumulate):
             grads["unused.bias"] = None
         if not use_gate:
             grads = {n: t for n, t in grads.items() if not n.startswith("gate.")}
-        shards = zf.reduce_grads(grads, state.layout, stage=stage, bucket_numel=BUCKET)
+        shards = zf.reduce_grads(grads, state.layout, stage=stage, bucket_numel=BUCKET, comm_dtype=wire)
         state, info = zf.step_shards(state, shards, max_norm=MAX_NORM if clip else None)
         assert not info.skipped
         clipped += info.clip_coef < 1.0
@@ -133,7 +122,8 @@ def _train_zero(recipe, stage, clip, accumulate):
     return params, clipped, dict(state.layout.owners)
 
 
-def _train_ddp(recipe, clip, accumulate, clip64=False, **variant):
+def _train_ddp(recipe, clip, accumulate, clip64=False):
+    """DDP on the exact wire (``helpers.float64_wire_hook`` at N >= 3)."""
     micro = (m for x, y in batches(dist.get_rank(), STEPS) for m in _micro(x, y, accumulate))
     return ddp_reference(
         whole_model(recipe),
@@ -143,7 +133,7 @@ def _train_ddp(recipe, clip, accumulate, clip64=False, **variant):
         accumulate=2 if accumulate else 1,
         clip=MAX_NORM if clip else None,
         clip_dtype=torch.float64 if clip64 else torch.float32,
-        **variant,
+        wire=exact_wire(dist.get_world_size()),
     )["params"]
 
 
@@ -154,8 +144,6 @@ def _train_all(recipe, clip, accumulate):
     out["ddp"] = _train_ddp(recipe, clip, accumulate)
     if clip:  # DDP clipping with zerofn's float64 arithmetic (the last bits of the coefficient)
         out["ddp_clip64"] = _train_ddp(recipe, clip, accumulate, clip64=True)
-    if dist.get_world_size() > 2:  # the noise floor: DDP against DDP with other last bits
-        out["floor"] = {k: _train_ddp(recipe, clip, accumulate, **v) for k, v in FLOOR_VARIANTS.items()}
     return out
 
 
@@ -178,6 +166,9 @@ def _check_moved(result):
 @pytest.mark.parametrize("recipe", WHOLE_RECIPES)
 @pytest.mark.parametrize("n", [1, 2], ids=["N1", "N2"])
 def test_bitwise_equal_to_ddp_at_one_and_two_ranks_without_clipping(n, recipe):
+    # The default fp32 wire and DDP's own all-reduce (exact_wire is None here): one addend
+    # or two, so the mean gradient has DDP's bits.
+    assert exact_wire(n) is None
     results = _results(n, recipe, False)
     _check_moved(results[0])
     for r in results:
@@ -190,33 +181,31 @@ def test_bitwise_equal_to_ddp_at_one_and_two_ranks_without_clipping(n, recipe):
 @pytest.mark.parametrize("recipe", WHOLE_RECIPES)
 @pytest.mark.parametrize("n", [1, 2], ids=["N1", "N2"])
 def test_accumulation_is_bitwise_equal_to_ddp_no_sync_at_one_and_two_ranks(n, recipe):
+    # Exact as above: both sides sum the two micro-batch gradients locally in the same
+    # order, then reduce the sum once.
     for r in _results(n, recipe, False, accumulate=True):
         assert_trees_equal(r[1], r["ddp"])
         assert_trees_equal(r[2], r["ddp"])
 
 
-def _floor(r):
-    """DDP against DDP for the same optimizer: the floor variants, and the clip arithmetic."""
-    variants = dict(r["floor"])
-    if "ddp_clip64" in r:
-        variants["float64 clipping"] = r["ddp_clip64"]
-    return noise_floor(r["ddp"], variants)
-
-
 @pytest.mark.parametrize("recipe", WHOLE_RECIPES)
-def test_within_the_ddp_noise_floor_at_three_and_four_ranks_stage_1_and_2_clip_on_and_off(recipe):
-    runs = {(n, clip): _results(n, recipe, clip) for n in (3, 4) for clip in (False, True)}
-    floor = max(_floor(results[0]) for results in runs.values())
-    for (n, clip), results in runs.items():
-        r0 = results[0]
-        _check_moved(r0)
-        assert_floor_is_noise(floor, r0["ddp"], r0["initial"])
-        for stage in (1, 2):
-            for r in results[1:]:
-                assert_trees_equal(r[stage], r0[stage])  # identical on every rank
-            diff = assert_within_floor(r0[stage], r0["ddp"], floor, what=f"N={n} clip={clip} stage {stage}")
-            print(f"{recipe} N={n} clip={clip} stage {stage}: {diff:.3g} against DDP, floor {floor:.3g}")
-            assert r0["clipped"][stage] == (STEPS if clip else 0)
+def test_bitwise_equal_to_ddp_at_three_and_four_ranks_on_the_float64_wire_stage_1_and_2_clip_on_and_off(recipe):
+    # Exact: three or four fp32 addends sum exactly in float64 on both sides, so the mean
+    # gradient has the same bits, and Muon's bfloat16 Newton-Schulz, Adafactor and AdamW
+    # run on the same inputs; with clipping both sides clip in float64.
+    for n in (3, 4):
+        assert exact_wire(n) == torch.float64
+        for clip in (False, True):
+            results = _results(n, recipe, clip)
+            r0 = results[0]
+            _check_moved(r0)
+            assert len(set(r0["owners"].values())) > 1  # whole params spread over the ranks
+            reference = r0["ddp_clip64"] if clip else r0["ddp"]
+            for stage in (1, 2):
+                for r in results:
+                    assert_trees_equal(r[stage], r0[stage])  # identical on every rank
+                    assert_trees_equal(r[stage], reference)
+                assert r0["clipped"][stage] == (STEPS if clip else 0)
 
 
 @pytest.mark.parametrize("recipe", WHOLE_RECIPES)
@@ -241,15 +230,21 @@ def _one_step_norm():
     state = zf.shard_params(params, opt)
     gen = torch.Generator().manual_seed(seeded(dist.get_rank()))
     grads = {n: torch.randn(p.shape, generator=gen) for n, p in params.items()}
-    shards = zf.reduce_grads(grads, state.layout)
+    shards = zf.reduce_grads(grads, state.layout, comm_dtype=exact_wire(dist.get_world_size()))
     _, info = zf.step_shards(state, shards)
     return info.grad_norm, grads
 
 
 def test_global_norm_counts_every_param_once(world):
+    # The mean gradient has zerofn's bits: each rank's g * (1/N) (the same fp32 factor),
+    # summed exactly in float64 (three or four fp32 addends; zerofn's exact wire at
+    # N >= 3, and at N <= 2 the fp32 sum of two addends is that exact sum rounded once),
+    # rounded to fp32 once. The norms of both sides are float64 over the same elements and
+    # differ only in float64 rounding (other orders of the sum of squares, 2**-53 relative
+    # per addition over 36 elements); counting a param twice or not at all is off by 1e-1.
     results = world.run(_one_step_norm)
     n = world.world_size
-    mean = {k: sum(r[1][k] * (1.0 / n) for r in results) for k in results[0][1]}
+    mean = {k: sum((r[1][k] * (1.0 / n)).double() for r in results).float() for k in results[0][1]}
     want = torch.linalg.vector_norm(torch.cat([t.reshape(-1) for t in mean.values()]).double()).item()
     for norm, _ in results:
-        assert norm == pytest.approx(want, rel=1e-6)
+        assert norm == pytest.approx(want, rel=1e-12)
