@@ -8,7 +8,7 @@
 #   make docs                 # build the documentation site into site/ (mkdocs build --strict)
 #   make docs-serve           # serve it at http://127.0.0.1:8000 while you edit
 #
-# torch is installed first, pinned, so that `pip install -e .[test,docs,lowbit,data]` finds its `torch>=2.4`
+# torch is installed first, pinned, so that `pip install -e .[test,docs,lowbit,data,lightning]` finds its `torch>=2.4`
 # already satisfied: an unpinned torch would pull a CUDA build of several GB on a machine
 # that only has a CPU. GPU users pick their build, e.g. make test TORCH_SPEC='torch==2.13.0'
 # TORCH_PIP_ARGS='--index-url <a PyTorch wheel index for your CUDA>'.
@@ -41,12 +41,13 @@ $(TORCH_STAMP): FORCE | $(PY)
 
 # The lowbit extra (torchao) is installed too, so the tests of zerofn.lowbit run; torchao
 # has no dependencies of its own, so it leaves the pinned torch alone. So is the data extra
-# (torchdata, for zerofn.data's tests): its `torch>=2` is met by the pinned torch.
+# (torchdata, for zerofn.data's tests): its `torch>=2` is met by the pinned torch. So is the
+# lightning extra (zerofn.lightning's tests): lightning 2.6.6's `torch>=2.1,<4` is met too.
 # numpy beside torch: torch warns at import when numpy is missing ("Failed to initialize
 # NumPy"), which clutters the demo and is an error under pytest's filterwarnings=error.
 $(STAMP): pyproject.toml $(TORCH_STAMP) | $(PY)
 	$(PIP) install $(TORCH_PIP_ARGS) '$(TORCH_SPEC)' numpy
-	$(PIP) install -e '.[test,docs,lowbit,data]'
+	$(PIP) install -e '.[test,docs,lowbit,data,lightning]'
 	touch $@
 
 demo: $(STAMP)
