@@ -96,25 +96,58 @@ def kernel_manager() -> Iterator[object]:
         )
 
 
-def execute(nb, *, cell_timeout: int = CELL_TIMEOUT_S) -> None:
+def execute(nb, *, cell_timeout: int = CELL_TIMEOUT_S, km=None) -> None:
     """Run ``nb`` in place in a fresh kernel of this interpreter, cwd = this folder.
+
+    With ``km`` (from :func:`shared_kernel`), in that manager's kernel instead, started by
+    the first notebook that runs in it and left running for the next one.
 
     Raises ``nbclient.exceptions.CellExecutionError`` on the first cell that fails.
     """
+    if km is None:
+        with kernel_manager() as own:
+            _execute(nb, own, cell_timeout, shut_down=True)  # we made the manager: shut the kernel down after
+    else:
+        _execute(nb, km, cell_timeout, shut_down=False)
+    nb.metadata["kernelspec"] = dict(KERNELSPEC)
+
+
+def _execute(nb, km, cell_timeout: int, *, shut_down: bool) -> None:
     from nbclient import NotebookClient
 
+    client = NotebookClient(
+        nb,
+        km=km,
+        timeout=cell_timeout,
+        record_timing=False,
+        resources={"metadata": {"path": str(HERE)}},
+    )
+    # Inline PNGs whatever MPLBACKEND the caller has set (e.g. Agg would drop every plot).
+    env = {**os.environ, "MPLBACKEND": "module://matplotlib_inline.backend_inline"}
+    try:
+        client.execute(cleanup_kc=shut_down, env=env)
+    finally:
+        if not shut_down and client.kc is not None:
+            client.kc.stop_channels()  # this notebook's client; the kernel stays up
+
+
+@contextlib.contextmanager
+def shared_kernel() -> Iterator[object]:
+    """A kernel manager for running several notebooks in turn in one kernel: ``execute(nb, km=km)``.
+
+    ``tests/test_notebooks.py`` uses it to pay the kernel's start-up and its imports (torch,
+    matplotlib, zerofn) once, not once per notebook; it clears the namespace (``%reset -f``)
+    before each notebook. ``build`` always runs each notebook in a fresh kernel.
+    """
+    from jupyter_core.utils import run_sync
+
     with kernel_manager() as km:
-        client = NotebookClient(
-            nb,
-            km=km,
-            timeout=cell_timeout,
-            record_timing=False,
-            resources={"metadata": {"path": str(HERE)}},
-        )
-        # Inline PNGs whatever MPLBACKEND the caller has set (e.g. Agg would drop every plot).
-        env = {**os.environ, "MPLBACKEND": "module://matplotlib_inline.backend_inline"}
-        client.execute(cleanup_kc=True, env=env)  # we made the manager: shut the kernel down after
-    nb.metadata["kernelspec"] = dict(KERNELSPEC)
+        try:
+            yield km
+        finally:
+            if run_sync(km.is_alive)():
+                run_sync(km.shutdown_kernel)()
+            run_sync(km.cleanup_resources)()
 
 
 def readme_figure(nb) -> bytes | None:
