@@ -91,18 +91,23 @@ POOLS = {
     "cpu1": (1, "gloo", "cpu"),  # the CPU side of the checkpoint round trips
     "cpu2": (2, "gloo", "cpu"),
 }
-_worlds: dict[str, World] = {}
+_worlds: dict[tuple[int, str, str], World] = {}
 
 
 def get_world(name: str) -> World:
-    """The session's pool ``name`` (see :data:`POOLS`), started on first use."""
-    if name not in _worlds:
-        n, backend, device = POOLS[name]
-        if DEVICE == "cpu":
-            backend, device = "gloo", "cpu"
+    """The session's pool ``name`` (see :data:`POOLS`), started on first use.
+
+    In the dry run the pools of one world size are alike (gloo on the CPU), so they are one
+    pool: "nccl1" is "cpu1" and "shared2" is "cpu2", two pools started instead of four.
+    """
+    n, backend, device = POOLS[name]
+    if DEVICE == "cpu":
+        backend, device = "gloo", "cpu"
+    key = (n, backend, device)
+    if key not in _worlds:
         # 60 s: a stuck collective fails within the GPU check's time limit instead of using it up.
-        _worlds[name] = World(n, backend=backend, device=device, timeout=60.0).start()
-    return _worlds[name]
+        _worlds[key] = World(n, backend=backend, device=device, timeout=60.0).start()
+    return _worlds[key]
 
 
 @atexit.register
