@@ -28,6 +28,7 @@ L = pytest.importorskip("lightning")
 
 from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision  # noqa: E402
 
+import zerofn as zf  # noqa: E402
 from zerofn.lightning import ZeroStrategy  # noqa: E402
 
 STEPS = 3
@@ -65,14 +66,15 @@ def _setup(fabric: L.Fabric, *, wire64: bool = False):
 def _train(fabric, model, opt, sched, data, *, steps, accumulate=ACCUMULATE, clip=CLIP, start=0):
     """The user's Fabric loop: accumulation under no_backward_sync, clipping, a scheduler."""
     zero = isinstance(fabric.strategy, ZeroStrategy)
-    losses = []
+    losses, sent = [], []
     for step in range(start, start + steps):
         for micro in range(accumulate):
             x, y = data[step * accumulate + micro]
-            with fabric.no_backward_sync(model, enabled=micro < accumulate - 1):
+            with zf.count_bytes() as counter, fabric.no_backward_sync(model, enabled=micro < accumulate - 1):
                 loss = mse(model(x), y)
                 fabric.backward(loss)
             losses.append(float(loss.detach()))
+            sent.append(counter.bytes_sent)
         if clip:
             if zero:
                 fabric.clip_gradients(model, opt, max_norm=clip)
@@ -81,6 +83,8 @@ def _train(fabric, model, opt, sched, data, *, steps, accumulate=ACCUMULATE, cli
         opt.step()
         sched.step()
         opt.zero_grad()
+    if zero:  # zerofn's bytes per micro-batch: none under no_backward_sync, the reduction after the last
+        assert [b > 0 for b in sent] == [(i + 1) % accumulate == 0 for i in range(len(sent))], sent
     return losses
 
 
@@ -139,6 +143,27 @@ def test_fabric_loop_trains_bitwise_like_lightning_ddp(zerofn_world, n):
     for rank in range(1, n):
         for name, p in results[0][(2, "32-true")][0].items():
             assert_bitwise_equal(results[rank][(2, "32-true")][0][name], p, f"rank {rank} vs 0 {name}")
+
+
+def _clip_value_at_stage_1():
+    data = _data(2, 1)
+    out = []
+    for strategy in ("ddp", ZeroStrategy(stage=1)):
+        fabric = _fabric(strategy)
+        model, opt, _ = _setup(fabric)
+        for x, y in data:
+            fabric.backward(mse(model(x), y))
+            fabric.clip_gradients(model, opt, clip_val=0.01)  # the averaged gradient, element by element
+            opt.step()
+            opt.zero_grad()
+        out.append(_params(model))
+    return out
+
+
+def test_clip_by_value_at_stage_1_is_bitwise_lightning_ddps(zerofn_world):
+    for rank, (ref, params) in enumerate(zerofn_world(2).run(_clip_value_at_stage_1)):
+        for name in ref:
+            assert_bitwise_equal(params[name], ref[name], f"rank {rank} {name}")
 
 
 # ----------------------------------------------------------------------------- fp16
