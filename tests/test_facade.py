@@ -56,6 +56,8 @@ import zerofn as zf
 from zerofn.facade._reducer import ShardedGrad
 
 STEPS = 21
+#: The SGD configuration's weight lr (the largest of its groups) and momentum, for the fp32-wire bound.
+SGD_LR, SGD_MOMENTUM = 1e-2, 0.9
 
 
 def _groups(model: nn.Module) -> list[dict[str, Any]]:
@@ -75,9 +77,6 @@ def _torch_optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
     for g in groups:
         g.pop("weight_decay", None)
     return cls(groups, lr=1e-3)
-
-
-SGD_LR, SGD_MOMENTUM = 1e-2, 0.9
 
 
 def _named(model: nn.Module) -> dict[str, torch.Tensor]:
