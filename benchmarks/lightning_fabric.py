@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from typing import Any
@@ -104,6 +105,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--reps", type=int, default=None, help="blocks per system (default 5, --quick 1)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=None, help="also write the JSON here")
+    ap.add_argument("--note", default="", help="recorded in the JSON (e.g. what else ran on the machine)")
     args = ap.parse_args(argv)
     steps = args.steps or (2 if args.quick else 10)
     reps = args.reps or (1 if args.quick else 5)
@@ -111,7 +113,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         per_rank = world.run(_rank, args.model, args.quick, steps, reps)
     cfg = model_config(args.model, quick=args.quick)
     psi, tensors = param_count(build_model(cfg, seed=0, device=torch.device("cpu")))
-    result: dict[str, Any] = {"model": args.model, "n": args.n, "params": psi, "tensors": tensors, "systems": {}}
+    result: dict[str, Any] = {"model": args.model, "n": args.n, "params": psi, "tensors": tensors}
+    result["note"], result["load_average"] = args.note, os.getloadavg()
+    result["steps"], result["reps"], result["systems"] = steps, reps, {}
     ddp = per_rank[0]["fabric-ddp"]
     ddp_median = statistics.median(ddp["times"])
     for name in SYSTEMS:
