@@ -701,13 +701,17 @@ class GradReducer:
         """Stage 1: the ``(N, S)`` sum into full averaged gradients in ``p.grad``.
 
         The exact shards are kept aside too where ``p.grad`` cannot hold the reduced values
-        bit for bit: under loss scaling (``p.grad`` is unscaled) or with a wire dtype the
-        working dtype does not contain.
+        bit for bit: under loss scaling (``p.grad`` is unscaled) or when the gradients are
+        accumulated in a dtype wider than the working one (``f.dtype``). Nowhere else: a
+        shard kept aside is trusted while ``p.grad``'s version counter has not moved, and
+        some in-place writes do not move it (``GradScaler.unscale_``'s kernel), so a wide
+        wire alone (float64 for fp32 params, rounded to fp32 here as in the shard) keeps
+        none and ``step`` cuts ``p.grad`` as the user left it.
         """
         layout, bucket = self._layout, f.bucket
         working = layout[bucket.names[0]].dtype
         scale = self._loss_scale()
-        if scale != 1.0 or torch.promote_types(rows.dtype, working) != working:
+        if scale != 1.0 or f.dtype != working:
             exact = split_row(rows[self._rank], layout, bucket, f.present, dtype=f.dtype, rank=self._rank)
             self._merge({n: s for n, s in exact.items() if n not in self._edited})
         dests = {
