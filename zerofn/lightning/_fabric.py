@@ -52,11 +52,15 @@ from torch.optim import Optimizer
 from zerofn import _sync
 from zerofn._comm import CommPolicy
 from zerofn.facade._guards import check_module
+from zerofn.facade._options import PRECISION_DEFAULTS
 from zerofn.facade.optimizer import ZeroOptimizer
 from zerofn.lightning import _checkpoint
 from zerofn.lightning._precision import check_precision, is_fp16_mixed, swap_grad_scaler
 from zerofn.precision import DynamicLossScaler, GradAccumDtype, PrecisionPolicy
 from zerofn.stages import DEFAULT_BUCKET_NUMEL
+
+# ZeroOptimizer's precision keywords and their defaults, one source for both signatures.
+_DEFAULTS = PRECISION_DEFAULTS
 
 __all__ = ["ZeroStrategy"]
 
@@ -114,20 +118,20 @@ class ZeroStrategy(DDPStrategy):
         reduce_bucket_size: int = DEFAULT_BUCKET_NUMEL,
         overlap_communication: bool = False,
         overlap_allgather: bool = False,
-        communication_dtype: torch.dtype | None = None,
-        cpu_offload: bool = False,
-        master_weights: bool = True,
-        grad_accum_dtype: GradAccumDtype = "auto",
+        communication_dtype: torch.dtype | None = _DEFAULTS["communication_dtype"],
+        cpu_offload: bool = _DEFAULTS["cpu_offload"],
+        master_weights: bool = _DEFAULTS["master_weights"],
+        grad_accum_dtype: GradAccumDtype = _DEFAULTS["grad_accum_dtype"],
         sub_dp_size: int = 1,
         broadcast_buffers: bool = True,
-        nonfinite: str = "skip",
-        initial_scale: float = 2**16,
-        min_scale: float = 1,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 2000,
-        hysteresis: int = 2,
-        max_scale: float = 2**24,
+        nonfinite: str = _DEFAULTS["nonfinite"],
+        initial_scale: float = _DEFAULTS["initial_scale"],
+        min_scale: float = _DEFAULTS["min_scale"],
+        growth_factor: float = _DEFAULTS["growth_factor"],
+        backoff_factor: float = _DEFAULTS["backoff_factor"],
+        growth_interval: int = _DEFAULTS["growth_interval"],
+        hysteresis: int = _DEFAULTS["hysteresis"],
+        max_scale: float = _DEFAULTS["max_scale"],
         comm_policy: CommPolicy | None = None,
         entry_timeout: float | None = 300.0,
         compile: bool | str = False,
