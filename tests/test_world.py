@@ -164,6 +164,22 @@ def test_the_default_world_is_gloo_on_the_cpu(world):
     assert len({s[2] for s in seen}) == 1  # every rank names the same store, as under torchrun
 
 
+def _variable_seen(name):
+    return os.environ.get(name), os.getpid(), os.getppid()
+
+
+def test_workers_see_the_environment_of_the_moment_their_pool_starts(monkeypatch):
+    # Workers are forked from a fork server that took the environment of its own start;
+    # a variable set since then must still reach the workers of a pool started after it.
+    with World(2) as first:
+        first.run(_variable_seen, "PATH")  # the fork server runs by now, whoever started it
+        monkeypatch.setenv("ZEROFN_TEST_WORLD_VARIABLE", "set after the first pool")
+        with World(2) as second:
+            seen = second.run(_variable_seen, "ZEROFN_TEST_WORLD_VARIABLE")
+    assert [value for value, _, _ in seen] == ["set after the first pool"] * 2
+    assert all(parent != os.getpid() for _, _, parent in seen)  # forked by the server, not by pytest
+
+
 _INIT_SEEN: dict = {}
 
 

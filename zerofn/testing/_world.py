@@ -133,12 +133,17 @@ def _worker_main(
     device: str,
     init_payload: bytes | None,
     stack_path: str | None,
+    environ: dict[str, str],
 ) -> None:
     """Entry point of a worker process: join the group, run ``init``, then serve ``run`` requests.
 
     ``stack_path``: where this worker writes its Python stack (every thread) when the
-    parent sends ``SIGUSR1`` because a run did not finish in time.
+    parent sends ``SIGUSR1`` because a run did not finish in time. ``environ``: the
+    parent's environment when it started the pool, which a forked worker would otherwise
+    not see (it inherits the fork server's, fixed when that server started).
     """
+    os.environ.clear()
+    os.environ.update(environ)
     if stack_path is not None and _STACK_SIGNAL is not None:
         # Kept open for the process's life: faulthandler writes to its file descriptor from
         # the signal handler, even while the main thread is blocked inside a C++ collective.
@@ -208,6 +213,31 @@ def _worker_main(
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
+
+
+# What the fork server imports once, so that a worker forked from it starts with them loaded:
+# torch and zerofn (whose import, torch's included, is seconds of CPU per worker).
+_PRELOAD = ["torch", "torch.distributed", "zerofn"]
+
+
+def _worker_context() -> Any:
+    """How workers are started: forked from a fork server that has imported torch and zerofn, where
+    the platform has one (Linux, macOS), else spawned.
+
+    A spawned worker imports torch and zerofn itself, seconds of CPU per rank; a pool that
+    restarts (a test of failures, a notebook that opens a pool per cell) pays it every
+    time. The fork server imports them once per process and forks every later worker
+    from that state (no thread or process group exists there), so each worker
+    still starts clean: it joins its own group and runs ``init`` as a spawned one would.
+    The worker takes the parent's environment of the moment it starts (``_worker_main``).
+    """
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    # Read when the server starts; a server already running (started by this process's
+    # own code for something else) keeps what it was started with, which is still correct.
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
 
 
 def _check_placement(world_size: int, backend: str, device: str) -> None:
@@ -319,7 +349,7 @@ class World:
             return self
         import torch.distributed as dist
 
-        ctx = mp.get_context("spawn")
+        ctx = _worker_context()
         self._stack_dir = tempfile.mkdtemp(prefix="zerofn-world-")
         self._store = dist.TCPStore(
             _HOST, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=self.timeout)
@@ -339,6 +369,7 @@ class World:
                     self.device,
                     self._init_payload,
                     self._stack_path(rank),
+                    dict(os.environ),
                 ),
                 daemon=True,
                 name=f"zerofn-rank{rank}",
