@@ -120,6 +120,39 @@ def test_an_fp16_overflow_on_one_rank_skips_on_both_with_the_same_scale_trajecto
     assert scales[2] == scales[1] and max(scales) > scales[0]  # hysteresis absorbed it; growth every 3 good steps
 
 
+def _two_steps_compiled() -> dict[str, bool]:
+    """Two models of different shapes through one step function, each compiled in turn (no reset
+    between them); whether each compiled step's params equal the eager step's.
+
+    The second compile of the same code with other shapes is where dynamo's automatic dynamic
+    shapes turn the layout's ints into symbols; the validation's trace-time description must
+    still be constants.
+    """
+    torch._dynamo.reset()
+
+    def step(state: zf.ZeroState, grads: dict[str, torch.Tensor]) -> Any:
+        state, _ = zf.step_shards(state, zf.reduce_grads(grads, state.layout), max_norm=0.5)
+        return state, zf.gather_params(state)
+
+    out = {}
+    for width in (10, 7):
+        torch.manual_seed(seeded(width))
+        model = torch.nn.Sequential(torch.nn.Linear(width - 4, width), torch.nn.Tanh(), torch.nn.Linear(width, 1))
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+        state = zf.shard_params(params, zf.optim.adamw(lr=1e-2)).as_tensors()
+        grads = {n: torch.randn(p.shape) for n, p in params.items()}
+        compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+        eager, again = step(state, grads)[1], compiled(state, grads)[1]
+        out[f"width{width}"] = all(torch.equal(eager[n], again[n]) for n in params)
+    torch._dynamo.reset()
+    return out
+
+
+def test_two_different_steps_compile_and_run_in_one_process():
+    for out in get_world(1).run(_two_steps_compiled):
+        assert out == {"width10": True, "width7": True}
+
+
 def _errors_compiled_and_eager() -> dict[str, tuple[str, str] | None]:
     """Each bad input once compiled, once eagerly: (type, message) of what this rank raised."""
     torch._dynamo.reset()

@@ -11,12 +11,22 @@ is never dead code) right after the collective, so it runs on every call with th
 tensors. A handler returns when every rank agrees and otherwise raises the eager error on
 every rank (they all read the same collective result). What it needs besides tensors is
 a tuple of plain constants (names, shapes, messages, the group's name), fixed per trace.
+
+Those constants are static metadata, but dynamo does not know it: an int read from a
+step's inputs (a shape in the layout the state carries, a setting in a closure) is an
+input to it, and when it compiles the same code again with other values (a second model
+through the same step function) its automatic dynamic shapes turn that int into a
+symbol, which no constant can hold. :func:`verdict` therefore makes every int of the
+description a constant of the trace first (``operator.index``, as CPython's, forces a
+concrete int: dynamo guards on the value), so a step over another layout is another
+trace, as the once-per-trace validation before it assumes.
 """
 
 from __future__ import annotations
 
 import ast
 import functools
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -74,9 +84,18 @@ def verdict(table: torch.Tensor, kind: str, desc: tuple[Any, ...], tensors: list
     """
     tensors = list(tensors or [])
     if torch.compiler.is_compiling():
-        torch.ops.zerofn.verdict(table, tensors, kind, _encode(desc))
+        torch.ops.zerofn.verdict(table, tensors, kind, _encode(_constant(desc)))
     else:
         _HANDLERS[kind](table, tensors, *desc)
+
+
+def _constant(value: Any) -> Any:
+    """``value`` with every int in it (tuples searched) a constant of the trace: dynamo guards on it."""
+    if isinstance(value, tuple):
+        return tuple(_constant(v) for v in value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return operator.index(value)
+    return value
 
 
 def failure_desc(failure: Exception | None) -> tuple[str, str] | None:

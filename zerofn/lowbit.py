@@ -44,7 +44,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from zerofn import optim
+from zerofn import _optimizer
 from zerofn._tree import FrozenDict
 from zerofn.layout import blocked
 
@@ -136,7 +136,7 @@ class _Config:
     compile: bool
 
 
-def _config(opt: optim.Optimizer) -> _Config:
+def _config(opt: _optimizer.Optimizer) -> _Config:
     return opt.static["lowbit"]
 
 
@@ -148,7 +148,7 @@ def _placement(config: _Config, name: str, shape: tuple[int, ...]) -> str:
     return blocked(config.block_size) if quantizes(numel, config.block_size) else "split"
 
 
-def _zeros(opt: optim.Optimizer, p: torch.Tensor, signed: bool, quantized: bool) -> torch.Tensor:
+def _zeros(opt: _optimizer.Optimizer, p: torch.Tensor, signed: bool, quantized: bool) -> torch.Tensor:
     """A zero moment for ``p``: torchao's state tensor when ``quantized``, else fp32 zeros."""
     if not quantized:
         return torch.zeros_like(p)
@@ -156,7 +156,9 @@ def _zeros(opt: optim.Optimizer, p: torch.Tensor, signed: bool, quantized: bool)
     return cls._subclass_zeros(p, signed, _config(opt).block_size)
 
 
-def _init_with(opt: optim.Optimizer, params: Mapping[str, torch.Tensor], quantized: Mapping[str, bool]) -> LowBitState:
+def _init_with(
+    opt: _optimizer.Optimizer, params: Mapping[str, torch.Tensor], quantized: Mapping[str, bool]
+) -> LowBitState:
     amsgrad = {n for n in params if opt.hyperparams(n)["amsgrad"]}
     return LowBitState(
         step=FrozenDict({n: torch.tensor(0.0) for n in params}),
@@ -166,13 +168,13 @@ def _init_with(opt: optim.Optimizer, params: Mapping[str, torch.Tensor], quantiz
     )
 
 
-def _init(opt: optim.Optimizer, params: Mapping[str, torch.Tensor]) -> LowBitState:
+def _init(opt: _optimizer.Optimizer, params: Mapping[str, torch.Tensor]) -> LowBitState:
     """State for full tensors (no layout): torchao's rule on each tensor's own size."""
     block = _config(opt).block_size
     return _init_with(opt, params, {n: quantizes(p.numel(), block) for n, p in params.items()})
 
 
-def _init_placed(opt: optim.Optimizer, params: Mapping[str, torch.Tensor], layout: Any) -> LowBitState:
+def _init_placed(opt: _optimizer.Optimizer, params: Mapping[str, torch.Tensor], layout: Any) -> LowBitState:
     """State for shards of ``layout``: quantized exactly where the param is placed blocked(B)
     (or, for a whole param, where torchao's rule holds for its full size)."""
     block = _config(opt).block_size
@@ -210,7 +212,7 @@ def _adam_fn(compiled: bool) -> Any:
 
 
 def _update(
-    opt: optim.Optimizer,
+    opt: _optimizer.Optimizer,
     grads: Mapping[str, torch.Tensor],
     state: LowBitState,
     params: Mapping[str, torch.Tensor],
@@ -218,7 +220,7 @@ def _update(
 ) -> tuple[dict[str, torch.Tensor], LowBitState]:
     config = _config(opt)
     _, _, is_adamw = KINDS[config.kind]
-    names = optim._grads_in_order(opt, grads, params)
+    names = _optimizer._grads_in_order(opt, grads, params)
     new_params = dict(params)
     fields = {f: dict(getattr(state, f)) for f in LowBitState._fields}
     fn = _adam_fn(config.compile)
@@ -267,7 +269,7 @@ def _factory(
     bf16_stochastic_round: bool,
     compile: bool,
     param_groups: Sequence[Mapping[str, Any]] | None,
-) -> optim.Optimizer:
+) -> _optimizer.Optimizer:
     ao_optim = _torchao_optim()
     class_name, default_block, _ = KINDS[kind]
     block = default_block if block_size is None else block_size
@@ -281,12 +283,12 @@ def _factory(
                 "pass them to the factory"
             )
     defaults = FrozenDict(dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad))
-    optim._check_hyperparams(kind, defaults)
+    _optimizer._check_hyperparams(kind, defaults)
     config = _Config(kind, block, bool(bf16_stochastic_round), bool(compile))
-    return optim.Optimizer(
+    return _optimizer.Optimizer(
         kind,
         defaults,
-        optim._make_groups(kind, param_groups),
+        _optimizer._make_groups(kind, param_groups),
         _init,
         _update,
         getattr(ao_optim, class_name),
@@ -347,7 +349,7 @@ def _make(kind: str, weight_decay_default: float) -> Any:
         bf16_stochastic_round: bool = False,
         compile: bool = False,
         param_groups: Sequence[Mapping[str, Any]] | None = None,
-    ) -> optim.Optimizer:
+    ) -> _optimizer.Optimizer:
         return _factory(
             kind, lr, betas, eps, weight_decay, amsgrad, block_size, bf16_stochastic_round, compile, param_groups
         )
@@ -373,7 +375,7 @@ adam4bit = _make("adam4bit", 0.0)
 adamfp8 = _make("adamfp8", 0.0)
 
 
-def from_torchao(torch_opt: torch.optim.Optimizer, group_names: Sequence[Sequence[str]]) -> optim.Optimizer:
+def from_torchao(torch_opt: torch.optim.Optimizer, group_names: Sequence[Sequence[str]]) -> _optimizer.Optimizer:
     """The functional twin of a constructed torchao low-bit optimizer, its groups keyed by name.
 
     Args:

@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from zerofn import _traced, optim
+from zerofn import _optimizer, _traced, optim
 from zerofn._tree import FrozenDict
 
 __all__ = [
@@ -346,7 +346,7 @@ def state_for_compile(opt: optim.Optimizer, opt_state: Any, params: Mapping[str,
     other optimizer's state is returned as it is (the same object when nothing changed).
     """
     if opt.parts:
-        subs = optim._split_names(opt, params)
+        subs = _optimizer._split_names(opt, params)
         states = tuple(
             state_for_compile(part, s, sub) for (_, part), s, sub in zip(opt.parts, opt_state.states, subs, strict=True)
         )

@@ -8,6 +8,9 @@ One file per concern (as FSDP2's ``_fully_shard/``):
 ``_options.py``        the seed's keywords -> PrecisionPolicy, hybrid groups, named params
 ``_reducer.py``        gradient hooks: which bucket is ready, when its reduction launches,
                        which staging buffer it uses, accumulation, replica sums
+``_step_grads.py``     the reducer's gradients handed to ``step`` as shards, given back,
+                       scaled for clipping (a mixin of the reducer)
+``_sharded_grad.py``   the stage-2 ``p.grad`` placeholder and the errors it raises
 ``_prefetch.py``       ``overlap_allgather``: gathers launched by ``step``, written by the
                        next forward's hooks or a param's first use (the guard)
 ``_state_dicts.py``    state dicts and checkpoints (a mixin of ``ZeroOptimizer``)

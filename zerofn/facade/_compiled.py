@@ -44,7 +44,8 @@ from zerofn import optim, torch_optim
 from zerofn._comm import CommPolicy
 from zerofn._tree import FrozenDict
 from zerofn.optim import ParamGroup
-from zerofn.stages import _as_numbers, gather_params, step_shards
+from zerofn.stages import gather_params, step_shards
+from zerofn.stages._step_shards import _as_numbers
 from zerofn.state import StepInfo, ZeroState
 
 __all__ = ["DEFAULT_BACKEND", "CompiledStep", "check_compilable", "resolve_backend"]

@@ -58,7 +58,6 @@ from zerofn import _comm as comm
 from zerofn._comm import CommPolicy, Group
 from zerofn.buckets import (
     StagingPool,
-    cut_shard,
     launch_gather,
     launch_reduce,
     pack_grads,
@@ -66,6 +65,8 @@ from zerofn.buckets import (
     unpack_rows,
     wire_dtype,
 )
+from zerofn.facade._sharded_grad import ShardedGrad, ShardedGradError, sharded_grad
+from zerofn.facade._step_grads import StepGrads
 from zerofn.layout import Bucket, ShardLayout
 from zerofn.precision import PrecisionPolicy, mul_grads_
 from zerofn.stages import reduce_realisation, sum_over_replicas
@@ -75,46 +76,6 @@ __all__ = ["GradReducer", "ShardedGrad", "ShardedGradError"]
 # Buckets whose reduction may be in flight at once when overlapping: enough to keep the
 # network busy while backward computes, few enough to bound the buffers held.
 MAX_INFLIGHT = 2
-
-SHARDED_GRAD_MESSAGE = (
-    "zerofn: {what} on the p.grad of a param trained by ZeroOptimizer(partition_grad=True). At ZeRO "
-    "stage 2 each rank keeps only its shard of the averaged gradient, so p.grad holds no values. "
-    "Between backward and step, write instead: opt.clip_grad_norm_(max_norm) for "
-    "torch.nn.utils.clip_grad_norm_ (or clip_grad_norm=max_norm when building the optimizer), "
-    "opt.get_grad_norm() for the global gradient norm, opt.get_param_grad(p) to read one full "
-    "gradient (a collective), opt.zero_grad() to drop the gradients. Or use partition_grad=False "
-    "(stage 1), where p.grad holds the averaged gradient as with DDP."
-)
-GRAD_SCALER_MESSAGE = (
-    "zerofn: torch.amp.GradScaler cannot unscale the gradients of ZeroOptimizer(partition_grad=True): at "
-    "ZeRO stage 2 each rank keeps only its shard of the averaged gradient, so p.grad holds no values. "
-    "Use the facade's own loss scaling instead: float16 params (or forced_dtype=torch.float16, or "
-    "precision=zerofn.PrecisionPolicy.for_dtype(torch.float16)) train with a dynamic loss scaler, and "
-    "opt.backward(loss) scales the loss; then call opt.step() without the scaler, and "
-    "opt.clip_grad_norm_(max_norm) to clip the unscaled gradients. Nothing was changed."
-)
-
-# What may be read of a placeholder without touching gradient values: what torch's own
-# helpers look at before they compute (GradScaler groups by device and dtype, Module's
-# zero_grad reads grad_fn), so that they reach the computation and raise the error above.
-_METADATA = frozenset(
-    {
-        torch.Tensor.dtype.__get__,
-        torch.Tensor.device.__get__,
-        torch.Tensor.shape.__get__,
-        torch.Tensor.ndim.__get__,
-        torch.Tensor.layout.__get__,
-        torch.Tensor.is_sparse.__get__,
-        torch.Tensor.requires_grad.__get__,
-        torch.Tensor.grad_fn.__get__,
-        torch.Tensor.is_leaf.__get__,
-        torch.Tensor.size,
-        torch.Tensor.dim,
-        torch.Tensor.numel,
-    }
-)
-_AMP_UNSCALE = frozenset({torch._amp_foreach_non_finite_check_and_unscale_})
-
 
 CARRY_MESSAGE = (
     "ZeroOptimizer: backward after step() without zero_grad(): the gradients of the last step are still in "
@@ -131,42 +92,6 @@ CARRY_HOW = {
 
 def _names(names: list[str], limit: int = 3) -> str:
     return ", ".join(repr(n) for n in names[:limit]) + (f" ({len(names)} params)" if len(names) > limit else "")
-
-
-class ShardedGradError(RuntimeError):
-    """A torch function read or wrote a stage-2 ``p.grad``, which holds no values (see the message)."""
-
-
-class ShardedGrad(torch.Tensor):
-    """What ``p.grad`` holds after backward at ZeRO stage 2: no values, only the param's metadata.
-
-    A 0-stride expansion of one zero element (no memory per param) with the param's shape,
-    dtype and device, so torch accepts it as a gradient. Its shape, dtype and device can be
-    read; every other torch function on it raises :class:`ShardedGradError` with what to
-    write instead, so ``clip_grad_norm_`` & co. fail loudly instead of clipping nothing.
-    The facade clears it before autograd could accumulate into it. One is made per param
-    and reused every step. Measured on the benchmark transformer (101 params, N = 2, CPU):
-    404 bytes in all, and placing, clearing and checking them costs about 0.2 ms per step,
-    0.02 % of a 1.05 s step.
-    """
-
-    @classmethod
-    def __torch_function__(
-        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Mapping[str, Any] | None = None
-    ) -> Any:
-        if func in _METADATA:
-            with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **(kwargs or {}))
-        if func in _AMP_UNSCALE:
-            raise ShardedGradError(GRAD_SCALER_MESSAGE)
-        name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
-        raise ShardedGradError(SHARDED_GRAD_MESSAGE.format(what=f"{name}() was called"))
-
-
-def sharded_grad(param: torch.Tensor) -> ShardedGrad:
-    """A :class:`ShardedGrad` for ``param``: its shape, dtype and device, one element of memory."""
-    zero = torch.zeros((), dtype=param.dtype, device=param.device)
-    return zero.expand(param.shape).as_subclass(ShardedGrad)  # type: ignore[return-value]
 
 
 class _InFlight:
@@ -208,7 +133,7 @@ class _Averaged(NamedTuple):
     dtype: torch.dtype
 
 
-class GradReducer:
+class GradReducer(StepGrads):
     """Full local gradients in; averaged gradients in ``p.grad`` (stage 1) or shards (stage 2) out.
 
     Args:
@@ -382,126 +307,7 @@ class GradReducer:
         self._placed = set()
         self.staging.clear()
 
-    # ------------------------------------------------------------------ step's view of the gradients
-
-    def settle(self) -> None:
-        """Reduce local gradients still waiting (after ``no_sync`` micro-steps, or set by hand).
-
-        Collectives: when this rank holds such gradients, the rank-agreement all-gather and
-        the buckets' reductions (every rank must be in the same situation, as after the
-        same backward calls).
-        """
-        self._drop_cleared()
-        if self._local or self._foreign():
-            self._flush()
-
-    def _drop_cleared(self) -> None:
-        """Stage 2: a placeholder the user cleared or replaced (``p.grad = None``) drops its shard."""
-        for name in [n for n in self._placed if self._params[n].grad is not self._placeholders[n]]:
-            self._placed.discard(name)
-            self.shards.pop(name, None)
-
-    def norm_pieces(self) -> tuple[dict[str, torch.Tensor], float]:
-        """This rank's shards of the current averaged gradients and the loss scale they carry.
-
-        Exactly what :meth:`take_step_grads` would hand to ``step`` now (stage 1: cut from
-        ``p.grad`` as the user left it), so a norm of them is the norm the step measures.
-        Call :meth:`settle` first.
-        """
-        return self.peek_step_grads(), self._loss_scale()
-
-    def scale_grads_(self, factor: float) -> None:
-        """Multiply the current averaged gradients in place by ``factor`` (clipping).
-
-        Stage 1: ``p.grad`` and the exact shards kept aside alike (an untouched ``p.grad``
-        stays untouched); stage 2: the shards. Call :meth:`settle` first.
-        """
-        if self._stage == 2:
-            mul_grads_(self.shards.values(), factor)
-            return
-        grads = [g for n in self._averaged if (g := self._params[n].grad) is not None]
-        exact = [n for n in self.shards if self._untouched(n)]
-        mul_grads_(grads + [self.shards[n] for n in exact], factor)
-        for name in exact:
-            av = self._averaged[name]
-            self._averaged[name] = av._replace(version=av.grad._version)
-
-    def _untouched(self, name: str) -> bool:
-        av = self._averaged.get(name)
-        g = self._params[name].grad
-        return av is not None and g is av.grad and g._version == av.version
-
-    def take_step_grads(self) -> dict[str, torch.Tensor]:
-        """The shards ``step`` applies, handed over; the reducer starts from none.
-
-        Stage 1: each averaged ``p.grad`` as the user left it, cut into this rank's shard
-        (in the dtype it was reduced in, times the loss scale again), or the exact shard
-        kept aside when ``p.grad`` is untouched; ``p.grad = None`` leaves the param out, as
-        torch.optim does. ``p.grad`` keeps its values after the step (as with DDP) until
-        the next backward or ``zero_grad``. Stage 2: the shards; a placeholder the user
-        cleared drops its shard. Call :meth:`settle` first. :meth:`give_back` undoes it.
-        """
-        self._drop_cleared()
-        self._taken = (dict(self._averaged), set(self._edited), dict(self.shards), dict(self._used), set(self._placed))
-        if self._stage == 2:
-            # Consumed: the placeholders left in p.grad are stale from here on (the next
-            # backward or zero_grad clears them), and holds_grads() is False again, alike on
-            # every rank.
-            shards, self.shards, self._placed = self.shards, {}, set()
-            self._check_carry = True
-            return shards
-        scale = self._loss_scale()
-        self._check_carry = scale != 1.0
-        out: dict[str, torch.Tensor] = {}
-        cut: list[torch.Tensor] = []
-        for name, av in self._averaged.items():
-            g = self._params[name].grad
-            spec = self._layout[name]
-            if g is None:
-                continue
-            self._used[name] = g
-            if not spec.holds(self._rank):
-                continue
-            if name in self.shards and self._untouched(name):
-                out[name] = self.shards[name]
-                continue
-            out[name] = cut_shard(g, spec, self._rank, dtype=av.dtype)
-            cut.append(out[name])
-        if scale != 1.0 and cut:
-            mul_grads_(cut, scale)  # step_shards unscales what it gets
-        self._averaged = {}
-        self._edited = set()
-        self.shards = {}
-        return {n: out[n] for n in self._layout.names if n in out}
-
-    def give_back(self, shards: Mapping[str, torch.Tensor]) -> None:
-        """Undo the last :meth:`take_step_grads`: the step applied nothing (``shards`` unchanged).
-
-        The gradients wait for the next ``step``, as if never taken (stage 1: ``p.grad``
-        is again the current averaged gradient; stage 2: ``shards`` are held again).
-        """
-        if self._taken is None:
-            raise RuntimeError("GradReducer.give_back: nothing was taken")
-        self._averaged, self._edited, held, self._used, self._placed = self._taken
-        self._taken = None
-        if self._stage == 2:
-            held = dict(shards)
-        self._merge_under(held)
-
-    def _merge_under(self, earlier: Mapping[str, torch.Tensor]) -> None:
-        """Put ``earlier`` shards back under whatever arrived since (summed where both hold one)."""
-        later, self.shards = self.shards, dict(earlier)
-        self._merge(later)
-
-    def peek_step_grads(self) -> dict[str, torch.Tensor]:
-        """What :meth:`take_step_grads` would hand over now, without consuming anything (for inspection)."""
-        saved = (dict(self._averaged), set(self._edited), dict(self.shards), dict(self._used), set(self._placed))
-        taken = self._taken
-        try:
-            return dict(self.take_step_grads())
-        finally:
-            self._averaged, self._edited, self.shards, self._used, self._placed = saved
-            self._taken = taken
+    # step's view of the gradients (settle, take_step_grads, give_back, ...): zerofn.facade._step_grads
 
     # ------------------------------------------------------------------ local gradients
 

@@ -1,0 +1,164 @@
+"""What ``step`` and the gradient idioms take from the reducer: the averaged gradients as shards.
+
+A mixin of :class:`~zerofn.facade._reducer.GradReducer` (kept apart so the reducer reads
+as the hook path: which bucket is ready, when it launches, what ``p.grad`` holds). Here the
+gradients a backward left are handed to ``step`` (stage 1: ``p.grad`` as the user left it,
+cut into this rank's shards; stage 2: the shards), given back when the step applied
+nothing, measured and scaled for clipping, and peeked at without being consumed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from zerofn.buckets import cut_shard
+from zerofn.layout import ShardLayout
+from zerofn.precision import mul_grads_
+
+__all__ = ["StepGrads"]
+
+
+class StepGrads:
+    """``settle`` / ``take_step_grads`` / ``give_back`` / ``peek_step_grads`` / ``norm_pieces`` / ``scale_grads_``."""
+
+    # What the methods below read and write of the GradReducer they are mixed into.
+    _params: Mapping[str, torch.Tensor]
+    _layout: ShardLayout
+    _stage: int
+    _rank: int
+    _loss_scale: Any
+    shards: dict[str, torch.Tensor]
+    _averaged: dict[str, Any]
+    _edited: set[str]
+    _used: dict[str, torch.Tensor]
+    _placed: set[str]
+    _placeholders: dict[str, Any]
+    _local: set[str]
+    _taken: tuple[Any, ...] | None
+    _check_carry: bool
+
+    def _flush(self) -> None: ...
+    def _foreign(self) -> list[str]: ...
+    def _merge(self, shards: Mapping[str, torch.Tensor]) -> None: ...
+
+    def settle(self) -> None:
+        """Reduce local gradients still waiting (after ``no_sync`` micro-steps, or set by hand).
+
+        Collectives: when this rank holds such gradients, the rank-agreement all-gather and
+        the buckets' reductions (every rank must be in the same situation, as after the
+        same backward calls).
+        """
+        self._drop_cleared()
+        if self._local or self._foreign():
+            self._flush()
+
+    def _drop_cleared(self) -> None:
+        """Stage 2: a placeholder the user cleared or replaced (``p.grad = None``) drops its shard."""
+        for name in [n for n in self._placed if self._params[n].grad is not self._placeholders[n]]:
+            self._placed.discard(name)
+            self.shards.pop(name, None)
+
+    def norm_pieces(self) -> tuple[dict[str, torch.Tensor], float]:
+        """This rank's shards of the current averaged gradients and the loss scale they carry.
+
+        Exactly what :meth:`take_step_grads` would hand to ``step`` now (stage 1: cut from
+        ``p.grad`` as the user left it), so a norm of them is the norm the step measures.
+        Call :meth:`settle` first.
+        """
+        return self.peek_step_grads(), self._loss_scale()
+
+    def scale_grads_(self, factor: float) -> None:
+        """Multiply the current averaged gradients in place by ``factor`` (clipping).
+
+        Stage 1: ``p.grad`` and the exact shards kept aside alike (an untouched ``p.grad``
+        stays untouched); stage 2: the shards. Call :meth:`settle` first.
+        """
+        if self._stage == 2:
+            mul_grads_(self.shards.values(), factor)
+            return
+        grads = [g for n in self._averaged if (g := self._params[n].grad) is not None]
+        exact = [n for n in self.shards if self._untouched(n)]
+        mul_grads_(grads + [self.shards[n] for n in exact], factor)
+        for name in exact:
+            av = self._averaged[name]
+            self._averaged[name] = av._replace(version=av.grad._version)
+
+    def _untouched(self, name: str) -> bool:
+        av = self._averaged.get(name)
+        g = self._params[name].grad
+        return av is not None and g is av.grad and g._version == av.version
+
+    def take_step_grads(self) -> dict[str, torch.Tensor]:
+        """The shards ``step`` applies, handed over; the reducer starts from none.
+
+        Stage 1: each averaged ``p.grad`` as the user left it, cut into this rank's shard
+        (in the dtype it was reduced in, times the loss scale again), or the exact shard
+        kept aside when ``p.grad`` is untouched; ``p.grad = None`` leaves the param out, as
+        torch.optim does. ``p.grad`` keeps its values after the step (as with DDP) until
+        the next backward or ``zero_grad``. Stage 2: the shards; a placeholder the user
+        cleared drops its shard. Call :meth:`settle` first. :meth:`give_back` undoes it.
+        """
+        self._drop_cleared()
+        self._taken = (dict(self._averaged), set(self._edited), dict(self.shards), dict(self._used), set(self._placed))
+        if self._stage == 2:
+            # Consumed: the placeholders left in p.grad are stale from here on (the next
+            # backward or zero_grad clears them), and holds_grads() is False again, alike on
+            # every rank.
+            shards, self.shards, self._placed = self.shards, {}, set()
+            self._check_carry = True
+            return shards
+        scale = self._loss_scale()
+        self._check_carry = scale != 1.0
+        out: dict[str, torch.Tensor] = {}
+        cut: list[torch.Tensor] = []
+        for name, av in self._averaged.items():
+            g = self._params[name].grad
+            spec = self._layout[name]
+            if g is None:
+                continue
+            self._used[name] = g
+            if not spec.holds(self._rank):
+                continue
+            if name in self.shards and self._untouched(name):
+                out[name] = self.shards[name]
+                continue
+            out[name] = cut_shard(g, spec, self._rank, dtype=av.dtype)
+            cut.append(out[name])
+        if scale != 1.0 and cut:
+            mul_grads_(cut, scale)  # step_shards unscales what it gets
+        self._averaged = {}
+        self._edited = set()
+        self.shards = {}
+        return {n: out[n] for n in self._layout.names if n in out}
+
+    def give_back(self, shards: Mapping[str, torch.Tensor]) -> None:
+        """Undo the last :meth:`take_step_grads`: the step applied nothing (``shards`` unchanged).
+
+        The gradients wait for the next ``step``, as if never taken (stage 1: ``p.grad``
+        is again the current averaged gradient; stage 2: ``shards`` are held again).
+        """
+        if self._taken is None:
+            raise RuntimeError("GradReducer.give_back: nothing was taken")
+        self._averaged, self._edited, held, self._used, self._placed = self._taken
+        self._taken = None
+        if self._stage == 2:
+            held = dict(shards)
+        self._merge_under(held)
+
+    def _merge_under(self, earlier: Mapping[str, torch.Tensor]) -> None:
+        """Put ``earlier`` shards back under whatever arrived since (summed where both hold one)."""
+        later, self.shards = self.shards, dict(earlier)
+        self._merge(later)
+
+    def peek_step_grads(self) -> dict[str, torch.Tensor]:
+        """What :meth:`take_step_grads` would hand over now, without consuming anything (for inspection)."""
+        saved = (dict(self._averaged), set(self._edited), dict(self.shards), dict(self._used), set(self._placed))
+        taken = self._taken
+        try:
+            return dict(self.take_step_grads())
+        finally:
+            self._averaged, self._edited, self.shards, self._used, self._placed = saved
+            self._taken = taken

@@ -1,0 +1,107 @@
+"""``gather_params``: every rank's master shards gathered into full params in their working dtypes."""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from zerofn import _checks as checks
+from zerofn import _comm as comm
+from zerofn._comm import CommPolicy, Group, Pending
+from zerofn._deprecation import UNSET, renamed
+from zerofn.buckets import StagingPool, launch_gather, pack_shards, unpack_rows
+from zerofn.layout import Bucket
+from zerofn.stages._pipeline import DEFAULT_BUCKET_NUMEL, PIPELINE_DEPTH, _check_staging
+from zerofn.state import ZeroState
+
+
+def gather_params(
+    state: ZeroState,
+    group: Group = None,
+    *,
+    bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+    comm_policy: CommPolicy | None = None,
+    out: Mapping[str, torch.Tensor] | None = None,
+    check: bool = True,
+    staging: StagingPool | None = None,
+    policy: Any = UNSET,
+) -> dict[str, torch.Tensor]:
+    """All ranks' master shards, gathered into full params in their working dtypes.
+
+    Each bucket's shards are cast to the params' working dtype (the wire carries working
+    precision; float32 masters are rounded to nearest), moved to the params' device if
+    the state lives elsewhere (CPU offload: from a pinned buffer, non-blocking), gathered
+    into a rank-major ``(N, S)`` buffer, and cut back into full tensors with the padding
+    dropped.
+
+    Args:
+      state: the current state.
+      group: the sharding process group (``None``: default).
+      bucket_numel: padded elements per bucket.
+      comm_policy: how collectives are realised; default :class:`CommPolicy` (per backend).
+      out: explicit donation of destination tensors: name -> tensor of the param's
+        shape and dtype (e.g. the model's own parameters) to write into in place instead
+        of allocating new ones. Validated before any collective.
+      check: confirm with one tiny all-gather that every rank has the same layout and
+        bucket size (the default). A caller that has confirmed it once for this layout
+        and group, as the facade does at construction, may pass False to save the round trip.
+      staging: explicit buffer reuse: a :class:`~zerofn.buckets.StagingPool` the ``(N, S)``
+        receive buffers are taken from and given back to (with the broadcast
+        realisation this rank's row is packed straight into its slot); ``None``: fresh
+        buffers. The returned params never alias its buffers.
+      policy: the old name of ``comm_policy`` (deprecated, warns).
+    Returns:
+      A new dict name -> full param (layout order, original shape, working dtype, on the
+      params' device ``state.work_device``), equal on every rank. Without ``out`` the
+      caller owns fresh tensors that nothing in ``state`` aliases; with ``out`` the
+      values are ``out``'s tensors.
+
+    Collectives: one tiny ``all_gather`` (rank agreement, unless ``check=False``), then
+    per bucket one ``all_gather`` (NCCL) or one ``broadcast`` per rank (gloo) of ``S``
+    elements each.
+    """
+    comm_policy = renamed("gather_params", "policy", "comm_policy", policy, comm_policy)
+    layout = state.layout
+    checks.validate_world(layout, group, "gather_params")
+    if not isinstance(bucket_numel, int) or bucket_numel <= 0:
+        raise ValueError(f"gather_params: bucket_numel must be a positive int (elements), got {bucket_numel!r}")
+    device = state.work_device
+    _check_staging(staging, "gather_params")
+    if out is not None:
+        checks.validate_out(out, layout, "gather_params")
+    if check:
+        checks.check_ranks_agree(layout, group, "gather_params", settings={"bucket_numel": bucket_numel}, device=device)
+    how = (comm_policy or CommPolicy()).resolve(group)[1]
+    result = {
+        s.name: out[s.name] if out is not None else torch.empty(s.shape, dtype=s.dtype, device=device)
+        for s in layout.params
+    }
+    # Without the caller's pool, one for this call: bucket k + 2 reuses bucket k's pages.
+    # (Under torch.compile the compiler plans buffers: a caller's pool is left alone.)
+    pool = staging if staging is not None and not comm.tracing() else StagingPool(keep=PIPELINE_DEPTH + 1)
+    in_flight: collections.deque[tuple[Bucket, Pending, torch.Tensor]] = collections.deque()
+
+    def write_oldest() -> None:
+        bucket, pending, borrowed = in_flight.popleft()
+        with torch.no_grad():  # `out` may be leaf params that require grad
+            unpack_rows(pending.wait(), layout, bucket, result)  # copied out of the (N, S) buffer
+        pool.give(borrowed)
+
+    n = layout.world_size
+    for bucket in layout.buckets(bucket_numel):
+        # Pipelined: the previous bucket's rows are written into the params while this
+        # one is on the wire; at most PIPELINE_DEPTH gathered buffers exist at once.
+        dtype, n_s = layout[bucket.names[0]].dtype, n * bucket.shard_numel
+        borrowed = pool.take(n_s, dtype, device)
+        recv = borrowed[:n_s].view(n, bucket.shard_numel)
+        in_place = recv[state.rank] if how == "broadcast" else None
+        row = pack_shards(state.master, layout, bucket, dtype=dtype, device=device, out=in_place, rank=state.rank)
+        in_flight.append((bucket, launch_gather(row, group, how, async_op=True, out=recv), borrowed))
+        if len(in_flight) > PIPELINE_DEPTH:
+            write_oldest()
+    while in_flight:
+        write_oldest()
+    return result

@@ -1,0 +1,188 @@
+"""``reduce_grads``: mean gradients over the group, this rank's shards kept.
+
+With the choice of reduce collective per stage and the replicas' sum of a hybrid layout.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from zerofn import _checks as checks
+from zerofn import _comm as comm
+from zerofn._comm import CommPolicy, Group, Pending
+from zerofn._deprecation import UNSET, renamed
+from zerofn._tree import FrozenDict
+from zerofn.buckets import StagingPool, launch_reduce, pack_grads, split_row
+from zerofn.layout import Bucket, ShardLayout
+from zerofn.precision import PrecisionPolicy
+from zerofn.stages._pipeline import DEFAULT_BUCKET_NUMEL, PIPELINE_DEPTH, _check_staging
+from zerofn.state import DEFAULT_POLICY
+
+
+def sum_over_replicas(row: torch.Tensor, replicate_group: Group) -> torch.Tensor:
+    """Finish a hybrid reduction: add the replicas' copies of this rank's reduced row.
+
+    Ranks with the same position in their shard groups hold the same shards; summing
+    their rows (each already scaled by ``1/(N * R)``) gives the mean over all ``N * R``
+    ranks. A no-op when ``replicate_group`` is ``None``.
+
+    Collectives: one ``all_reduce`` of the row over ``replicate_group``.
+    """
+    if replicate_group is None:
+        return row
+    return comm.sum_across(row.contiguous(), replicate_group)
+
+
+def reduce_grads(
+    grads: Mapping[str, torch.Tensor | None],
+    layout: ShardLayout,
+    group: Group = None,
+    stage: int = 2,
+    bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+    *,
+    comm_policy: CommPolicy | None = None,
+    comm_dtype: torch.dtype | None = None,
+    precision: PrecisionPolicy | None = None,
+    replicate_group: Group = None,
+    staging: StagingPool | None = None,
+    policy: Any = UNSET,
+) -> FrozenDict[torch.Tensor]:
+    """Average full local gradients over the group and keep this rank's shards.
+
+    For each bucket of the layout's static plan (:meth:`ShardLayout.buckets`) the
+    gradients are copied into a rank-major ``(N, S)`` buffer, multiplied by ``1/N``, cast
+    to the wire dtype, summed over the group and cast back to the gradients' dtype; this
+    rank's row is cut into per-param shards. Params without a gradient fill their slot
+    with zeros (so every param's bits are independent of the others'), and a bucket with
+    no gradient at all is not sent.
+
+    Args:
+      grads: name -> full local gradient, or ``None`` / missing for params that got no
+        gradient this step. Every rank must have gradients for the same names, in the
+        same dtypes (checked). A gradient has its param's shape and either the param's
+        (working) dtype or the precision policy's accumulation dtype for it (float32 for
+        float16/bfloat16 params by default: grads summed over micro-batches); the params
+        of one bucket must agree.
+      layout: ``state.layout``.
+      group: the sharding process group (``None``: default).
+      stage: 1 reduces with an all-reduce (as ZeRO-1); 2 with the group's reduce
+        realisation (``comm_policy``). Both return only this rank's shards.
+      bucket_numel: padded elements per bucket; a larger param travels alone.
+      comm_policy: how collectives are realised; default :class:`CommPolicy` (per backend).
+      comm_dtype: dtype on the wire; default ``precision.comm_dtype``, else the params'
+        working dtype (as the seed: the wire carries working precision, also for
+        float32-accumulated gradients, unless told otherwise).
+      precision: the state's :class:`~zerofn.precision.PrecisionPolicy`
+        (``state.precision``), for the wire and accumulation dtypes; ``None``: the default.
+      replicate_group: for a hybrid layout, the group of ranks that hold the same shards
+        as this one (one per shard group); gradients are then averaged over all
+        ``N * R`` ranks. ``None`` (default): no replicas. Note the asymmetry with
+        ``group``: here ``None`` does not mean the default group.
+      staging: explicit buffer reuse: a :class:`~zerofn.buckets.StagingPool` the
+        ``(N, S)`` rows are taken from and given back to (the same pool every step saves
+        faulting in fresh pages for Ψ elements per call); ``None``: fresh rows. The
+        returned shards never alias its buffers.
+      policy: the old name of ``comm_policy`` (deprecated, warns).
+
+    Returns:
+      name -> ``(shard_numel,)`` mean-gradient shard in the dtype the gradient came in
+      (cast back from the wire), for the split params that had gradients (in layout
+      order); padding elements are zero. For a whole param (placement ``"whole"``): the
+      full-shape mean gradient on its owner rank, nothing on the others.
+
+    Collectives: one tiny ``all_gather`` (rank agreement and input verdict, see
+    ``check_ranks_agree``), then per bucket one ``reduce_scatter`` (stage 2, NCCL) or one
+    ``all_reduce`` (stage 1, or stage 2 on gloo) of ``N*S`` elements, and with replicas
+    one ``all_reduce`` of ``S`` elements over ``replicate_group``.
+    """
+    comm_policy = renamed("reduce_grads", "policy", "comm_policy", policy, comm_policy)
+    comm.group_rank(group)  # a rank outside the group cannot take part: raise here, alone
+    # Local validation first; its verdict travels in the agreement all-gather, so a bad
+    # input on one rank makes every rank raise instead of leaving the others waiting.
+    try:
+        if stage not in (1, 2):
+            raise ValueError(f"reduce_grads: stage must be 1 or 2, got {stage!r}")
+        if not isinstance(bucket_numel, int) or isinstance(bucket_numel, bool) or bucket_numel <= 0:
+            raise ValueError(f"reduce_grads: bucket_numel must be a positive int (elements), got {bucket_numel!r}")
+        if precision is not None and not isinstance(precision, PrecisionPolicy):
+            raise TypeError(
+                f"reduce_grads: precision must be a zerofn.PrecisionPolicy (state.precision) or None, "
+                f"got {type(precision).__name__}"
+            )
+        precision = precision or DEFAULT_POLICY
+        comm_dtype = comm_dtype if comm_dtype is not None else precision.comm_dtype
+        checks.validate_world(layout, group, "reduce_grads")
+        checks.validate_replicas(replicate_group, "reduce_grads")
+        _check_staging(staging, "reduce_grads")
+        present = checks.validate_grads(
+            grads, layout, group, "reduce_grads", accum_dtype_for=precision.grad_accum_dtype_for
+        )
+        buckets = layout.buckets(bucket_numel)
+        grad_dtypes = {n: grads[n].dtype for n in present}  # type: ignore[union-attr]
+        checks.validate_bucket_dtypes(buckets, grad_dtypes, group, "reduce_grads")
+        failure: Exception | None = None
+    except (TypeError, ValueError, KeyError) as e:
+        failure, present, grad_dtypes, buckets = e, [], {}, ()  # (compiled: traced on, never run)
+    device = next((grads[n].device for n in present), torch.device("cpu"))  # type: ignore[union-attr]
+    checks.check_ranks_agree(
+        layout,
+        group,
+        "reduce_grads",
+        present=present,
+        settings={
+            "stage": stage if isinstance(stage, int) else -1,
+            "bucket_numel": bucket_numel if isinstance(bucket_numel, int) else -1,
+            "comm_dtype": checks.dtype_code(comm_dtype),
+            "grad_dtypes": checks.dtypes_mask(set(grad_dtypes.values())),
+            "replicas": comm.group_size(replicate_group) if replicate_group is not None else 1,
+        },
+        device=device,
+        failure=failure,
+    )
+    how = reduce_realisation(stage, group, comm_policy)
+    rank = comm.group_rank(group)
+    replicas = comm.group_size(replicate_group) if replicate_group is not None else 1
+    present_set = set(present)
+    out: dict[str, torch.Tensor] = {}
+    # Without the caller's pool, one for this call: bucket k + 2 reuses bucket k's pages.
+    # (Under torch.compile the compiler plans buffers: a caller's pool is left alone.)
+    pool = staging if staging is not None and not comm.tracing() else StagingPool(keep=PIPELINE_DEPTH + 1)
+    in_flight: collections.deque[tuple[Bucket, torch.dtype, Pending, torch.Tensor]] = collections.deque()
+
+    def settle_oldest() -> None:
+        bucket, dtype, pending, borrowed = in_flight.popleft()
+        row = sum_over_replicas(pending.wait(), replicate_group)
+        shards = split_row(row, layout, bucket, present_set, dtype=dtype, rank=rank)  # copied out of `rows`
+        out.update(shards)
+        pool.give_unless_aliased(borrowed, shards.values())
+
+    for bucket in buckets:
+        members = [n for n in bucket.names if n in present_set]
+        if not members:
+            continue
+        # Pipelined: this bucket is packed while the previous one is on the wire. Every
+        # rank issues the same sequence of collectives (launch k, then settle k-1), so the
+        # replicas' blocking sums interleave alike everywhere.
+        dtype, shape = grad_dtypes[members[0]], (layout.world_size, bucket.shard_numel)
+        borrowed = pool.take(shape[0] * shape[1], dtype, device)
+        rows = pack_grads(grads, layout, bucket, replicas=replicas, out=borrowed[: shape[0] * shape[1]].view(shape))
+        pending = launch_reduce(rows, layout, bucket, group, how, comm_dtype=comm_dtype, async_op=True)
+        in_flight.append((bucket, dtype, pending, borrowed))
+        if len(in_flight) > PIPELINE_DEPTH:
+            settle_oldest()
+    while in_flight:
+        settle_oldest()
+    for name in present:
+        spec = layout[name]
+        if name not in out and spec.numel == 0 and spec.holds(rank):  # empty params travel in no bucket
+            out[name] = torch.empty(spec.local_shape(rank), dtype=grad_dtypes[name], device=device)  # type: ignore[arg-type]
+    return FrozenDict({name: out[name] for name in present if name in out})
+
+
+def reduce_realisation(stage: int, group: Group, policy: CommPolicy | None) -> str:
+    """The reduce collective for ``stage``: all-reduce for 1 (as ZeRO-1), the policy's for 2."""
+    return "all_reduce" if stage == 1 else (policy or CommPolicy()).resolve(group)[0]

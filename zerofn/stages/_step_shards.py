@@ -1,0 +1,379 @@
+"""``step_shards``: overflow decided on every rank, unscale and clip, the optimizer on this rank's shards.
+
+The eager body, the traced body a compiled graph runs, and the errors both raise on every rank.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from zerofn import _checks as checks
+from zerofn import _comm as comm
+from zerofn import _placement, _traced
+from zerofn._comm import Group
+from zerofn._norm import exact_sqrt, local_norm_term
+from zerofn._tree import FrozenDict
+from zerofn.precision import (
+    LossScaleState,
+    NonFiniteGradError,
+    nonfinite_grad_names,
+    unscale_and_clip_coef,
+    unscaled_norm,
+)
+from zerofn.stages._grad_norm import _global_norm
+from zerofn.state import StepInfo, ZeroState
+from zerofn.torch_optim import refuse_uncompiled
+
+
+def step_shards(
+    state: ZeroState,
+    grad_shards: Mapping[str, torch.Tensor],
+    group: Group = None,
+    max_norm: float | None = None,
+    *,
+    norm_type: float = 2.0,
+    donate: bool = False,
+    veto: object = None,
+) -> tuple[ZeroState, StepInfo]:
+    r"""Decide overflow on every rank, unscale and clip, and apply the optimizer to this rank's shards.
+
+    The gradient shards carry the loss scale :math:`s` = ``state.loss_scale.scale``
+    (1.0 without loss scaling). In order:
+
+    1. the global ``norm_type`` norm :math:`n` of the (scaled) mean gradient over all
+       ranks' shards, in float64, and whether any element on any rank is ``inf``/``nan``:
+       both in ONE scalar all-reduce over ``group``, before any state changes, so every
+       rank takes the same branch;
+    2. the loss scaler advances: ``policy.loss_scaler.update(loss_scale, found)``, the
+       same inputs on every rank, so the same new scale everywhere;
+    3. if some element was not finite: with ``policy.nonfinite == "skip"`` the step is
+       skipped on every rank (master, optimizer state and step count untouched; only the
+       loss-scale state advances, e.g. a backoff); with ``"raise"`` every rank raises
+       :class:`~zerofn.precision.NonFiniteGradError` naming the params (collected from
+       all ranks) and the state is unchanged;
+    4. otherwise the gradients move to the state device (CPU offload) and are multiplied
+       once by the seed's unscale-and-clip coefficient
+       (:func:`~zerofn.precision.unscale_and_clip_coef`, with the scale the gradients
+       carry, i.e. the *old* one):
+
+       .. math:: c = \frac{n/s + 10^{-6}}{m},\qquad
+                 \text{coef} = \frac{1}{s \cdot \max(1, c)}
+
+       in the wider of the gradient and master dtypes, cast to the master dtype, and the
+       optimizer updates the master shards (float32 copies, or the working-dtype shards
+       themselves with ``master_weights=False``).
+
+    Params absent from ``grad_shards`` (no gradient this step) keep their shard and their
+    optimizer state, as torch.optim does.
+
+    Args:
+      state: the current state.
+      grad_shards: from :func:`reduce_grads`: name -> ``(shard_numel,)`` shard, on the
+        params' device, in any floating dtype (the working or accumulation dtype).
+      group: the sharding process group (``None``: default).
+      max_norm: clip threshold for the true (unscaled) norm, or ``None`` for no clipping.
+      norm_type: 2.0 or ``math.inf``.
+      donate: reuse ``state``'s and ``grad_shards``' tensors in place; do not use them after.
+      veto: a picklable reason (not ``None``) this rank has, outside the function's own
+        checks, for no rank to apply this step (the facade's: its params were changed by
+        the user since the last step). It rides as a flag in the scalar all-reduce; if any
+        rank vetoes, every rank raises :class:`StepVetoed` carrying every rank's veto, with
+        ``state`` and ``grad_shards`` untouched (also under ``donate``), so the caller can
+        act on the same list on every rank and call again.
+
+    Returns:
+      ``(new_state, info)`` with ``new_state.step == state.step + 1`` unless skipped;
+      ``info.grad_norm`` is the true norm :math:`n/s`. A skipped step returns ``state``
+      itself when the loss-scale state did not move, else ``state`` with only
+      ``loss_scale`` replaced (the same tensors).
+
+    Raises:
+      NonFiniteGradError: on every rank, when a gradient element on any rank is not finite
+        and ``state.precision.nonfinite == "raise"``.
+      StepVetoed: on every rank, when some rank passed a ``veto``.
+
+    Collectives: one ``all_reduce`` of two float64 scalars (norm and non-finite flag);
+    with ``nonfinite="raise"`` and a bad step, one object all-gather of the offending
+    names before raising.
+
+    Under ``torch.compile`` (one graph with the other stage functions): the same steps as
+    tensor math, bitwise equal with ``backend="aot_eager"``; pass ``state.as_tensors()``
+    (tensor step and loss scale) and read ``info``'s fields as 0-d tensors. The checks
+    above run once per trace; their verdict, and the errors, on every call.
+    """
+    comm.group_rank(group)  # a rank outside the group cannot take part: raise here, alone
+    # Validate locally, then tell the other ranks through the norm all-reduce itself (a
+    # third flag), so a bad input on one rank makes every rank raise, none waits.
+    failure = _validate_step(state, grad_shards, group, max_norm, norm_type)
+    if comm.tracing():
+        return _step_shards_traced(state, grad_shards, group, max_norm, norm_type, failure, veto)
+    if isinstance(state.step, torch.Tensor):  # the tensor form (as_tensors) steps as the numbers do
+        new_state, info = step_shards(
+            _as_numbers(state), grad_shards, group, max_norm, norm_type=norm_type, donate=donate, veto=veto
+        )
+        return new_state.as_tensors(), info
+    policy, loss_scale = state.precision, state.loss_scale
+    refused = failure is not None or veto is not None
+    norm, rejected = _global_norm(
+        grad_shards if failure is None else {}, norm_type, group, state.work_device, rejected=refused
+    )
+    if rejected:
+        _raise_rejected(failure, group, veto)
+    found = not math.isfinite(norm)
+    new_loss_scale = policy.loss_scaler.update(loss_scale, found)
+    if found:
+        if policy.nonfinite == "raise":
+            _raise_nonfinite(state, grad_shards, group)
+        skipped = state if new_loss_scale == loss_scale else state.replace(loss_scale=new_loss_scale)
+        return skipped, StepInfo(norm, True, 1.0)
+    coef = unscale_and_clip_coef(norm, loss_scale.scale, max_norm)
+    true_norm = unscaled_norm(norm, loss_scale.scale)
+    clipped = max_norm is not None and (true_norm + 1e-6) / max_norm > 1
+    moved = _placement.to_device(grad_shards, state.state_device)  # CPU offload: grads go to the state
+    grads = {}
+    for name, g in moved.items():
+        target = state.master[name].dtype
+        if coef != 1.0:
+            wide = torch.promote_types(g.dtype, target)
+            owned = donate or g is not grad_shards[name]
+            g = g.mul_(coef) if owned and g.dtype == wide else g.to(wide) * coef
+        grads[name] = g.to(target)
+    new_master, new_opt_state = state.optimizer.update(grads, state.opt_state, state.master, donate=donate)
+    new_state = state.replace(
+        master=FrozenDict(new_master), opt_state=new_opt_state, step=state.step + 1, loss_scale=new_loss_scale
+    )
+    return new_state, StepInfo(true_norm, False, max_norm / (true_norm + 1e-6) if clipped else 1.0)
+
+
+def _validate_step(
+    state: ZeroState, grad_shards: Mapping[str, torch.Tensor], group: Group, max_norm: float | None, norm_type: float
+) -> Exception | None:
+    """``step_shards``' local checks (static metadata only): the error, or ``None``."""
+    try:
+        checks.validate_world(state.layout, group, "step_shards")
+        if comm.group_rank(group) != state.rank:
+            raise ValueError(
+                f"step_shards: the state holds rank {state.rank}'s shards but this process is rank "
+                f"{comm.group_rank(group)} of the group"
+            )
+        if norm_type not in (2.0, math.inf):
+            raise ValueError(f"step_shards: norm_type must be 2.0 or math.inf, got {norm_type!r}")
+        if max_norm is not None and not (max_norm > 0 and math.isfinite(max_norm)):
+            raise ValueError(f"step_shards: max_norm must be a positive finite number or None, got {max_norm!r}")
+        for name, g in grad_shards.items():
+            if name not in state.layout:
+                raise KeyError(f"step_shards on rank {state.rank}: gradient shard for unknown param {name!r}")
+            spec = state.layout[name]
+            expected = spec.local_shape(state.rank)
+            if expected is None:
+                raise ValueError(
+                    f"step_shards on rank {state.rank}: got a gradient for whole param {name!r} (shape {spec.shape}), "
+                    f"which rank {spec.owner} owns; pass the output of reduce_grads on this rank"
+                )
+            if tuple(g.shape) != expected:
+                what = "the full shape of a whole param this rank owns" if spec.is_whole else "a split param"
+                raise ValueError(
+                    f"step_shards on rank {state.rank}: shard of {name!r} has shape {tuple(g.shape)}, expected "
+                    f"{expected} ({what}) for a param of shape {spec.shape} over {state.layout.world_size} ranks; "
+                    "pass the output of reduce_grads, not full gradients"
+                )
+            if not g.is_floating_point():
+                raise TypeError(
+                    f"step_shards on rank {state.rank}: shard of {name!r} has dtype {g.dtype}, not floating"
+                )
+    except (TypeError, ValueError, KeyError) as e:
+        return e
+    return None
+
+
+def _as_numbers(state: ZeroState) -> ZeroState:
+    """The inverse of :meth:`ZeroState.as_tensors`: step and loss-scale state as Python numbers."""
+    scale, tracker, left = state.loss_scale
+    return state.replace(step=int(state.step), loss_scale=LossScaleState(float(scale), int(tracker), int(left)))
+
+
+_NOT_TENSORS = (
+    "step_shards under torch.compile: the state's step and loss scale are Python numbers, which a compiled "
+    "graph would bake in as constants (and recompile on every change), and a skipped step cannot leave them "
+    "as they were without a graph break; pass state.as_tensors() to the compiled step (once, before the loop)"
+)
+
+
+def _step_shards_traced(
+    state: ZeroState,
+    grad_shards: Mapping[str, torch.Tensor],
+    group: Group,
+    max_norm: float | None,
+    norm_type: float,
+    failure: Exception | None,
+    veto: object,
+) -> tuple[ZeroState, StepInfo]:
+    """``step_shards`` inside a compiled graph: the same arithmetic as tensor math, no host sync.
+
+    The local checks ran once, at trace time (shapes and dtypes are static); their
+    verdict rides in the scalar all-reduce as eagerly, and :func:`zerofn._traced.verdict`
+    raises the eager errors on every rank when a rank rejected its input, or, with
+    ``nonfinite="raise"``, when a gradient is not finite. Otherwise the overflow flag is
+    a tensor every rank got from the same all-reduce: a skipped step is ``torch.where``
+    between the old and the updated state (the update runs either way, its non-finite
+    results are dropped), the loss scaler advances by tensor math, and the unscale-and-clip
+    coefficient is a float64 tensor computed as :func:`unscale_and_clip_coef` computes it.
+    ``donate`` is not needed: the compiler plans the graph's buffers.
+    """
+    if not isinstance(state.step, torch.Tensor):
+        # Python numbers: one graph cannot hold this step. Break here, saying why (with
+        # fullgraph=True this is the error), and step the tensor form in the next graph.
+        torch._dynamo.graph_break(msg=_NOT_TENSORS)
+        new_state, info = _step_shards_traced(
+            state.as_tensors(), grad_shards, group, max_norm, norm_type, failure, veto
+        )
+        return _as_numbers(new_state), info
+    refuse_uncompiled(state.optimizer)  # (the same on every rank: before any collective of the graph)
+    policy, loss_scale = state.precision, state.loss_scale
+    device = state.work_device
+    refused = failure is not None or veto is not None
+    local = local_norm_term(grad_shards.values() if failure is None else [], norm_type, device)
+    finite = torch.isfinite(local)
+    packed = torch.stack(
+        [
+            torch.where(finite, local, torch.zeros_like(local)),
+            (~finite).to(torch.float64),
+            torch.full((), float(refused), dtype=torch.float64, device=device),
+        ]
+    )
+    total = comm.all_reduce_scalars(packed, "max" if norm_type == math.inf else "sum", group)
+    names = list(grad_shards)
+    desc = (
+        comm.group_name(group),
+        _traced.failure_desc(failure),
+        None if veto is None else repr(veto),
+        policy.nonfinite,
+        state.rank,
+        state.layout.names,
+        tuple(names),
+    )
+    _traced.verdict(total, "step_shards", desc, [grad_shards[n] for n in names])
+    found = total[1] > 0
+    norm = torch.where(
+        found, torch.full_like(total[0], math.inf), exact_sqrt(total[0]) if norm_type == 2.0 else total[0]
+    )
+    new_loss_scale = policy.loss_scaler.update(loss_scale, found)
+    scale = loss_scale.scale
+    finite_norm = torch.where(found, torch.zeros_like(norm), norm)
+    true_norm = finite_norm / scale
+    div = scale if isinstance(scale, torch.Tensor) else torch.full_like(norm, scale)
+    clip_info = torch.ones_like(norm)
+    if max_norm is not None:
+        clip = (true_norm + 1e-6) / max_norm
+        div = torch.where(clip > 1, clip * scale, div)
+        clip_info = torch.where(clip > 1, max_norm / (true_norm + 1e-6), clip_info)
+    coef = 1.0 / div  # unscale_and_clip_coef, in float64 as eagerly
+    moved = _placement.to_device(grad_shards, state.state_device)
+    grads = {}
+    for name, g in moved.items():
+        target = state.master[name].dtype
+        wide = torch.promote_types(g.dtype, target)
+        grads[name] = (g.to(wide) * coef.to(state.state_device, wide)).to(target)  # x * 1.0 == x: no branch
+    new_master, new_opt_state = state.optimizer.update(grads, state.opt_state, state.master, donate=False)
+    keep = found.to(state.state_device)
+
+    def select(old: Any, new: Any) -> Any:
+        return torch.where(keep, old, new) if isinstance(new, torch.Tensor) and old is not None else new
+
+    old_leaves, spec = pytree.tree_flatten(state.opt_state)
+    new_leaves, new_spec = pytree.tree_flatten(new_opt_state)
+    if spec != new_spec or any(o is None and n is not None for o, n in zip(old_leaves, new_leaves, strict=True)):
+        _traced.refuse(
+            f"step_shards under torch.compile: zerofn.optim.{state.optimizer.name}'s state changes its structure "
+            "in a step (a buffer created on the first step); run one step eagerly before compiling"
+        )
+    opt_state = pytree.tree_unflatten([select(o, n) for o, n in zip(old_leaves, new_leaves, strict=True)], spec)
+    master = FrozenDict({n: select(state.master[n], t) for n, t in new_master.items()})
+    step = torch.where(found, state.step, state.step + 1)
+    new_state = state.replace(master=master, opt_state=opt_state, step=step, loss_scale=new_loss_scale)
+    return new_state, StepInfo(torch.where(found, norm, true_norm), found, torch.where(found, 1.0, clip_info))
+
+
+@_traced.handler("step_shards")
+def _settle_step(
+    total: torch.Tensor,
+    shards: list[torch.Tensor],
+    group_name: str | None,
+    failure: tuple[str, str] | None,
+    veto: str | None,
+    nonfinite: str,
+    rank: int,
+    layout_names: tuple[str, ...],
+    names: tuple[str, ...],
+) -> None:
+    """A compiled ``step_shards``' verdict on the all-reduced scalars: return, or raise the eager error everywhere."""
+    group = comm.group_from_name(group_name)
+    if total[2] > 0:
+        _raise_rejected(None if failure is None else _traced.rebuild_failure(failure), group, veto)
+    if total[1] > 0 and nonfinite == "raise":
+        _raise_nonfinite_names(rank, layout_names, dict(zip(names, shards, strict=True)), group)
+
+
+class StepVetoed(RuntimeError):
+    """Raised by ``step_shards`` on every rank when some rank passed a ``veto``; nothing was applied.
+
+    Attributes:
+      vetoes: every rank's ``veto`` argument, by group rank (``None`` for ranks without one),
+        the same list on every rank.
+    """
+
+    def __init__(self, vetoes: list[object]) -> None:
+        ranks = [r for r, v in enumerate(vetoes) if v is not None]
+        super().__init__(f"step_shards: ranks {ranks} vetoed this step, so no rank applied it")
+        self.vetoes = vetoes
+
+
+def _raise_rejected(failure: Exception | None, group: Group, veto: object = None) -> None:
+    """Every rank: some rank found its ``step_shards`` input invalid or vetoed; all raise, none changed state."""
+    everyone = comm.all_gather_objects(
+        (None if failure is None else f"{type(failure).__name__}: {failure}", veto), group
+    )
+    if failure is not None:
+        raise failure
+    bad = next(((r, w) for r, (w, _) in enumerate(everyone) if w is not None), None)
+    if bad is not None:
+        raise checks.RankMismatchError(
+            f"step_shards: rank {bad[0]} rejected its input ({bad[1]}), so no rank applied this step; fix the input "
+            "on that rank"
+        )
+    raise StepVetoed([v for _, v in everyone])
+
+
+def _raise_nonfinite(state: ZeroState, grad_shards: Mapping[str, torch.Tensor], group: Group) -> None:
+    """Every rank: collect which params hold non-finite shards where, then raise the same error.
+
+    Only called once the scalar all-reduce has told every rank that the step is bad, so
+    every rank issues this one object all-gather and raises: none is left waiting.
+    """
+    _raise_nonfinite_names(state.rank, state.layout.names, grad_shards, group)
+
+
+def _raise_nonfinite_names(
+    rank: int, layout_names: tuple[str, ...], grad_shards: Mapping[str, torch.Tensor], group: Group
+) -> None:
+    everyone = comm.all_gather_objects(nonfinite_grad_names(grad_shards), group)
+    where = {
+        name: [r for r, names in enumerate(everyone) if name in names]  # type: ignore[operator]
+        for name in layout_names
+        if any(name in names for names in everyone)  # type: ignore[operator]
+    }
+    if where:
+        listing = "; ".join(f"{name!r} (in the shards of ranks {ranks})" for name, ranks in where.items())
+        what = f"gradients of these params hold inf or nan: {listing}"
+    else:
+        what = "no gradient element is inf or nan, but the squared global norm overflowed float64"
+    raise NonFiniteGradError(
+        f"step_shards on rank {rank}: {what}. The policy says nonfinite='raise', so no rank applied "
+        "this step and the state is unchanged. Find the cause (a bad batch, a too large learning rate, an "
+        "overflow in the forward), or use PrecisionPolicy(nonfinite='skip') to skip such steps."
+    )
