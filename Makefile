@@ -82,7 +82,7 @@ docs-serve: $(STAMP)
 clean:
 	rm -rf $(VENV)
 
-# The GPU check (issue 15): tests/gpu, then the N=1 CUDA benchmark, everything under one
+# The GPU check: tests/gpu, then the N=1 CUDA benchmark, everything under one
 # folder. Runs with the machine's own python3 (no .venv, nothing installed), from the
 # repository root: make gpu-check ARGS=/path/to/out   (ARGS="--dry-run /tmp/out" on a CPU).
 .PHONY: gpu-check
