@@ -38,7 +38,7 @@ EXTRAS = "test,docs,lowbit,data,lightning"  # every extra but bench (DeepSpeed b
 
 pytestmark = pytest.mark.install
 
-PLUGIN_TEST = '''
+PLUGIN_TEST = """
 import torch
 import torch.distributed as dist
 
@@ -51,7 +51,7 @@ def total_of_ranks():
 
 def test_ranks_add_up(zerofn_world):
     assert zerofn_world(2).run(total_of_ranks) == [(2, 1.0)] * 2
-'''
+"""
 
 PROBE = "import torch, zerofn; print(torch.__version__); print(torch.__file__); print(zerofn.__file__)"
 
@@ -128,7 +128,8 @@ def test_the_wheel_installs_with_its_extras_beside_torch_and_runs_the_demo_and_t
     venv = tmp_path / "venv"
     _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], outside, env)
     py = venv / "bin" / "python"
-    site = Path(_run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], outside, env).strip())
+    purelib = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    site = Path(_run([str(py), "-c", purelib], outside, env).strip())
     with zipfile.ZipFile(wheel) as zf:
         (meta,) = (n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
         metadata = email.message_from_bytes(zf.read(meta))
@@ -155,4 +156,5 @@ def test_the_wheel_installs_with_its_extras_beside_torch_and_runs_the_demo_and_t
 
     # 5. pip kept the torch it found: the same record file, untouched
     after = record.stat()
-    assert (after.st_ino, after.st_mtime_ns) == (record_before.st_ino, record_before.st_mtime_ns), "pip reinstalled torch"
+    same = (after.st_ino, after.st_mtime_ns) == (record_before.st_ino, record_before.st_mtime_ns)
+    assert same, "pip reinstalled torch"
