@@ -66,20 +66,21 @@ def _source_mark(s: dict[str, Any], sources: list[str]) -> str:
 
 
 def summary(results: dict[str, Any]) -> str:
-    """The page's table and the machine, as Markdown (see the module docstring)."""
+    """The page's tables and the machine, as Markdown (see the module docstring).
+
+    Two narrow tables of the same run rather than one wide one, so that both read on a
+    phone: step time per model and world size; memory, bytes and compile time.
+    """
     runs = [r for r in results.get("runs", []) if _ok(r, REFERENCE)]
     if not runs:
         return "*(no run with DDP + fused AdamW in this results file)*\n"
     mem = _memory_run(runs)
-    heads = [f"{r['model']} N={r['world_size']}" for r in runs]
-    lines = [
-        "| system | " + " | ".join(heads) + " | peak RSS MiB | sent MiB | compile s |",
-        "|---|" + "---:|" * (len(heads) + 3),
-    ]
+    shown = [(name, label) for name, label in SUMMARY_SYSTEMS if any(_ok(r, name) for r in runs)]
+    heads = [f"{r['model']}<br>N={r['world_size']}" for r in runs]
+    time_rows = ["| system | " + " | ".join(heads) + " |", "|---|" + "---:|" * len(heads)]
+    cost_rows = ["| system | peak RSS<br>MiB/rank | sent<br>MiB/step | compile<br>s |", "|---|---:|---:|---:|"]
     sources: list[str] = []
-    for name, label in SUMMARY_SYSTEMS:
-        if not any(_ok(r, name) for r in runs):
-            continue
+    for name, label in shown:
         cells = []
         for r in runs:
             s = _ok(r, name)
@@ -90,32 +91,41 @@ def summary(results: dict[str, Any]) -> str:
             else:
                 ratio = s.get("ratio_ddp_fused")
                 cells.append(("–" if ratio is None else f"{ratio:.2f}×") + _source_mark(s, sources))
+        time_rows.append(f"| {label} | " + " | ".join(cells) + " |")
         m = _ok(mem, name) if mem else None
         rss = ((m or {}).get("memory") or {}).get("peak_rss")
         rss_cell = f"{max(rss) / 2**20:.0f}" if rss else "–"
         sent = None if "-compiled" in name else (m or {}).get("bytes_sent")  # inside the graph: not counted
-        star = "*" if name in ("ddp-fused", "zero-redundancy") else ""  # DDP's all-reduce: from theory
+        star = "\\*" if name in ("ddp-fused", "zero-redundancy") else ""  # DDP's all-reduce: from theory
         sent_cell = "–" if sent is None else f"{sent / 2**20:.1f}{star}"
-        comp = next((_compile(s) for r in runs if (s := _ok(r, name)) and _compile(s)), "")
-        lines.append(f"| {label} | " + " | ".join(cells) + f" | {rss_cell} | {sent_cell} | {comp or '–'} |")
+        comp = next((_compile(s) for r in runs if (s := _ok(r, name)) and _compile(s)), "") or "–"
+        if (rss_cell, sent_cell, comp) != ("–", "–", "–"):
+            cost_rows.append(f"| {label} | {rss_cell} | {sent_cell} | {comp} |")
     meta = results.get("meta", {})
     args = meta.get("args") if isinstance(meta.get("args"), dict) else {}
-    where = f"{mem['model']}, N = {mem['world_size']}" if mem else "–"
-    lines += [
+    where = f"{mem['model']} at N = {mem['world_size']}" if mem else "–"
+    lines = [
+        "**Step time**, the median step as a multiple of DDP + fused AdamW's in the same run (its "
+        "row: milliseconds); lower is faster:",
         "",
-        f"Step time: the median step of each system as a multiple of DDP + fused AdamW's in the same "
-        f"run (its row gives the milliseconds); lower is faster. Peak RSS (the largest rank's high-water "
-        f"mark, each system alone in fresh processes) and bytes sent per rank per step: {where}; "
-        "\\* DDP's all-reduce runs in C++, its bytes are the ring volume 2(N-1)/N·Ψ·b. Compile: the "
-        "compiled step's first call in a fresh process / again after `torch._dynamo.reset()`, seconds, "
-        "slowest rank.",
+        *time_rows,
+        "",
     ]
     for i, src in enumerate(sources):
-        lines.append(f"{'†' * (i + 1)} From another run, against that run's DDP: {src}.")
-    lines += ["", _machine(meta, args)]
+        lines += [f"{'†' * (i + 1)} From another run, against that run's DDP: {src}.", ""]
+    lines += [
+        f"**Memory, bytes and compile time** ({where}): the largest rank's peak RSS, each system "
+        "alone in fresh processes; bytes sent per rank per step (\\* DDP's all-reduce runs in C++: "
+        "its ring volume 2(N-1)/N·Ψ·b); the compiled step's first call in a fresh process / again "
+        "after `torch._dynamo.reset()`, slowest rank:",
+        "",
+        *cost_rows,
+        "",
+        _machine(meta, args),
+    ]
     for src in meta.get("sources", [])[1:]:
         when = src["date"].replace("T", " ")
-        lines.append(f"Merged with `{src['file']}` ({when} UTC, zerofn {src['commit']}, load average {src['load']}).")
+        lines += ["", f"Merged with `{src['file']}` ({when} UTC, zerofn {src['commit']}, load average {src['load']})."]
     return "\n".join(lines) + "\n"
 
 

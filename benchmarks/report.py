@@ -33,14 +33,14 @@ __all__ = ["SUMMARY_SYSTEMS", "derive", "markdown", "plot", "targets"]
 # The systems the benchmarks page and the plot compare, (name, what a reader calls it), in order.
 SUMMARY_SYSTEMS = (
     ("ddp-fused", "DDP + fused AdamW"),
-    ("zero-redundancy", "ZeroRedundancyOptimizer"),
+    ("zero-redundancy", "ZeroRedundancy&shy;Optimizer"),  # may break on a phone
     ("fsdp2", "FSDP2"),
     ("deepspeed-z2", "DeepSpeed ZeRO-2"),
-    ("zerofn-s2-overlap", "zerofn `ZeroOptimizer`, stage 2"),
-    ("zerofn-fn-donated", "zerofn functional loop"),
-    ("zerofn-s2-compiled", "zerofn `ZeroOptimizer`, compiled"),
+    ("zerofn-s2-overlap", "zerofn facade, stage 2"),
+    ("zerofn-fn-donated", "zerofn functional"),
+    ("zerofn-s2-compiled", "zerofn facade, compiled"),
     ("zerofn-fn-compiled", "zerofn functional, compiled"),
-    ("zerofn-fn-compiled-inductor", "zerofn functional, compiled (inductor)"),
+    ("zerofn-fn-compiled-inductor", "zerofn functional, inductor"),
 )
 
 K_ADAMW = 8  # exp_avg + exp_avg_sq, fp32
@@ -235,9 +235,15 @@ def markdown(results: dict[str, Any]) -> str:
             f"## {run['model']}, N = {n} ({run['backend']}, {run['device']}): Ψ = {run['psi']:,} in "
             f"{run['n_params']} tensors",
             "",
-            "| system | median ms | min ms | p10–p90 ms | × DDP fused | × DDP foreach | peak RSS MiB/rank (Δ) "
-            "| state+master MiB/rank | ÷ (4+K)·⌈Ψ/N⌉ | sent MiB/rank/step | ÷ 2(N-1)/N·Ψ·b | max abs Δloss vs DDP |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| system | median ms | min ms | p10–p90 ms | × DDP fused | × DDP foreach | max abs Δloss vs DDP |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        # the memory and byte figures in a second table, so that neither is wider than a page
+        costs = [
+            "",
+            "| system | peak RSS MiB/rank (Δ) | state+master MiB/rank | ÷ (4+K)·⌈Ψ/N⌉ | sent MiB/rank/step "
+            "| ÷ 2(N-1)/N·Ψ·b |",
+            "|---|---:|---:|---:|---:|---:|",
         ]
         notes = []
         for name, s in run["systems"].items():
@@ -251,13 +257,18 @@ def markdown(results: dict[str, Any]) -> str:
             elif mem.get("error"):
                 rss = "error"
             theory_mark = "" if s.get("family") == "zerofn" or name in ("fsdp2",) or "deepspeed" in name else "*"
+            if s.get("source"):  # joined from another run (benchmarks/page.py --merge)
+                notes.append(f"- `{name}` †: from another run, its ratios against that run's DDP: {s['source']}")
+            label = f"`{name}`" + (" †" if s.get("source") else "")
             lines.append(
-                f"| `{name}` | {_f(s.get('median_ms'))} | {_f(s.get('min_ms'))} "
+                f"| {label} | {_f(s.get('median_ms'))} | {_f(s.get('min_ms'))} "
                 f"| {_f(s.get('p10_ms'))}–{_f(s.get('p90_ms'))} "
-                f"| {_f(s.get('ratio_ddp_fused'), '{:.2f}')} | {_f(s.get('ratio_ddp_foreach'), '{:.2f}')} | {rss} "
-                f"| {_mib(s.get('state_master_bytes'))} | {_f(s.get('state_ratio'), '{:.4f}')} "
-                f"| {_mib(s.get('bytes_sent'))}{theory_mark} | {_f(s.get('bytes_ratio'), '{:.3f}')} "
+                f"| {_f(s.get('ratio_ddp_fused'), '{:.2f}')} | {_f(s.get('ratio_ddp_foreach'), '{:.2f}')} "
                 f"| {_f(s.get('max_loss_diff_vs_ref'), '{:.1e}')} |"
+            )
+            costs.append(
+                f"| {label} | {rss} | {_mib(s.get('state_master_bytes'))} | {_f(s.get('state_ratio'), '{:.4f}')} "
+                f"| {_mib(s.get('bytes_sent'))}{theory_mark} | {_f(s.get('bytes_ratio'), '{:.3f}')} |"
             )
             if s.get("note"):
                 notes.append(f"- `{name}`: {s['note']}")
@@ -268,6 +279,7 @@ def markdown(results: dict[str, Any]) -> str:
                     f"- `{name}` compile time (slowest rank): cold {_f(cold)} s (a fresh process), "
                     f"warm {_f(warm)} s (after a dynamo reset, caches filled)"
                 )
+        lines += costs
         lines.append("")
         lines.append(
             "\\* DDP's gradient all-reduce runs in C++ and is not counted: its bytes are the ring all-reduce "
@@ -316,7 +328,7 @@ def plot(results: dict[str, Any], path: Path) -> str | None:
     except ImportError:
         return "(no plot: matplotlib is not installed; pip install matplotlib to get one)"
     runs = [r for r in results.get("runs", []) if _ok(r, "ddp-fused")]
-    names = [(nm, label.replace("`", "")) for nm, label in SUMMARY_SYSTEMS if any(_ok(r, nm) for r in runs)]
+    names = [(nm, label.replace("&shy;", "")) for nm, label in SUMMARY_SYSTEMS if any(_ok(r, nm) for r in runs)]
     if not runs or len(names) < 2:
         return "(no plot: no system ran beside ddp-fused)"
     fig, ax = plt.subplots(figsize=(7.0, 0.16 * len(names) * len(runs) + 1.4))
