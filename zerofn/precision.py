@@ -23,12 +23,12 @@ live in this module:
 
 A training step with loss scaling, in the order the stage functions apply it::
 
-    loss_scaled = scale_loss(loss, ls)                  # before backward
-    ...backward, reduce_grads...                        # grads are ls.scale * true grads
-    found = <any grad shard on any rank not finite>     # ONE flag all-reduce over the
-                                                        # data-parallel group, before any
-                                                        # state changes
-    new_ls = scaler.update(ls, found)                   # every rank, same inputs
+    loss_scaled = scale_loss(loss, ls)              # before backward
+    ...backward, reduce_grads...                    # grads: ls.scale * true grads
+    found = <any grad shard on any rank not finite> # ONE flag all-reduce over the
+                                                    # data-parallel group, before
+                                                    # any state changes
+    new_ls = scaler.update(ls, found)               # every rank, same inputs
     if found: skip (master, optimizer state, step unchanged; only new_ls is kept)
     else:     grads *= unscale_and_clip_coef(norm_scaled, ls.scale, max_norm)
               # the OLD scale: the grads carry it, even when update just grew it
