@@ -6,14 +6,12 @@ live in this module:
 - :class:`PrecisionPolicy`, static metadata (a frozen, hashable dataclass) that says which
   dtype each copy of a parameter lives in and where the master copy lives:
 
-  ===============  ==========================================================  ==============
-  copy             what it is                                                  field
-  ===============  ==========================================================  ==============
-  working          the full params forward/backward runs on, and their grads   ``param_dtype``
-  accumulation     grads summed over micro-batches before ``reduce_grads``     ``grad_accum_dtype``
-  wire             grads inside the reduce collective                          ``comm_dtype``
-  master           this rank's shard the optimizer updates, and its state      ``master_dtype``
-  ===============  ==========================================================  ==============
+  | copy | what it is | field |
+  |---|---|---|
+  | working | the full params forward/backward runs on, and their grads | ``param_dtype`` |
+  | accumulation | grads summed over micro-batches before ``reduce_grads`` | ``grad_accum_dtype`` |
+  | wire | grads inside the reduce collective | ``comm_dtype`` |
+  | master | this rank's shard the optimizer updates, and its state | ``master_dtype`` |
 
 - loss scalers (:class:`DynamicLossScaler`, :class:`StaticLossScaler`,
   :class:`NoLossScaling`): hyperparameters in a frozen dataclass plus two pure functions,
