@@ -2,7 +2,7 @@
 
 * ``mkdocs build --strict`` (what ``make docs`` runs): a broken link or anchor, a page
   missing from the nav, a reference that does not resolve or a docstring that does not
-  render fails it. The built pages name no issue of the project's tracker ("issue 12"),
+  render fails it. The built pages name no issue of the project's tracker (the word followed by a number),
   and the counts they state (how many notebooks) are the repository's.
 * Every name in ``zerofn.__all__`` and in each public module's ``__all__`` has an entry
   (a ``::: path`` directive) in the API reference, and every exception class zerofn
