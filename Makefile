@@ -7,6 +7,7 @@
 #   make notebooks            # execute notebooks/NN_*.py into NN_*.ipynb (ARGS="03")
 #   make docs                 # build the documentation site into site/ (mkdocs build --strict)
 #   make docs-serve           # serve it at http://127.0.0.1:8000 while you edit
+#   make benchmarks           # every system on every model, into benchmarks/results/latest.* (the site's page)
 #
 # torch is installed first, pinned, so that `pip install -e .[test,docs,lowbit,data,lightning]` finds its `torch>=2.4`
 # already satisfied: an unpinned torch would pull a CUDA build of several GB on a machine
@@ -28,7 +29,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.zerofn-installed
 TORCH_STAMP := $(VENV)/.torch-spec
 
-.PHONY: install demo test test-numerics lint notebooks docs docs-serve clean FORCE
+.PHONY: install demo test test-numerics lint notebooks docs docs-serve benchmarks clean FORCE
 
 install: $(STAMP)
 
@@ -79,10 +80,17 @@ docs: $(STAMP)
 docs-serve: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve --strict
 
+# The run the site's benchmarks page is generated from (about an hour on 2 cores; run it on an
+# otherwise idle machine). DeepSpeed (the bench extra) builds from its sdist; its unpinned torch
+# requirement is met by the torch already installed. ARGS='--note "..."' records the machine's state.
+benchmarks: $(STAMP)
+	$(PIP) install -e '.[bench]'
+	$(PY) -m benchmarks.run --out benchmarks/results/latest $(ARGS)
+
 clean:
 	rm -rf $(VENV)
 
-# The GPU check (issue 15): tests/gpu, then the N=1 CUDA benchmark, everything under one
+# The GPU check: tests/gpu, then the N=1 CUDA benchmark, everything under one
 # folder. Runs with the machine's own python3 (no .venv, nothing installed), from the
 # repository root: make gpu-check ARGS=/path/to/out   (ARGS="--dry-run /tmp/out" on a CPU).
 .PHONY: gpu-check

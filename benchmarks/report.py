@@ -28,7 +28,20 @@ import math
 from pathlib import Path
 from typing import Any
 
-__all__ = ["derive", "markdown", "plot", "targets"]
+__all__ = ["SUMMARY_SYSTEMS", "derive", "markdown", "plot", "targets"]
+
+# The systems the benchmarks page and the plot compare, (name, what a reader calls it), in order.
+SUMMARY_SYSTEMS = (
+    ("ddp-fused", "DDP + fused AdamW"),
+    ("zero-redundancy", "ZeroRedundancy&shy;Optimizer"),  # may break on a phone
+    ("fsdp2", "FSDP2"),
+    ("deepspeed-z2", "DeepSpeed ZeRO-2"),
+    ("zerofn-s2-overlap", "zerofn facade, stage 2"),
+    ("zerofn-fn-donated", "zerofn functional"),
+    ("zerofn-s2-compiled", "zerofn facade, compiled"),
+    ("zerofn-fn-compiled", "zerofn functional, compiled"),
+    ("zerofn-fn-compiled-inductor", "zerofn functional, inductor"),
+)
 
 K_ADAMW = 8  # exp_avg + exp_avg_sq, fp32
 MASTER_B = 4  # fp32 master
@@ -92,7 +105,7 @@ def derive(run: dict[str, Any], reference: str = "ddp-fused") -> None:
             s["state_ratio"] = s["state_master_bytes"] / theory if s.get("state_master_bytes") else None
         # bytes sent per rank per step
         s["bytes_theory"] = byte_theory
-        if name.endswith("-compiled"):
+        if "-compiled" in name:
             # A compiled graph's collectives are not counted when it runs (count_bytes sees the eager calls).
             s["bytes_sent"] = None
             s["bytes_source"] = "not counted: the compiled step's collectives run inside its graph"
@@ -123,7 +136,7 @@ def _best(run: dict[str, Any], names: tuple[str, ...]) -> tuple[str, dict[str, A
 
 
 def targets(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The issue-7 targets, evaluated on every run they apply to."""
+    """The speed, memory and byte targets zerofn is held to, evaluated on every run they apply to."""
     out: list[dict[str, Any]] = []
 
     def add(target: str, run: dict[str, Any], value: float | None, limit: float, detail: str) -> None:
@@ -222,9 +235,15 @@ def markdown(results: dict[str, Any]) -> str:
             f"## {run['model']}, N = {n} ({run['backend']}, {run['device']}): Ψ = {run['psi']:,} in "
             f"{run['n_params']} tensors",
             "",
-            "| system | median ms | min ms | p10–p90 ms | × DDP fused | × DDP foreach | peak RSS MiB/rank (Δ) "
-            "| state+master MiB/rank | ÷ (4+K)·⌈Ψ/N⌉ | sent MiB/rank/step | ÷ 2(N-1)/N·Ψ·b | max abs Δloss vs DDP |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| system | median ms | min ms | p10–p90 ms | × DDP fused | × DDP foreach | max abs Δloss vs DDP |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        # the memory and byte figures in a second table, so that neither is wider than a page
+        costs = [
+            "",
+            "| system | peak RSS MiB/rank (Δ) | state+master MiB/rank | ÷ (4+K)·⌈Ψ/N⌉ | sent MiB/rank/step "
+            "| ÷ 2(N-1)/N·Ψ·b |",
+            "|---|---:|---:|---:|---:|---:|",
         ]
         notes = []
         for name, s in run["systems"].items():
@@ -238,13 +257,18 @@ def markdown(results: dict[str, Any]) -> str:
             elif mem.get("error"):
                 rss = "error"
             theory_mark = "" if s.get("family") == "zerofn" or name in ("fsdp2",) or "deepspeed" in name else "*"
+            if s.get("source"):  # joined from another run (benchmarks/page.py --merge)
+                notes.append(f"- `{name}` †: from another run, its ratios against that run's DDP: {s['source']}")
+            label = f"`{name}`" + (" †" if s.get("source") else "")
             lines.append(
-                f"| `{name}` | {_f(s.get('median_ms'))} | {_f(s.get('min_ms'))} "
+                f"| {label} | {_f(s.get('median_ms'))} | {_f(s.get('min_ms'))} "
                 f"| {_f(s.get('p10_ms'))}–{_f(s.get('p90_ms'))} "
-                f"| {_f(s.get('ratio_ddp_fused'), '{:.2f}')} | {_f(s.get('ratio_ddp_foreach'), '{:.2f}')} | {rss} "
-                f"| {_mib(s.get('state_master_bytes'))} | {_f(s.get('state_ratio'), '{:.4f}')} "
-                f"| {_mib(s.get('bytes_sent'))}{theory_mark} | {_f(s.get('bytes_ratio'), '{:.3f}')} "
+                f"| {_f(s.get('ratio_ddp_fused'), '{:.2f}')} | {_f(s.get('ratio_ddp_foreach'), '{:.2f}')} "
                 f"| {_f(s.get('max_loss_diff_vs_ref'), '{:.1e}')} |"
+            )
+            costs.append(
+                f"| {label} | {rss} | {_mib(s.get('state_master_bytes'))} | {_f(s.get('state_ratio'), '{:.4f}')} "
+                f"| {_mib(s.get('bytes_sent'))}{theory_mark} | {_f(s.get('bytes_ratio'), '{:.3f}')} |"
             )
             if s.get("note"):
                 notes.append(f"- `{name}`: {s['note']}")
@@ -255,6 +279,7 @@ def markdown(results: dict[str, Any]) -> str:
                     f"- `{name}` compile time (slowest rank): cold {_f(cold)} s (a fresh process), "
                     f"warm {_f(warm)} s (after a dynamo reset, caches filled)"
                 )
+        lines += costs
         lines.append("")
         lines.append(
             "\\* DDP's gradient all-reduce runs in C++ and is not counted: its bytes are the ring all-reduce "
@@ -274,7 +299,7 @@ def markdown(results: dict[str, Any]) -> str:
     if tg:
         lines += [
             "",
-            "## Issue-7 targets",
+            "## Targets",
             "",
             "| target | model | N | value | limit | met | system |",
             "|---|---|---:|---:|---:|---|---|",
@@ -293,7 +318,8 @@ def _loads(x: Any) -> str:
 
 
 def plot(results: dict[str, Any], path: Path) -> str | None:
-    """Bar chart of step time relative to DDP fused per run; returns a note if it was skipped."""
+    """Step time against DDP + fused AdamW: one group of bars per compared system, one bar per
+    (model, N), on one axis; returns a note if it was skipped."""
     try:
         import matplotlib
 
@@ -301,23 +327,29 @@ def plot(results: dict[str, Any], path: Path) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return "(no plot: matplotlib is not installed; pip install matplotlib to get one)"
-    runs = [r for r in results.get("runs", []) if any(_ok(r, nm) for nm in r["systems"])]
-    if not runs:
-        return "(no plot: no system ran)"
-    colors = {"ddp": "#888888", "peer": "#4c72b0", "zerofn": "#dd8452"}
-    fig, axes = plt.subplots(1, len(runs), figsize=(4.2 * len(runs), 0.35 * 12 + 1.5), squeeze=False)
-    for ax, run in zip(axes[0], runs, strict=True):
-        names = [nm for nm in run["systems"] if _ok(run, nm)]
-        vals = [run["systems"][nm]["median_ms"] for nm in names]
-        ax.barh(names, vals, color=[colors.get(run["systems"][nm]["family"], "k") for nm in names])
-        ref = _ok(run, "ddp-fused")
-        if ref:
-            ax.axvline(ref["median_ms"], color="k", lw=0.8, ls="--")
-        ax.invert_yaxis()
-        ax.set_xlabel("median step time (ms)")
-        ax.set_title(f"{run['model']}, N={run['world_size']}", fontsize=9)
-        ax.tick_params(labelsize=7)
-    fig.suptitle(f"zerofn vs peers ({results.get('meta', {}).get('date', '')}); dashed: DDP fused", fontsize=9)
+    runs = [r for r in results.get("runs", []) if _ok(r, "ddp-fused")]
+    names = [(nm, label.replace("&shy;", "")) for nm, label in SUMMARY_SYSTEMS if any(_ok(r, nm) for r in runs)]
+    if not runs or len(names) < 2:
+        return "(no plot: no system ran beside ddp-fused)"
+    fig, ax = plt.subplots(figsize=(7.0, 0.16 * len(names) * len(runs) + 1.4))
+    height = 0.8 / len(runs)
+    for i, run in enumerate(runs):
+        ys, vals = [], []
+        for j, (nm, _) in enumerate(names):
+            s = _ok(run, nm)
+            if s is not None:
+                ys.append(j + i * height)
+                # a system joined from another run keeps its ratio to that run's DDP
+                vals.append(s.get("ratio_ddp_fused") or s["median_ms"] / _ok(run, "ddp-fused")["median_ms"])
+        ax.barh(ys, vals, height=height, label=f"{run['model']}, N={run['world_size']}")
+    ax.axvline(1.0, color="k", lw=0.8, ls="--")
+    centres = [j + (len(runs) - 1) * height / 2 for j in range(len(names))]
+    ax.set_yticks(centres, [label for _, label in names], fontsize=9)
+    ax.invert_yaxis()
+    ax.set_xlabel("median step time / DDP + fused AdamW's (lower is faster)")
+    ax.legend(fontsize=8, loc="lower right")
+    date = str(results.get("meta", {}).get("date", ""))[:10]
+    ax.set_title(f"zerofn and its peers, {date}; dashed: DDP + fused AdamW", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -1,22 +1,22 @@
 # %% [markdown]
 # # 1. Sharding: who owns which element
 #
-# Data-parallel training keeps a full copy of the model on every one of the $N$ ranks,
+# Data-parallel training keeps a full copy of the model on every one of the *N* ranks,
 # and with it a full copy of the optimizer state: for AdamW with float32 master weights
 # that is 12 bytes per parameter on *every* rank. ZeRO's first idea is that this state
-# does not need to be replicated: each rank keeps and updates only $1/N$ of it, and the
+# does not need to be replicated: each rank keeps and updates only 1/N of it, and the
 # ranks exchange what they need.
 #
 # That needs a rule for who owns which element. zerofn uses the simplest one
 # ("shard evenly"):
 #
 # 1. flatten each parameter to 1-D,
-# 2. zero-pad it at the end to a multiple of $N$,
-# 3. cut it into $N$ equal chunks: rank $r$ owns chunk $r$ **of every parameter**.
+# 2. zero-pad it at the end to a multiple of *N*,
+# 3. cut it into *N* equal chunks: rank *r* owns chunk *r* **of every parameter**.
 #
 # So every rank holds `ceil(numel / N)` elements of each parameter, and padding (between
-# 0 and $N - 1$ zeros) sits in the last ranks' chunks. This notebook writes the rule in
-# plain Python, compares it with what zerofn computes, draws it for $N = 1 \ldots 4$, then
+# 0 and N − 1 zeros) sits in the last ranks' chunks. This notebook writes the rule in
+# plain Python, compares it with what zerofn computes, draws it for N = 1 … 4, then
 # shards and gathers real tensors on 3 gloo ranks and property-tests the round trip.
 
 # %%
@@ -95,7 +95,7 @@ for n in (1, 2, 3, 4):
 # ## A picture per world size
 #
 # Each row is one parameter, flattened; each cell one element, coloured by the rank that
-# owns it. Hatched cells are padding. Note the 0-d `scale`: at $N = 4$ rank 0 owns its
+# owns it. Hatched cells are padding. Note the 0-d `scale`: at N = 4 rank 0 owns its
 # one element and ranks 1-3 own a padding zero each. Every rank has the same amount of
 # work for every parameter, which keeps the collectives simple (equal-sized rows).
 
@@ -166,12 +166,12 @@ for rank, (shards, gathered) in enumerate(results):
         assert torch.equal(gathered[name], p)
 
 # %% [markdown]
-# ## The claim, checked: gather(shard(params)) == params, for any params and any $N$
+# ## The claim, checked: gather(shard(params)) == params, for any params and any *N*
 #
 # Hypothesis draws parameter dicts that reach the corners sharding code gets wrong
 # (0-d tensors, empty tensors, fewer elements than ranks, odd sizes; float32, float64,
-# float16 and bfloat16 mixed in one dict) and a world size $n \in \{1, 2, 3\}$. The
-# first $n$ ranks form a process group (process groups are arguments in zerofn, never
+# float16 and bfloat16 mixed in one dict) and a world size n ∈ {1, 2, 3}. The
+# first *n* ranks form a process group (process groups are arguments in zerofn, never
 # globals), shard, and gather. Every rank must hold exactly the plain-Python reference
 # chunk, and every rank must get back the unsharded params bit for bit, dtype included.
 

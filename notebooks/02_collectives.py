@@ -7,9 +7,9 @@
 #
 # | collective | every rank starts with | every rank ends with |
 # |---|---|---|
-# | all-reduce | a tensor $x_r$ | the sum $\sum_r x_r$ |
-# | reduce-scatter | a tensor $x_r$ cut into $N$ chunks | chunk $r$ of the sum |
-# | all-gather | a chunk $c_r$ | all chunks, concatenated |
+# | all-reduce | a tensor xᵣ | the sum Σᵣ xᵣ |
+# | reduce-scatter | a tensor xᵣ cut into *N* chunks | chunk *r* of the sum |
+# | all-gather | a chunk cᵣ | all chunks, concatenated |
 #
 # DDP averages gradients with one all-reduce. ZeRO stage 2 replaces it with a
 # reduce-scatter (each rank only needs the mean gradient of the elements it owns) and an
@@ -66,8 +66,8 @@ for a, b in zip(all_reduce(xs), all_gather(reduce_scatter(xs)), strict=True):
 
 # %% [markdown]
 # A ring implementation makes that identity its algorithm, and it is why the textbook
-# cost is what it is: in a reduce-scatter of $M$ elements of $b$ bytes each rank sends
-# $\frac{N-1}{N} M b$ bytes, the same for an all-gather, and twice that for an
+# cost is what it is: in a reduce-scatter of *M* elements of *b* bytes each rank sends
+# (N−1)/N·M·b bytes, the same for an all-gather, and twice that for an
 # all-reduce.
 #
 # ## The same on 3 real gloo ranks
@@ -113,7 +113,7 @@ for r, got in enumerate(ranks):
 
 # %% [markdown]
 # Equal to the plain-Python reference on every rank, and the bytes are the ring
-# formula: 6 float32 elements, so $\frac{2}{3} \cdot 6 \cdot 4 = 16$ bytes for a
+# formula: 6 float32 elements, so 2/3 · 6 · 4 = 16 bytes for a
 # reduce-scatter or an all-gather, 32 for an all-reduce.
 
 # %%
@@ -127,24 +127,24 @@ print("gloo == reference on every rank; bytes == ring formula")
 # %% [markdown]
 # ## Bytes per rank in one training step: DDP, ZeRO stage 1, ZeRO stage 2
 #
-# A small MLP, $\Psi$ parameters, float32 ($b = 4$). Each rank computes its local
+# A small MLP, Ψ parameters, float32 (b = 4). Each rank computes its local
 # gradients, then runs one ZeRO step inside `zf.count_bytes()`:
 # `reduce_grads` -> `step_shards` -> `gather_params`.
 #
-# * **DDP** all-reduces every gradient: $2\frac{N-1}{N}\Psi b$. To count it with the same
+# * **DDP** all-reduces every gradient: 2(N−1)/N·Ψ·b. To count it with the same
 #   counter we issue that very all-reduce with `zf.buckets.launch_reduce`.
 # * **Stage 1** all-reduces too (every rank receives the whole mean gradient and keeps
-#   only its shards), then all-gathers the params: $3\frac{N-1}{N}\Psi b$.
-# * **Stage 2** reduce-scatters instead: $2\frac{N-1}{N}\Psi b$, what DDP sends, while
-#   holding $1/N$ of the optimizer state. That is `CommPolicy.byte_optimal()`. On gloo
+#   only its shards), then all-gathers the params: 3(N−1)/N·Ψ·b.
+# * **Stage 2** reduce-scatters instead: 2(N−1)/N·Ψ·b, what DDP sends, while
+#   holding 1/N of the optimizer state. That is `CommPolicy.byte_optimal()`. On gloo
 #   the default policy picks all-reduce and broadcasts instead, which gloo runs faster
 #   though they send more; on NCCL the default *is* the byte-optimal pair.
 #
 # Small extras: `check` is the rank-agreement all-gather that runs before any shard is
 # exchanged (so a mismatch raises instead of hanging), `scalars` the one all-reduce of
-# the global gradient norm and the overflow flag. The layer sizes are multiples of $N$,
-# so no parameter needs padding and $\Psi$ is exact (zerofn pads each parameter to a
-# multiple of $N$, and the padding travels too).
+# the global gradient norm and the overflow flag. The layer sizes are multiples of *N*,
+# so no parameter needs padding and Ψ is exact (zerofn pads each parameter to a
+# multiple of *N*, and the padding travels too).
 
 # %%
 torch.manual_seed(0)
@@ -204,7 +204,7 @@ assert all(r[0] == report for r in ranks)
 #
 # 1. The bucket traffic of each configuration is exactly the formula, to the byte; and
 #    stage 2 with reduce-scatter sends exactly what DDP sends.
-# 2. What stage 2 hands the optimizer on rank $r$ is chunk $r$ of the *unsharded* mean
+# 2. What stage 2 hands the optimizer on rank *r* is chunk *r* of the *unsharded* mean
 #    gradient, computed here in one process from all ranks' local gradients.
 
 # %%

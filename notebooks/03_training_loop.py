@@ -12,12 +12,12 @@
 # ```
 #
 # Why is this exact, and not an approximation of data-parallel training? Because AdamW
-# (like SGD and Adam) is *element-wise*: element $i$ of the new params depends only on
-# element $i$ of the params, the gradient and the optimizer state. So $N$ ranks can each
+# (like SGD and Adam) is *element-wise*: element *i* of the new params depends only on
+# element *i* of the params, the gradient and the optimizer state. So *N* ranks can each
 # update their own chunk and concatenate. This notebook shows that in plain Python,
 # trains a model with the functional loop on 2 real gloo ranks next to DDP (the same
 # loss curve, the same params), and measures the memory per rank of DDP, ZeRO stage 1
-# and stage 2 at $N = 1, 2, 4$ against the formula from the ZeRO paper.
+# and stage 2 at N = 1, 2, 4 against the formula from the ZeRO paper.
 
 # %%
 import copy
@@ -161,25 +161,25 @@ ddp_curve = [sum(rk["ddp"][0][s] for rk in ranks) / 2 for s in range(STEPS)]
 # Each rank holds a different half of every tensor (the master norms differ), yet both
 # end with the same full params. Next: how much memory that saves.
 #
-# ## Memory per rank: DDP, stage 1, stage 2 at $N = 1, 2, 4$
+# ## Memory per rank: DDP, stage 1, stage 2 at N = 1, 2, 4
 #
-# The ZeRO paper counts three kinds of *model state* per rank, with $\Psi$ parameters.
+# The ZeRO paper counts three kinds of *model state* per rank, with Ψ parameters.
 # Here everything is float32 and the optimizer is AdamW:
 #
 # | | params | gradients | optimizer state | total |
 # |---|---|---|---|---|
-# | DDP | $4\Psi$ | $4\Psi$ | $8\Psi$ (two moments; the params are the fp32 weights) | $16\Psi$ |
-# | stage 1 | $4\Psi$ | $4\Psi$ | $12\Psi/N$ (fp32 master + two moments, sharded) | $8\Psi + 12\Psi/N$ |
-# | stage 2 | $4\Psi$ | $4\Psi/N$ | $12\Psi/N$ | $4\Psi + 16\Psi/N$ |
+# | DDP | 4Ψ | 4Ψ | 8Ψ (two moments; the params are the fp32 weights) | 16Ψ |
+# | stage 1 | 4Ψ | 4Ψ | 12Ψ/N (fp32 master + two moments, sharded) | 8Ψ + 12Ψ/N |
+# | stage 2 | 4Ψ | 4Ψ/N | 12Ψ/N | 4Ψ + 16Ψ/N |
 #
 # zerofn keeps a float32 master copy even for float32 params (what mixed precision needs),
-# so at $N = 1$ stage 1 holds *more* than DDP; the saving grows with $N$.
+# so at N = 1 stage 1 holds *more* than DDP; the saving grows with *N*.
 #
 # Stage 2's gradient saving needs the gradients reduced *while backward runs*, bucket by
 # bucket, so the full gradients never exist at once. The functional loop above cannot do
 # that (`torch.func.grad` returns all gradients together), so we measure with
 # `zf.ZeroOptimizer`, the stateful facade over the same four functions, which reduces
-# from gradient hooks. Measured on rank 0 of a group of $N$ ranks (one `World(4)`, with
+# from gradient hooks. Measured on rank 0 of a group of *N* ranks (one `World(4)`, with
 # groups of its first 1, 2 and 4 ranks), on a deeper model with an 8192-element bucket:
 #
 # * params: the bytes of the model's parameters;

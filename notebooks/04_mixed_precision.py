@@ -2,11 +2,11 @@
 # # 4. Mixed precision: loss scaling and the wire dtype
 #
 # float16 halves the bytes of params, gradients and communication, but it has only 5
-# exponent bits: values above 65504 become `inf`, and gradients below about $6 \cdot
-# 10^{-8}$ become 0. *Loss scaling* multiplies the loss by a scale $s$ before backward,
-# so every gradient is $s$ times larger and clears the underflow; the optimizer divides
-# by $s$ again. If $s$ is too large, some gradient overflows to `inf`: the step is
-# skipped on **every** rank and $s$ shrinks. After a run of good steps $s$ grows again.
+# exponent bits: values above 65504 become `inf`, and gradients below about 6 ·
+# 10⁻⁸ become 0. *Loss scaling* multiplies the loss by a scale *s* before backward,
+# so every gradient is *s* times larger and clears the underflow; the optimizer divides
+# by *s* again. If *s* is too large, some gradient overflows to `inf`: the step is
+# skipped on **every** rank and *s* shrinks. After a run of good steps *s* grows again.
 # That rule is a small state machine, and zerofn keeps it pure: `scaler.update(state,
 # found_overflow) -> state`, with the overflow flag agreed by all ranks in one
 # all-reduce inside `step_shards`.
@@ -35,10 +35,10 @@ plt.rcParams.update({"figure.dpi": 80, "font.size": 9})
 # %% [markdown]
 # ## The dynamic loss scaler in plain Python
 #
-# State $(s, g, h)$: the scale, good steps since the last growth or overflow, and the
-# hysteresis countdown. An overflow resets $g$ and counts $h$ down; the overflow that
-# finds $h \le 1$ halves $s$. `growth_interval` good steps in a row double $s$ and
-# refill $h$.
+# State (s, g, h): the scale, good steps since the last growth or overflow, and the
+# hysteresis countdown. An overflow resets *g* and counts *h* down; the overflow that
+# finds h ≤ 1 halves *s*. `growth_interval` good steps in a row double *s* and
+# refill *h*.
 
 
 # %%
@@ -170,10 +170,10 @@ plt.show()
 # ## What the communication dtype does: bytes and error
 #
 # `reduce_grads(..., comm_dtype=...)` casts the gradients to the wire dtype (after
-# multiplying by $1/N$, so the sum cannot overflow), reduces, and casts back. Half the
+# multiplying by 1/N, so the sum cannot overflow), reduces, and casts back. Half the
 # bytes for float16 or bfloat16 on the wire; the price is rounding, twice (the cast and
-# the sum), each at most the unit roundoff $u$ relative: $2^{-11}$ for float16 (11
-# significant bits), $2^{-8}$ for bfloat16 (8 bits, but float32's range), $2^{-24}$ for
+# the sum), each at most the unit roundoff *u* relative: 2⁻¹¹ for float16 (11
+# significant bits), 2⁻⁸ for bfloat16 (8 bits, but float32's range), 2⁻²⁴ for
 # float32. Here float32 gradients, each rank's local ones, against the exact mean
 # computed in float64 in this process.
 
@@ -227,7 +227,7 @@ plt.show()
 # ## The claims, checked
 #
 # 1. A 16-bit wire sends exactly half the bytes of float32, and the error of every wire
-#    dtype stays within its two roundings, $2u$ relative to the largest mean gradient.
+#    dtype stays within its two roundings, 2u relative to the largest mean gradient.
 # 2. The float16 run, overflows and all, follows an unsharded float32 reference: one
 #    process, the two ranks' batches together, `torch.optim.AdamW`, skipping the steps
 #    the float16 run skipped. They differ by float16 rounding only.

@@ -3,7 +3,7 @@
 #
 # Every rank holds only its chunk of the master weights and optimizer state, so a
 # checkpoint is naturally written by all ranks together, each its own chunk. The catch is
-# resuming at another world size: rank $r$ of 3 owns different elements than rank $r$ of
+# resuming at another world size: rank *r* of 3 owns different elements than rank *r* of
 # 2 did. zerofn's checkpoints are therefore *world-size free*: each chunk is saved as a
 # piece of the unpadded, flattened parameter (a DTensor with `Shard(0)` placement,
 # written by `torch.distributed.checkpoint`), and at load time each new rank reads
@@ -40,9 +40,9 @@ plt.rcParams.update({"figure.dpi": 80, "font.size": 9})
 # %% [markdown]
 # ## Resharding in plain Python
 #
-# Take one parameter of 10 elements. At $N = 2$ rank 0 owns elements 0-4 and rank 1 owns
-# 5-9. At $N = 3$ each rank owns 4 (with 2 elements of padding on rank 2). Resharding is
-# "unshard with the old $N$, shard with the new one"; the loader does the same without
+# Take one parameter of 10 elements. At N = 2 rank 0 owns elements 0-4 and rank 1 owns
+# 5-9. At N = 3 each rank owns 4 (with 2 elements of padding on rank 2). Resharding is
+# "unshard with the old *N*, shard with the new one"; the loader does the same without
 # ever building the full tensor, by reading only the overlapping ranges.
 
 
@@ -79,7 +79,7 @@ for r in range(3):
 # ## Train on 2 ranks, save, and keep going
 #
 # Each step uses a global batch of 96 samples, split evenly over the ranks (48 each at
-# $N = 2$, 32 each at $N = 3$), so every world size computes the mean gradient of the
+# N = 2, 32 each at N = 3), so every world size computes the mean gradient of the
 # same 96 samples. At step 20 the ranks save: `zf.checkpoint.save(path, state, params=...)`
 # writes every rank's shards and the model weights, checksums every file, and commits by
 # atomically pointing the symlink `path` at the new directory.
@@ -286,9 +286,9 @@ torch.testing.assert_close(torch.tensor(resumed), torch.tensor(never_stopped), r
 #
 # The batches above are a function of the step. A real run reads a data set through a
 # `DataLoader`, and where it is in the data set is state too. `zerofn.data.GlobalBatchSampler`
-# makes that position world-size free: epoch $e$ is one seeded permutation of the data set,
-# global step $s$ is its slice $[sB, (s+1)B)$ at every world size, and rank $r$ of $N$ takes
-# the $r$-th of $N$ contiguous parts. Its state is the position (epoch, step), the same on
+# makes that position world-size free: epoch *e* is one seeded permutation of the data set,
+# global step *s* is its slice [sB, (s+1)B) at every world size, and rank *r* of *N* takes
+# the *r*-th of *N* contiguous parts. Its state is the position (epoch, step), the same on
 # every rank; in torchdata's `StatefulDataLoader` it travels in `extra={"loader": loader}`
 # with the rest of the checkpoint.
 #
@@ -379,8 +379,8 @@ plt.show()
 # %% [markdown]
 # ## The stream, checked
 #
-# 1. The 3 ranks started on exactly the next sample: their global batch at step $s$ (their
-#    three parts, in rank order) is the sampler's global step $s$, the same the 2 ranks
+# 1. The 3 ranks started on exactly the next sample: their global batch at step *s* (their
+#    three parts, in rank order) is the sampler's global step *s*, the same the 2 ranks
 #    trained on. Steps 11 to 13, done by the killed run after its last checkpoint, were
 #    done again on the same samples; no sample was skipped or seen twice in any epoch.
 # 2. The loss curve continues: on the redone steps the 3 ranks' losses are the 2 ranks',

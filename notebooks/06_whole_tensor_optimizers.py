@@ -1,10 +1,10 @@
 # %% [markdown]
 # # 6. Whole-tensor optimizers: Muon and Adafactor, sharded by owner
 #
-# ZeRO cuts every parameter into $N$ equal flat chunks, one per rank, and each rank
+# ZeRO cuts every parameter into *N* equal flat chunks, one per rank, and each rank
 # updates its chunk. That is exact for element-wise optimizers (SGD, Adam, AdamW): the
 # update of an element reads only that element. `torch.optim.Muon` is different: it
-# orthogonalises each weight matrix as a whole (a Newton-Schulz iteration on $G G^\top$),
+# orthogonalises each weight matrix as a whole (a Newton-Schulz iteration on G Gᵀ),
 # and `torch.optim.Adafactor` keeps one statistic per row and one per column and scales
 # every step by the RMS of the whole param. On a chunk they compute something else.
 #
@@ -32,7 +32,7 @@ plt.rcParams.update({"figure.dpi": 80, "font.size": 9})
 # %% [markdown]
 # ## Muon on a chunk is not Muon
 #
-# One Muon step on an $8 \times 6$ matrix, whole, and the same step on its two halves of
+# One Muon step on an 8 × 6 matrix, whole, and the same step on its two halves of
 # 4 rows each (what two ranks would hold if the matrix were split by rows; zerofn's flat
 # chunks are worse still: 1-D, which Muon refuses outright).
 
@@ -60,7 +60,7 @@ assert not torch.allclose(whole, halves, rtol=1e-2)
 #
 # The optimizer says which params it needs whole (`Optimizer.placement`); zerofn assigns
 # owners largest first to the rank storing the fewest elements so far. It is a pure
-# function of names, shapes, dtypes and $N$, so every rank computes the same plan without
+# function of names, shapes, dtypes and *N*, so every rank computes the same plan without
 # talking, and it is part of the layout's fingerprint. The bars are what each rank
 # stores: the split params' chunks (grey) and its whole params (one colour each).
 
@@ -187,7 +187,7 @@ for r, got in enumerate(results):
 # ## Memory per rank
 #
 # The state a rank holds (master weights plus optimizer state, `ZeroState.nbytes`)
-# against the balanced share (the total over ranks, divided by $N$). With whole params a
+# against the balanced share (the total over ranks, divided by *N*). With whole params a
 # rank may hold up to one largest whole param (its master and its state) more than the
 # share; in this tiny model that one matrix is a third of all parameters, so the owner
 # carries visibly more. In the benchmark transformer (10.5M parameters, the benchmarks page's

@@ -1,15 +1,15 @@
 # %% [markdown]
 # # 7. Low-bit optimizer state: the same blocks, and the same bits, at every world size
 #
-# ZeRO divides AdamW's state by $N$, but each rank still keeps two fp32 moments: 8 bytes
+# ZeRO divides AdamW's state by *N*, but each rank still keeps two fp32 moments: 8 bytes
 # per element of its chunk. torchao's `AdamW8bit`, `AdamW4bit` and `AdamWFp8` keep the
 # moments *block-wise quantized*: one code per element (1 byte; half a byte for 4-bit)
-# and one fp32 scale, the block's largest magnitude, per block of $B$ elements.
+# and one fp32 scale, the block's largest magnitude, per block of *B* elements.
 #
 # A block's scale depends on every element of the block. So when a rank's chunk starts in
-# the middle of a block, the blocks, the scales and the numbers change with $N$. zerofn
+# the middle of a block, the blocks, the scales and the numbers change with *N*. zerofn
 # places each quantized param **blocked(B)**: every chunk is a whole number of blocks,
-# $B\lceil n/(NB)\rceil$ elements, so block $k$ is elements $[kB, (k+1)B)$ at every $N$.
+# B⌈n/(NB)⌉ elements, so block *k* is elements [kB, (k+1)B) at every *N*.
 # This notebook shows the difference, draws the blocks, measures the memory per rank, and
 # checks on 2 gloo ranks that zerofn's result equals the plain torchao optimizer's.
 
@@ -32,10 +32,10 @@ torch.set_num_threads(1)
 plt.rcParams.update({"figure.dpi": 80, "font.size": 9})
 
 # %% [markdown]
-# ## Blocks that move with $N$ change the numbers
+# ## Blocks that move with *N* change the numbers
 #
-# A second moment of 1024 elements in blocks of $B = 256$, quantized by torchao's own
-# 8-bit state tensor. Whole: 4 blocks. Cut into 3 chunks of $\lceil 1024/3 \rceil = 342$
+# A second moment of 1024 elements in blocks of B = 256, quantized by torchao's own
+# 8-bit state tensor. Whole: 4 blocks. Cut into 3 chunks of ⌈1024/3⌉ = 342
 # elements (the plain even split), each padded to whole blocks of its own: the blocks now
 # start at 0, 342 and 684, and most elements get another scale.
 
@@ -69,7 +69,7 @@ assert not torch.equal(whole, unaligned) and torch.equal(whole, aligned)
 # the whole param instead of a rank's piece): `numel >= 4096` and `numel % B == 0` is
 # quantized and placed `blocked(B)`; anything else keeps fp32 state and the plain split.
 # The placement is part of the layout's fingerprint, which every rank checks. Below, a
-# param of 10 blocks at $N = 1 \dots 4$: each colour is one block, each row one rank; the
+# param of 10 blocks at N = 1 … 4: each colour is one block, each row one rank; the
 # hatched cells are padding (whole blocks of zeros past the end).
 
 # %%
@@ -99,11 +99,11 @@ plt.show()
 # ## Memory per rank
 #
 # Masters (fp32) plus both moments, for the benchmark transformer (Ψ = 10.5 M; 35 of its
-# 101 tensors are quantized, 99.7 % of the elements), the largest rank at $N = 1 \dots 8$:
+# 101 tensors are quantized, 99.7 % of the elements), the largest rank at N = 1 … 8:
 # the optimizer's own `init` builds each rank's state on the `meta` device (torchao's
 # real state tensors, no memory), and `lowbit.state_nbytes` counts their codes, scales
-# and code tables. fp32 AdamW: 12 bytes per element; 8-bit and fp8: $4 + 2(1 + 4/256)
-# \approx 6.03$; 4-bit: $4 + 2(0.5 + 4/128) \approx 5.06$.
+# and code tables. fp32 AdamW: 12 bytes per element; 8-bit and fp8: 4 + 2(1 + 4/256)
+# ≈ 6.03; 4-bit: 4 + 2(0.5 + 4/128) ≈ 5.06.
 
 # %%
 # The shapes of the benchmark transformer (benchmarks/models.py): vocabulary 8192, d_model 256, 8 blocks, d_ff 1024.
@@ -155,7 +155,7 @@ assert all(m8 < 0.51 * m32 for m8, m32 in zip(mib["8-bit"], mib["fp32 AdamW"], s
 # ## On 2 gloo ranks: the same bits as the plain torchao optimizer
 #
 # Each rank cuts its gradient shard out of the same global gradient (so the mean
-# gradient is the same at every $N$), and `step_shards` runs torchao's update on its
+# gradient is the same at every *N*), and `step_shards` runs torchao's update on its
 # whole blocks. After 10 steps the gathered params equal, bit for bit, those of the plain
 # `torchao.optim.AdamW8bit` on one process (torchao compiles its update; both sides run it
 # eagerly here).

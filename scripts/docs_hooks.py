@@ -8,11 +8,19 @@
   at ``PATH`` (relative to the repository root; its title dropped, its headings one level
   down), so the benchmarks page shows the recorded tables and their write-up themselves,
   never a copy that could drift. A missing file fails the build.
+* ``on_page_markdown`` also replaces ``<!-- benchmarks-summary: PATH.json -->`` with the
+  table that ``benchmarks.page.summary`` makes of that results file: the benchmarks page's
+  answer is generated from one run (``python -m benchmarks.run --out benchmarks/results/latest``).
+* ``on_page_markdown`` replaces ``<!-- count: WHAT -->`` with a number counted from the
+  repository when the site is built (``notebooks``: the executed notebooks), so a page
+  never states a count that has drifted.
 """
 
 from __future__ import annotations
 
+import json
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +29,33 @@ from mkdocs.structure.files import File, Files
 
 ROOT = Path(__file__).resolve().parents[1]
 _INCLUDE = re.compile(r"^<!-- include: (?P<path>[\w./-]+\.md) -->$", re.MULTILINE)
+_SUMMARY = re.compile(r"^<!-- benchmarks-summary: (?P<path>[\w./-]+\.json) -->$", re.MULTILINE)
+_COUNT = re.compile(r"<!-- count: (?P<what>[\w-]+) -->")
+_NUMBERS = "zero one two three four five six seven eight nine ten eleven twelve".split()
+
+
+def count(what: str) -> int:
+    """What a page may count: ``notebooks`` (the executed teaching notebooks)."""
+    if what == "notebooks":
+        return len(sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.py")))
+    raise ValueError(f"docs: <!-- count: {what} --> counts nothing this hook knows (notebooks)")
+
+
+def _count_words(m: re.Match[str]) -> str:
+    n = count(m.group("what"))
+    return _NUMBERS[n] if n < len(_NUMBERS) else str(n)
+
+
+def _summary(relative: str) -> str:
+    path = ROOT / relative
+    if not path.is_file():
+        raise FileNotFoundError(f"docs: <!-- benchmarks-summary: {relative} --> names {path}, which does not exist")
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from benchmarks import page
+
+    return page.summary(json.loads(path.read_text(encoding="utf-8")))
+
 
 # Repository files the site serves beside docs/: (folder, glob).
 EXTRA_FILES = (
@@ -60,4 +95,6 @@ def _included(relative: str) -> str:
 
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str:
-    return _INCLUDE.sub(lambda m: _included(m.group("path")), markdown)
+    markdown = _INCLUDE.sub(lambda m: _included(m.group("path")), markdown)
+    markdown = _SUMMARY.sub(lambda m: _summary(m.group("path")), markdown)
+    return _COUNT.sub(_count_words, markdown)

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # the benchmarks package lives at the repository root
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import report  # noqa: E402
+from benchmarks import page, report  # noqa: E402
 from benchmarks import run as bench  # noqa: E402
 
 # The compiled systems compile for tens of seconds (inductor: minutes) and count no bytes
@@ -65,7 +65,16 @@ def test_quick_run_writes_json_and_markdown_that_agree(quick_results: tuple[dict
     md = out.with_suffix(".md").read_text()
     for name in ["ddp-fused", *ZEROFN_SYSTEMS]:
         assert f"`{name}`" in md
-    assert "Issue-7 targets" in md
+    assert "## Targets" in md
+
+
+def test_the_benchmarks_page_summary_is_made_from_one_results_file(quick_results: tuple[dict, Path]) -> None:
+    """What the site's benchmarks page shows at the top (``<!-- benchmarks-summary: ... -->``)."""
+    _, out = quick_results
+    summary = page.summary(json.loads(out.with_suffix(".json").read_text()))
+    assert "| DDP + fused AdamW | " in summary and " ms |" in summary  # the reference row: milliseconds
+    assert "| zerofn facade, stage 2 | " in summary and "×" in summary  # the others: its multiples
+    assert "**Machine:**" in summary
 
 
 def test_every_zerofn_system_ran_its_steps_with_finite_losses(quick_results: tuple[dict, Path]) -> None:

@@ -39,8 +39,8 @@ OPTIONS = {
 def _train(options: dict[str, Any], backend: str | None, compile_first: bool = False) -> dict[str, torch.Tensor]:
     """Three facade steps of ``Net``; the model compiled with ``backend`` (None: eager).
 
-    The model is compiled after building the optimizer (as users often do; report 4 of
-    issue 12 failed there), or before with ``compile_first``.
+    The model is compiled after building the optimizer (as users often do, and where a
+    compiled step once failed), or before with ``compile_first``.
     """
     torch._dynamo.reset()
     torch.manual_seed(seeded(0))
@@ -130,15 +130,15 @@ def test_the_functional_loop_works_with_compiled_grad_and_compiled_step_shards(w
         assert res["norm"] <= 1e-6
 
 
-# --------------------------------------------------------------------------- issue 20, report 2
+# --------------------------------------------------------------------------- overlap_allgather, compiled
 #
 # A compiled model with overlap_allgather, against the same compiled model (the same
-# compiled callable, reused: compiling is the slow part) without it. Each case runs both
-# orders' worth of history the issue names: "reference first" runs the compiled model
-# through four steps before the optimizer with overlap_allgather exists (so its graphs were
-# traced with none of that optimizer's hooks, the crash of report 2: "modified by an inplace
-# operation"); otherwise the overlap_allgather optimizer is built first (the model compiled
-# before it, or after it, or in place by ``model.compile()``).
+# compiled callable, reused: compiling is the slow part) without it. Each case runs one of
+# two orders: "reference first" runs the compiled model through four steps before the
+# optimizer with overlap_allgather exists (so its graphs were traced with none of that
+# optimizer's hooks, which once crashed with "modified by an inplace operation");
+# otherwise the overlap_allgather optimizer is built first (the model compiled before it,
+# or after it, or in place by ``model.compile()``).
 
 # case -> (backend, how it is compiled, bucket, optimizer, reference first)
 COMPILED_CASES = {
@@ -150,7 +150,7 @@ COMPILED_CASES = {
 
 
 def _report_2_case(case: str) -> dict[str, Any]:
-    """Issue 20's script: Sequential(Linear(8, 16), Tanh(), Linear(16, 4)), 4 steps of
+    """The user's script that once crashed: Sequential(Linear(8, 16), Tanh(), Linear(16, 4)), 4 steps of
     ``opt.backward(cm(x).pow(2).mean()); opt.step(); opt.zero_grad()``, stage 2 with
     overlapped reduction, with and without overlap_allgather on one compiled model."""
     backend, how, bucket, optimizer, reference_first = COMPILED_CASES[case]

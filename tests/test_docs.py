@@ -2,7 +2,8 @@
 
 * ``mkdocs build --strict`` (what ``make docs`` runs): a broken link or anchor, a page
   missing from the nav, a reference that does not resolve or a docstring that does not
-  render fails it.
+  render fails it. The built pages name no issue of the project's tracker (the word followed by a number),
+  and the counts they state (how many notebooks) are the repository's.
 * Every name in ``zerofn.__all__`` and in each public module's ``__all__`` has an entry
   (a ``::: path`` directive) in the API reference, and every exception class zerofn
   defines has a section on the errors page.
@@ -23,6 +24,7 @@ import re
 import subprocess
 import sys
 import types
+from html import unescape
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +94,39 @@ def test_the_site_builds_strict(tmp_path: Path) -> None:
     reference = (site / "api/stages/index.html").read_text(encoding="utf-8")
     assert "zerofn.stages.reduce_grads" in reference and ":class:" not in reference
     assert ".. math::" not in (site / "api/optim/index.html").read_text(encoding="utf-8")
+    pages = {p.relative_to(site).as_posix(): _visible_text(p) for p in sorted(site.rglob("*.html"))}
+    # The site speaks to users about zerofn: no page names an issue of the project's tracker.
+    hits = [f"{name}: ...{m.group(0)}..." for name, text in pages.items() for m in _ISSUE.finditer(text)]
+    assert not hits, "pages that name an issue:\n" + "\n".join(hits)
+    # Counts a page states are the repository's: "eight notebooks" while there are eight.
+    stated = [(name, m.group(0)) for name, text in pages.items() for m in _NOTEBOOK_COUNT.finditer(text)]
+    assert stated, "no page states how many notebooks there are: the check below checks nothing"
+    wrong = [f"{name}: {said!r}" for name, said in stated if _number(said.split()[0]) != NOTEBOOKS]
+    assert not wrong, f"there are {NOTEBOOKS} notebooks, but:\n" + "\n".join(wrong)
+
+
+_ISSUE = re.compile(r".{0,40}\bissues?[\s-]+#?\d+.{0,40}", re.IGNORECASE)
+_NUMBER_WORDS = "zero one two three four five six seven eight nine ten eleven twelve".split()
+_NOTEBOOK_COUNT = re.compile(
+    r"\b(?:\d+|" + "|".join(_NUMBER_WORDS) + r")\s+(?:teaching\s+)?(?:notebooks|lectures)\b", re.IGNORECASE
+)
+NOTEBOOKS = len(list((ROOT / "notebooks").glob("[0-9][0-9]_*.py")))
+
+
+def _number(word: str) -> int:
+    return int(word) if word.isdigit() else _NUMBER_WORDS.index(word.lower())
+
+
+def _visible_text(page: Path) -> str:
+    """A built page's text as a reader sees it: no tags, no scripts, whitespace collapsed."""
+    html = page.read_text(encoding="utf-8")
+    html = re.sub(r"<(script|style)\b.*?</\1>", " ", html, flags=re.DOTALL | re.IGNORECASE)
+    return re.sub(r"\s+", " ", unescape(re.sub(r"<[^>]+>", " ", html)))
+
+
+def test_the_readme_states_the_notebook_count_of_the_repository() -> None:
+    stated = _NOTEBOOK_COUNT.findall((ROOT / "README.md").read_text(encoding="utf-8"))
+    assert stated and all(_number(s.split()[0]) == NOTEBOOKS for s in stated), (stated, NOTEBOOKS)
 
 
 # --------------------------------------------------------------------------- API reference coverage

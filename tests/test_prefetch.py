@@ -475,7 +475,7 @@ def test_exiting_with_gathers_pending_is_clean(tmp_path, end):
     assert proc.returncode == 0 or known, proc.stderr[-2000:]
 
 
-# --------------------------------------------------------------------------- issue 20, report 1
+# --------------------------------------------------------------------------- overlap_allgather with a module
 
 
 def _mlp() -> nn.Module:

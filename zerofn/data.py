@@ -138,7 +138,8 @@ class GlobalBatchSampler(Sampler[list[int]]):
       >>> s0 = GlobalBatchSampler(10, 4, seed=0, rank=0, world_size=2)
       >>> s1 = GlobalBatchSampler(10, 4, seed=0, rank=1, world_size=2)
       >>> whole = GlobalBatchSampler(10, 4, seed=0, rank=0, world_size=1)
-      >>> [a + b for a, b in zip(s0, s1)] == list(whole)  # the same global batches at N = 2 and N = 1
+      >>> # the same global batches at N = 2 and N = 1
+      >>> [a + b for a, b in zip(s0, s1)] == list(whole)
       True
       >>> whole.epoch, whole.step  # the epoch's 2 global batches are done: next is epoch 1, step 0
       (1, 0)

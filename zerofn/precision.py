@@ -6,14 +6,12 @@ live in this module:
 - :class:`PrecisionPolicy`, static metadata (a frozen, hashable dataclass) that says which
   dtype each copy of a parameter lives in and where the master copy lives:
 
-  ===============  ==========================================================  ==============
-  copy             what it is                                                  field
-  ===============  ==========================================================  ==============
-  working          the full params forward/backward runs on, and their grads   ``param_dtype``
-  accumulation     grads summed over micro-batches before ``reduce_grads``     ``grad_accum_dtype``
-  wire             grads inside the reduce collective                          ``comm_dtype``
-  master           this rank's shard the optimizer updates, and its state      ``master_dtype``
-  ===============  ==========================================================  ==============
+  | copy | what it is | field |
+  |---|---|---|
+  | working | the full params forward/backward runs on, and their grads | ``param_dtype`` |
+  | accumulation | grads summed over micro-batches before ``reduce_grads`` | ``grad_accum_dtype`` |
+  | wire | grads inside the reduce collective | ``comm_dtype`` |
+  | master | this rank's shard the optimizer updates, and its state | ``master_dtype`` |
 
 - loss scalers (:class:`DynamicLossScaler`, :class:`StaticLossScaler`,
   :class:`NoLossScaling`): hyperparameters in a frozen dataclass plus two pure functions,
@@ -23,12 +21,12 @@ live in this module:
 
 A training step with loss scaling, in the order the stage functions apply it::
 
-    loss_scaled = scale_loss(loss, ls)                  # before backward
-    ...backward, reduce_grads...                        # grads are ls.scale * true grads
-    found = <any grad shard on any rank not finite>     # ONE flag all-reduce over the
-                                                        # data-parallel group, before any
-                                                        # state changes
-    new_ls = scaler.update(ls, found)                   # every rank, same inputs
+    loss_scaled = scale_loss(loss, ls)              # before backward
+    ...backward, reduce_grads...                    # grads: ls.scale * true grads
+    found = <any grad shard on any rank not finite> # ONE flag all-reduce over the
+                                                    # data-parallel group, before
+                                                    # any state changes
+    new_ls = scaler.update(ls, found)               # every rank, same inputs
     if found: skip (master, optimizer state, step unchanged; only new_ls is kept)
     else:     grads *= unscale_and_clip_coef(norm_scaled, ls.scale, max_norm)
               # the OLD scale: the grads carry it, even when update just grew it

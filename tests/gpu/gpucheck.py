@@ -1,6 +1,6 @@
 """Shared set-up of the GPU check (``tests/gpu``): where it runs, its rank pools, its trainers.
 
-The GPU check runs zerofn's CUDA paths on one GPU (issue 15): NCCL at one rank, two ranks
+The GPU check runs zerofn's CUDA paths on one GPU: NCCL at one rank, two ranks
 sharing the GPU through gloo on CUDA tensors, CPU offload with CUDA params, overlap under
 torch's CUDA stream sanitizer, and checkpoints moving between CUDA and the CPU.
 

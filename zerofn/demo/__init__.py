@@ -2,7 +2,7 @@
 
 Run it on one machine; it starts its own gloo ranks on the CPU::
 
-    python -m zerofn demo                          # 2 ranks, ZeRO stage 2, fp32, AdamW
+    python -m zerofn demo                        # 2 ranks, ZeRO stage 2, fp32, AdamW
     python -m zerofn demo --world-size 3 --stage 1 --steps 50
     python -m zerofn demo --precision bf16 --accumulate 4
     python -m zerofn demo --overlap --plot demo.png   # the ZeroOptimizer facade, a PNG
