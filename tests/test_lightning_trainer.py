@@ -342,3 +342,17 @@ def test_registered_with_the_trainer_by_name_with_the_fabric_strategys_options()
         ZeroTrainerStrategy(stages=1)
     with pytest.raises(ValueError, match="ZeroTrainerStrategy: stage must be 1 or 2"):
         ZeroTrainerStrategy(stage=3)
+
+
+def test_remove_checkpoint_takes_the_saves_own_directory_and_leaves_other_links_targets(tmp_path):
+    from zerofn.checkpoint import META_FILE
+
+    (tmp_path / "ck.ckpt.t0").mkdir()
+    (tmp_path / "ck.ckpt.t0" / META_FILE).write_text("{}")
+    os.symlink("ck.ckpt.t0", tmp_path / "ck.ckpt")  # as a sharded save commits
+    os.symlink("ck.ckpt", tmp_path / "last.ckpt")  # as ModelCheckpoint(save_last="link") links
+    strategy = ZeroTrainerStrategy()
+    strategy.remove_checkpoint(tmp_path / "last.ckpt")
+    assert sorted(os.listdir(tmp_path)) == ["ck.ckpt", "ck.ckpt.t0"]
+    strategy.remove_checkpoint(tmp_path / "ck.ckpt")
+    assert os.listdir(tmp_path) == []

@@ -439,11 +439,20 @@ class ZeroTrainerStrategy(DDPStrategy):
         return None
 
     def remove_checkpoint(self, filepath: Any) -> None:
-        """Rank 0 removes a sharded checkpoint (the link and the directory it points at), or Lightning's file."""
-        if self.is_global_zero and _checkpoint.is_sharded_checkpoint(filepath) and os.path.islink(filepath):
-            target = os.path.realpath(filepath)
-            os.unlink(filepath)
-            shutil.rmtree(target, ignore_errors=True)
+        """Rank 0 removes a sharded checkpoint (its link, and the directory the save committed), or Lightning's file.
+
+        The directory goes only when the link is the save's own (``path`` -> ``path.<token>``):
+        a link made by someone else (``ModelCheckpoint(save_last="link")``'s ``last.ckpt``)
+        goes alone, leaving the checkpoint it points at.
+        """
+        path = os.fspath(filepath)
+        if _checkpoint.is_sharded_checkpoint(path) and os.path.islink(path):
+            if self.is_global_zero:
+                target = os.readlink(path)
+                own = os.path.basename(target).startswith(os.path.basename(path) + ".")
+                os.unlink(path)
+                if own:
+                    shutil.rmtree(os.path.join(os.path.dirname(path), target), ignore_errors=True)
             return
         super().remove_checkpoint(filepath)
 
