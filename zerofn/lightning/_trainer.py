@@ -244,6 +244,7 @@ class ZeroTrainerStrategy(DDPStrategy):
         if fitting:
             self.setup_optimizers(trainer)
         else:
+            self._zero = None  # a past fit's (closed) ZeroOptimizer trains nothing here
             _sync_module_states(self.model)
         self.setup_precision_plugin()
 
@@ -371,7 +372,7 @@ class ZeroTrainerStrategy(DDPStrategy):
         zero = _unwrap(optimizer)
         if not isinstance(zero, ZeroOptimizer):
             return super().optimizer_state(optimizer)
-        if self.state_dict_type == "full":
+        if self.state_dict_type == "full" or zero is not self._zero:  # not the one save_checkpoint shards
             return zero.state_dict()  # type: ignore[return-value]
         return {"zerofn": "sharded: in the checkpoint's DCP files"}
 
