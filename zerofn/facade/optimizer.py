@@ -441,6 +441,11 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
                 self._buffer_sync.close()
 
     def __del__(self) -> None:
+        if "_reducer" not in vars(self):
+            # Not a ZeroOptimizer that was built, but an object that borrowed the class: Lightning's
+            # LightningOptimizer and Fabric's _FabricOptimizer subclass the optimizer they wrap and forward
+            # attribute reads to it. Closing through one would take the real optimizer's hooks off the model.
+            return
         if sys.is_finalizing():
             # Interpreter teardown: the model's tensors may be half torn down already, and
             # writing pending gathers into them aborts the process (a torch internal assert

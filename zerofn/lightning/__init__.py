@@ -1,8 +1,10 @@
-"""zerofn inside Lightning: :class:`ZeroStrategy` for ``lightning.fabric.Fabric``.
+"""zerofn inside Lightning: :class:`ZeroStrategy` for Fabric, :class:`ZeroTrainerStrategy` for the Trainer.
 
 Needs the optional extra ``zerofn[lightning]`` (``lightning==2.6.6``). Importing this
-module registers the strategy with Fabric's registry, so that ``Fabric(strategy="zerofn")``
-(ZeRO-2) and ``Fabric(strategy="zerofn_stage_1")`` work after ``import zerofn.lightning``::
+module registers both strategies, each with its own registry, so that
+``Fabric(strategy="zerofn")`` and ``Trainer(strategy="zerofn")`` (ZeRO-2; ``"zerofn_stage_1"``
+for ZeRO-1) work after ``import zerofn.lightning``. Both take the same zerofn options
+(:class:`ZeroOptions`)::
 
     import lightning as L
     from zerofn.lightning import ZeroStrategy
@@ -11,9 +13,9 @@ module registers the strategy with Fabric's registry, so that ``Fabric(strategy=
     fabric.launch()
     model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters()))
 
-What the strategy overrides in Lightning, and why, is in :mod:`zerofn.lightning._fabric`;
-the checkpoint layout in :mod:`zerofn.lightning._checkpoint`; which precisions it takes in
-:mod:`zerofn.lightning._precision`. The guide: the docs' "Lightning" page.
+What the strategies override in Lightning, and why, is in :mod:`zerofn.lightning._fabric`
+and :mod:`zerofn.lightning._trainer`; the checkpoint layout in :mod:`zerofn.lightning._checkpoint`;
+which precisions they take in :mod:`zerofn.lightning._precision`. The guide: the docs' "Lightning" page.
 """
 
 try:
@@ -26,16 +28,21 @@ except ImportError as e:  # pragma: no cover - exercised by a subprocess in test
     ) from e
 
 from zerofn.lightning._fabric import ZeroStrategy
+from zerofn.lightning._options import ZeroOptions
+from zerofn.lightning._trainer import ZeroTrainerStrategy
 
-__all__ = ["ZeroStrategy"]
+__all__ = ["ZeroOptions", "ZeroStrategy", "ZeroTrainerStrategy"]
 
 
 def _register() -> None:
-    """Put the strategy's names into Fabric's registry (once per process)."""
+    """Put the strategies' names into Fabric's and the Trainer's registries (once per process)."""
     from lightning.fabric.strategies import STRATEGY_REGISTRY
+    from lightning.pytorch.strategies import StrategyRegistry
 
     if "zerofn" not in STRATEGY_REGISTRY:
         ZeroStrategy.register_strategies(STRATEGY_REGISTRY)
+    if "zerofn" not in StrategyRegistry:
+        ZeroTrainerStrategy.register_strategies(StrategyRegistry)
 
 
 _register()

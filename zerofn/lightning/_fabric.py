@@ -50,17 +50,11 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from zerofn import _sync
-from zerofn._comm import CommPolicy
 from zerofn.facade._guards import check_module
-from zerofn.facade._options import PRECISION_DEFAULTS
 from zerofn.facade.optimizer import ZeroOptimizer
 from zerofn.lightning import _checkpoint
+from zerofn.lightning._options import ZeroOptions
 from zerofn.lightning._precision import check_precision, is_fp16_mixed, swap_grad_scaler
-from zerofn.precision import DynamicLossScaler, GradAccumDtype, PrecisionPolicy
-from zerofn.stages import DEFAULT_BUCKET_NUMEL
-
-# ZeroOptimizer's precision keywords and their defaults, one source for both signatures.
-_DEFAULTS = PRECISION_DEFAULTS
 
 __all__ = ["ZeroStrategy"]
 
@@ -71,36 +65,13 @@ class ZeroStrategy(DDPStrategy):
     """ZeRO stage 1 or 2 for Fabric: ``Fabric(strategy=ZeroStrategy())`` or ``Fabric(strategy="zerofn")``.
 
     ``ZeroStrategy()`` alone is ZeRO-2 with :class:`~zerofn.ZeroOptimizer`'s defaults. The
-    options are the facade's (same names and meanings, see its docstring), plus Lightning's
-    DDP ones (``process_group_backend``, ``timeout``, ``start_method``, ...).
+    zerofn keywords (``stage``, ``reduce_bucket_size``, ``overlap_communication``,
+    ``communication_dtype``, ``cpu_offload``, the loss scaler's settings,
+    ``state_dict_type``, ...) are :class:`~zerofn.lightning.ZeroOptions`' (the same for the
+    Trainer's :class:`~zerofn.lightning.ZeroTrainerStrategy`); the others are Lightning's
+    DDP ones.
 
     Args:
-      stage: 2 (optimizer state and gradients sharded) or 1 (optimizer state sharded).
-      reduce_bucket_size: as ``ZeroOptimizer``'s (padded elements per bucket).
-      overlap_communication: as ``ZeroOptimizer``'s (reduce buckets during backward).
-      overlap_allgather: as ``ZeroOptimizer``'s (gather params behind the next forward).
-      communication_dtype: as ``ZeroOptimizer``'s (the gradients' wire dtype).
-      cpu_offload: as ``ZeroOptimizer``'s (master shards and optimizer state on the CPU).
-      master_weights: as ``ZeroOptimizer``'s (float32 master shards for low-precision params).
-      grad_accum_dtype: as ``ZeroOptimizer``'s (the dtype micro-batches accumulate in).
-      sub_dp_size: as ``ZeroOptimizer``'s (hybrid sharding: that many shard groups).
-      broadcast_buffers: as ``ZeroOptimizer``'s (rank 0's buffers before each forward).
-      nonfinite: as ``ZeroOptimizer``'s (``"skip"`` or ``"raise"`` without loss scaling).
-      initial_scale: zerofn's dynamic loss scaler under ``precision="16-mixed"`` (and for
-        float16 params), with ``min_scale``, ``growth_factor``, ``backoff_factor``,
-        ``growth_interval``, ``hysteresis`` and ``max_scale``: the facade's settings and defaults.
-      min_scale: see ``initial_scale``.
-      growth_factor: see ``initial_scale``.
-      backoff_factor: see ``initial_scale``.
-      growth_interval: see ``initial_scale``.
-      hysteresis: see ``initial_scale`` (1: back off at every overflow, as ``GradScaler``).
-      max_scale: see ``initial_scale``.
-      comm_policy: as ``ZeroOptimizer``'s (collective realisations).
-      entry_timeout: as ``ZeroOptimizer``'s (the wait of a collective entry point).
-      compile: as ``ZeroOptimizer``'s (the step after backward as one compiled graph).
-      state_dict_type: ``"sharded"``: ``fabric.save`` writes a zerofn sharded checkpoint
-        (every rank its shards, DCP); ``"full"``: Lightning's one file with the optimizer
-        in torch's format (gathered on every rank). ``fabric.load`` reads either.
       accelerator: Lightning's (set by Fabric).
       parallel_devices: Lightning's (set by Fabric).
       cluster_environment: Lightning's (set by Fabric).
@@ -109,33 +80,12 @@ class ZeroStrategy(DDPStrategy):
       process_group_backend: as Lightning's DDP strategy (default: gloo on CPU, NCCL on GPU).
       timeout: as Lightning's DDP strategy (the process group's timeout).
       start_method: as Lightning's DDP strategy (``"popen"``: Fabric's script launcher).
+      **options: zerofn's, see :class:`~zerofn.lightning.ZeroOptions`.
     """
 
     def __init__(
         self,
         *,
-        stage: int = 2,
-        reduce_bucket_size: int = DEFAULT_BUCKET_NUMEL,
-        overlap_communication: bool = False,
-        overlap_allgather: bool = False,
-        communication_dtype: torch.dtype | None = _DEFAULTS["communication_dtype"],
-        cpu_offload: bool = _DEFAULTS["cpu_offload"],
-        master_weights: bool = _DEFAULTS["master_weights"],
-        grad_accum_dtype: GradAccumDtype = _DEFAULTS["grad_accum_dtype"],
-        sub_dp_size: int = 1,
-        broadcast_buffers: bool = True,
-        nonfinite: str = _DEFAULTS["nonfinite"],
-        initial_scale: float = _DEFAULTS["initial_scale"],
-        min_scale: float = _DEFAULTS["min_scale"],
-        growth_factor: float = _DEFAULTS["growth_factor"],
-        backoff_factor: float = _DEFAULTS["backoff_factor"],
-        growth_interval: int = _DEFAULTS["growth_interval"],
-        hysteresis: int = _DEFAULTS["hysteresis"],
-        max_scale: float = _DEFAULTS["max_scale"],
-        comm_policy: CommPolicy | None = None,
-        entry_timeout: float | None = 300.0,
-        compile: bool | str = False,
-        state_dict_type: Literal["sharded", "full"] = "sharded",
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -144,11 +94,9 @@ class ZeroStrategy(DDPStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **options: Any,
     ) -> None:
-        if stage not in (1, 2):
-            raise ValueError(f"{_WHO}: stage must be 1 or 2, got {stage!r}")
-        if state_dict_type not in ("sharded", "full"):
-            raise ValueError(f"{_WHO}: state_dict_type must be 'sharded' or 'full', got {state_dict_type!r}")
+        self.options = ZeroOptions.parse(_WHO, options)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -159,35 +107,8 @@ class ZeroStrategy(DDPStrategy):
             timeout=timeout,
             start_method=start_method,
         )
-        self.stage = stage
-        self.state_dict_type = state_dict_type
-        self._options: dict[str, Any] = {
-            "reduce_bucket_size": reduce_bucket_size,
-            "overlap_communication": overlap_communication,
-            "overlap_allgather": overlap_allgather,
-            "sub_dp_size": sub_dp_size,
-            "broadcast_buffers": broadcast_buffers,
-            "comm_policy": comm_policy,
-            "entry_timeout": entry_timeout,
-            "compile": compile,
-        }
-        self._precision_options: dict[str, Any] = {
-            "communication_dtype": communication_dtype,
-            "cpu_offload": cpu_offload,
-            "master_weights": master_weights,
-            "grad_accum_dtype": grad_accum_dtype,
-            "nonfinite": nonfinite,
-        }
-        self._scaler = {
-            "initial_scale": initial_scale,
-            "min_scale": min_scale,
-            "growth_factor": growth_factor,
-            "backoff_factor": backoff_factor,
-            "growth_interval": growth_interval,
-            "hysteresis": hysteresis,
-            "max_scale": max_scale,
-        }
-        DynamicLossScaler(**self._scaler)  # its settings checked now, not at the first setup
+        self.stage = self.options.stage
+        self.state_dict_type = self.options.state_dict_type
         self._backward_sync_control = _ZeroBackwardSyncControl(self)
         self._zeros: list[tuple[Module, ZeroOptimizer]] = []
 
@@ -243,7 +164,6 @@ class ZeroStrategy(DDPStrategy):
             module=module,
             partition_grad=self.stage == 2,
             init_sync=True,
-            **self._options,
             **self._precision_kwargs(),
         )
         self._zeros.append((module, zero))
@@ -275,20 +195,8 @@ class ZeroStrategy(DDPStrategy):
             ) from None
 
     def _precision_kwargs(self) -> dict[str, Any]:
-        """The ZeroOptimizer's precision keywords; under "16-mixed" a policy with zerofn's dynamic loss scaler."""
-        if not is_fp16_mixed(self.precision):
-            return {**self._precision_options, **self._scaler}
-        o = self._precision_options
-        if o["nonfinite"] != "skip":
-            raise ValueError(f"{_WHO}: precision='16-mixed' needs nonfinite='skip' (a dynamic loss scaler skips)")
-        policy = PrecisionPolicy(
-            comm_dtype=o["communication_dtype"],
-            grad_accum_dtype=o["grad_accum_dtype"],
-            master_weights=o["master_weights"],
-            state_device="cpu" if o["cpu_offload"] else None,
-            loss_scaler=DynamicLossScaler(**self._scaler),
-        )
-        return {"precision": policy}
+        """The ZeroOptimizer's keywords from the options; under "16-mixed" with zerofn's dynamic loss scaler."""
+        return self.options.facade_kwargs(fp16_mixed=is_fp16_mixed(self.precision), who=_WHO)
 
     def _zero_for(self, module: Module | None) -> ZeroOptimizer | None:
         """The ZeroOptimizer of ``module`` (``None``: the only one, if there is one)."""

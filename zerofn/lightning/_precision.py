@@ -1,4 +1,7 @@
-"""Which of Lightning's precision plugins ``ZeroStrategy`` takes, and the ``"16-mixed"`` swap.
+"""Which of Lightning's precision plugins the strategies take, and the ``"16-mixed"`` swap.
+
+Fabric's and the Trainer's plugins are different classes with the same names and
+meanings; the functions here take the set to judge by (:data:`FABRIC`, :data:`TRAINER`).
 
 - ``"32-true"`` (``Precision``), ``"bf16-mixed"`` (``MixedPrecision``: autocast to bfloat16
   over float32 params) and ``"bf16-true"`` (``HalfPrecision``: the model cast to bfloat16;
@@ -18,12 +21,39 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
-from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning.fabric.plugins import precision as fabric_precision
+from lightning.pytorch.plugins import precision as trainer_precision
 
-__all__ = ["check_precision", "is_fp16_mixed", "swap_grad_scaler"]
+__all__ = ["FABRIC", "TRAINER", "PluginKinds", "check_precision", "is_fp16_mixed", "swap_grad_scaler"]
+
+
+class PluginKinds(NamedTuple):
+    """One Lightning flavour's precision plugin classes, and how its users name things in messages."""
+
+    precision: type  # "32-true"
+    mixed: type  # "16-mixed" / "bf16-mixed"
+    half: type  # "16-true" / "bf16-true"
+    entry: str  # what sets precision=: "Fabric" or "Trainer"
+    strategy: str  # the strategy's class name
+
+
+FABRIC = PluginKinds(
+    fabric_precision.Precision,
+    fabric_precision.MixedPrecision,
+    fabric_precision.HalfPrecision,
+    "Fabric",
+    "ZeroStrategy",
+)
+TRAINER = PluginKinds(
+    trainer_precision.Precision,
+    trainer_precision.MixedPrecision,
+    trainer_precision.HalfPrecision,
+    "Trainer",
+    "ZeroTrainerStrategy",
+)
 
 _SUPPORTED = "'32-true', 'bf16-mixed', 'bf16-true' or '16-mixed'"
 
@@ -39,29 +69,33 @@ def _is_default_fresh_scaler(scaler: Any) -> bool:
     return settings_default and getattr(scaler, "_scale", None) is None and scaler.is_enabled()
 
 
-def swap_grad_scaler(plugin: Precision | None) -> Precision | None:
+def swap_grad_scaler(plugin: Any, kinds: PluginKinds = FABRIC) -> Any:
     """``plugin``, or for ``MixedPrecision("16-mixed")`` with a fresh default ``GradScaler`` the same plugin without it.
 
     Anything else is returned as it is (and judged by :func:`check_precision` at setup).
     """
-    if type(plugin) is MixedPrecision and plugin.precision == "16-mixed" and _is_default_fresh_scaler(plugin.scaler):
-        swapped = MixedPrecision("16-mixed", device=plugin.device)
+    if is_fp16_mixed(plugin, kinds) and _is_default_fresh_scaler(plugin.scaler):
+        swapped = kinds.mixed("16-mixed", device=plugin.device)
         swapped.scaler = None  # zerofn's loss scaler takes its place (ZeroOptimizer.backward scales the loss)
         return swapped
     return plugin
 
 
-def is_fp16_mixed(plugin: Precision) -> bool:
+def is_fp16_mixed(plugin: Any, kinds: PluginKinds = FABRIC) -> bool:
     """Whether ``plugin`` is ``"16-mixed"`` (autocast to float16): zerofn's dynamic loss scaler is then on."""
-    return type(plugin) is MixedPrecision and plugin.precision == "16-mixed"
+    return isinstance(plugin, kinds.mixed) and plugin.precision == "16-mixed"
 
 
-def check_precision(plugin: Precision, who: str) -> None:
-    """Raise ``ValueError`` unless ``plugin`` is one the strategy runs (see the module docstring)."""
+def check_precision(plugin: Any, who: str, kinds: PluginKinds = FABRIC) -> None:
+    """Raise ``ValueError`` unless ``plugin`` is one the strategy runs (see the module docstring).
+
+    The plugin's class must be one of ``kinds`` exactly: a subclass may change what the
+    strategy relies on (its backward, its optimizer step).
+    """
     kind = type(plugin)
-    if kind is Precision:
+    if kind is kinds.precision:
         return
-    if kind is MixedPrecision:
+    if kind is kinds.mixed:
         if plugin.precision == "bf16-mixed":
             return
         if plugin.scaler is None:
@@ -73,12 +107,12 @@ def check_precision(plugin: Precision, who: str) -> None:
             f"{'already used' if getattr(scaler, '_scale', None) is not None else 'not the defaults'}). A GradScaler "
             "decides on each rank alone whether to skip a step, from the gradients that rank holds; with zerofn a rank "
             "holds only its shards, so ranks could disagree and their weights drift apart. zerofn's own loss scaler "
-            "decides for every rank at once. Drop the scaler (Fabric(precision='16-mixed') or "
+            f"decides for every rank at once. Drop the scaler ({kinds.entry}(precision='16-mixed') or "
             "MixedPrecision('16-mixed', device) without scaler=) and give its settings to the strategy: "
-            "ZeroStrategy(initial_scale=..., growth_factor=..., backoff_factor=..., growth_interval=..., "
+            f"{kinds.strategy}(initial_scale=..., growth_factor=..., backoff_factor=..., growth_interval=..., "
             "hysteresis=1) (hysteresis=1 backs off at every overflow, as GradScaler does)."
         )
-    if kind is HalfPrecision and plugin.precision == "bf16-true":
+    if kind is kinds.half and plugin.precision == "bf16-true":
         return
     name = getattr(plugin, "precision", None)
     instead = {
