@@ -1,8 +1,8 @@
 # zerofn: set up, demo, test, lint. Every target installs what it needs into .venv first.
 #
 #   make demo                 # python -m zerofn demo (ARGS="--world-size 3 --stage 1")
-#   make test                 # python -m pytest      (PYTEST_ARGS="-k demo -x"), then make test-numerics
-#   make test-numerics        # the float-sensitive checks again on another CPU kernel family
+#   make test                 # python -m pytest      (PYTEST_ARGS="-k demo -x")
+#   make test-numerics        # the float-sensitive checks with every rank on torch's portable CPU kernels
 #   make lint                 # ruff check + ruff format --check
 #   make notebooks            # execute notebooks/NN_*.py into NN_*.ipynb (ARGS="03")
 #   make docs                 # build the documentation site into site/ (mkdocs build --strict)
@@ -20,8 +20,8 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 ARGS ?=
 PYTEST_ARGS ?=
-# The kernel family the numerics checks run on a second time: torch's portable kernels
-# (no AVX2/AVX-512), so every run of `make test` sees two machines' worth of rounding.
+# The kernel family of `make test-numerics`: torch's portable kernels (no AVX2/AVX-512).
+# `make test` sees it too: its pool of 3 ranks runs on them (tests/conftest.py).
 NUMERICS_CPU_CAPABILITY ?= default
 
 PY := $(VENV)/bin/python
@@ -56,14 +56,14 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
-	$(MAKE) --no-print-directory test-numerics
 
 # The float-sensitive tests (marker `numerics`) are bitwise by construction or held to a
-# bound from error analysis, so they must pass on any kernels: this runs them once more on
-# torch's portable CPU kernels to show it. It keeps the cases at 3 and 4 ranks (where the
-# float64 wire and the fp32 bounds live; a sum of one or two addends has one order, and the
-# first pass checked those) and the tests not parametrized by world size
-# (ZEROFN_NUMERICS_RERUN, tests/conftest.py). ZEROFN_TEST_SEED=k moves every seed.
+# bound from error analysis, so they must pass on any kernels. `make test` runs its pool of
+# 3 ranks on torch's portable kernels and the rest on the machine's own; this runs the
+# marked set with every rank and this process on the portable ones: the cases at 3 and 4
+# ranks (where the float64 wire and the fp32 bounds live; a sum of one or two addends has
+# one order) and the tests not parametrized by world size (ZEROFN_NUMERICS_RERUN,
+# tests/conftest.py). ZEROFN_TEST_SEED=k moves every seed: the sweep over seeds runs this.
 test-numerics: $(STAMP)
 	ZEROFN_NUMERICS_RERUN=1 ATEN_CPU_CAPABILITY=$(NUMERICS_CPU_CAPABILITY) $(PY) -m pytest -m numerics -p no:cacheprovider
 

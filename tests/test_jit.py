@@ -14,9 +14,8 @@ loop, params, master shards, norms and loss-scale trajectory.
 
 Compiling is slow on the CPU (seconds to tens of seconds per graph), so the tests are
 few: each compiles one step once and runs every assertion on it. They are not in the
-``numerics`` set that ``make test`` reruns under another kernel family: both sides of every
-comparison run on the same machine's kernels, so no noise floor is involved (they were
-run once under ``ATEN_CPU_CAPABILITY=default`` too, and passed).
+``numerics`` set: both sides of every comparison run on the same ranks' kernels, so no
+noise floor is involved (at 3 ranks those are torch's portable kernels, tests/conftest.py).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from conftest import get_world
 from helpers import seeded
 
-from zerofn.testing import RankFailure, World, WorldError
+from zerofn.testing import RankFailure, World, WorldError, plugin
 
 
 @pytest.fixture(params=[2, 3, 4], ids=lambda n: f"N{n}")
@@ -178,6 +178,35 @@ def test_workers_see_the_environment_of_the_moment_their_pool_starts(monkeypatch
             seen = second.run(_variable_seen, "ZEROFN_TEST_WORLD_VARIABLE")
     assert [value for value, _, _ in seen] == ["set after the first pool"] * 2
     assert all(parent != os.getpid() for _, _, parent in seen)  # forked by the server, not by pytest
+
+
+def _kernels():
+    return os.environ.get("ATEN_CPU_CAPABILITY"), torch.backends.cpu.get_cpu_capability()
+
+
+def test_env_reaches_the_workers_only(monkeypatch):
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    with World(2, env={"ATEN_CPU_CAPABILITY": "default"}) as world:
+        assert world.run(_kernels) == [("default", "DEFAULT")] * 2
+    assert "ATEN_CPU_CAPABILITY" not in os.environ
+    with pytest.raises(TypeError, match="env maps names to strings"):
+        World(2, env={"ZEROFN_X": 1})
+
+
+def test_the_suite_runs_its_pool_of_three_on_the_portable_kernels_and_the_others_on_this_machines(worlds):
+    # tests/conftest.py: one pass of the suite sees two kernel families.
+    from conftest import PORTABLE_KERNELS_AT
+
+    assert PORTABLE_KERNELS_AT == 3
+    native = torch.backends.cpu.get_cpu_capability()
+    for n, world in worlds.items():
+        seen = world.run(_kernels)
+        if n == PORTABLE_KERNELS_AT:
+            assert seen == [("default", "DEFAULT")] * n
+        else:
+            assert seen == [(os.environ.get("ATEN_CPU_CAPABILITY"), native)] * n
+    with pytest.raises(RuntimeError, match="call it first"):  # made already: it may not change now
+        plugin.pools().set_env(PORTABLE_KERNELS_AT, {})
 
 
 _INIT_SEEN: dict = {}

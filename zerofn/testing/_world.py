@@ -56,7 +56,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -292,13 +292,18 @@ class World:
         then fail as ``WorkerHung``, each with the Python stack it was stuck in, and the
         pool is restarted. ``None`` (the default): ``2 * timeout + 30``, time for a
         collective that cannot finish to raise on its own rank first.
+      env: environment variables the workers get on top of the caller's environment (as it
+        is when the pool starts or restarts), e.g. ``{"ATEN_CPU_CAPABILITY": "default"}`` to
+        run the ranks on torch's portable CPU kernels while the caller keeps its own. A
+        variable that torch reads only while it is imported has no effect on workers forked
+        from the fork server, which imported torch already.
 
     Raises:
       ValueError: ``world_size < 1``, an unknown backend or device, NCCL without
         ``device="cuda"``, more NCCL ranks than GPUs, or a ``run_timeout`` that is not a
         positive number.
       RuntimeError: ``device="cuda"`` where CUDA is not available.
-      TypeError: ``init`` is not callable.
+      TypeError: ``init`` is not callable, or ``env`` holds something but strings.
 
     The pool starts lazily on the first ``run`` and is closed by ``close()`` or the
     ``with`` block. Workers see a normal default process group (``dist.get_rank()``,
@@ -316,6 +321,7 @@ class World:
         device: str = "cpu",
         init: Callable[[], object] | None = None,
         run_timeout: float | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"World needs at least one rank, got world_size={world_size}")
@@ -331,6 +337,9 @@ class World:
         self.device = device
         self.init = init
         self.run_timeout = run_timeout
+        self.env = dict(env or {})
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in self.env.items()):
+            raise TypeError(f"World: env maps names to strings, got {env!r}")
         self._init_payload = _pickler.dumps(init) if init is not None else None
         self._procs: list[Any] = []
         self._conns: list[Any] = []
@@ -369,7 +378,7 @@ class World:
                     self.device,
                     self._init_payload,
                     self._stack_path(rank),
-                    dict(os.environ),
+                    {**os.environ, **self.env},
                 ),
                 daemon=True,
                 name=f"zerofn-rank{rank}",

@@ -39,6 +39,7 @@ draw the inputs sharding gets wrong are in :mod:`zerofn.testing.strategies`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import pytest
@@ -73,6 +74,21 @@ class WorldPools:
         self.timeout = float(timeout)
         self.threads = threads
         self._pools: dict[tuple[int, float], World] = {}
+        self._env: dict[int, dict[str, str]] = {}
+
+    def set_env(self, world_size: int, env: Mapping[str, str]) -> None:
+        """Give the workers of every pool of ``world_size`` ranks ``env`` on top of the session's
+        environment (``World(env=...)``), e.g. ``{"ATEN_CPU_CAPABILITY": "default"}`` for
+        torch's portable kernels on those ranks only.
+
+        Raises:
+          RuntimeError: a pool of that size exists already (its workers may have run with
+            another environment); call this before the first test asks for one.
+        """
+        made = [world for (n, _), world in self._pools.items() if n == world_size]
+        if made:
+            raise RuntimeError(f"zerofn_world: set_env({world_size}, ...) after {made[0]!r} was made; call it first")
+        self._env[world_size] = dict(env)
 
     def __call__(self, world_size: int, *, timeout: float | None = None) -> World:
         """The session's pool of ``world_size`` gloo ranks (started by its first ``run``).
@@ -88,7 +104,9 @@ class WorldPools:
         limit = self.timeout if timeout is None else float(timeout)
         key = (world_size, limit)
         if key not in self._pools:
-            self._pools[key] = World(world_size, timeout=limit, run_timeout=limit, threads=self.threads)
+            self._pools[key] = World(
+                world_size, timeout=limit, run_timeout=limit, threads=self.threads, env=self._env.get(world_size)
+            )
         return self._pools[key]
 
     def __repr__(self) -> str:
