@@ -36,13 +36,17 @@ CLIP = 0.05
 class _Net(L.LightningModule):
     """Two linear layers, AdamW with weight decay and a per-step scheduler; rank r starts from its own weights."""
 
-    def __init__(self, *, wire64: bool = False, two_optimizers: bool = False, wrapped: bool = False) -> None:
+    def __init__(
+        self, *, wire64: bool = False, two_optimizers: bool = False, wrapped: bool = False, inf_at_epoch: int = -1
+    ) -> None:
         super().__init__()
         torch.manual_seed(seeded(31) + dist.get_rank())  # different on each rank: setup must broadcast rank 0's
         self.net = nn.Sequential(nn.Linear(7, 16), nn.Tanh(), nn.Linear(16, 5))
         if wrapped:
             self.net = nn.parallel.DistributedDataParallel(self.net)
         self.wire64, self.two_optimizers = wire64, two_optimizers
+        self.inf_at_epoch = inf_at_epoch  # rank 1's first micro-batch of that epoch overflows
+        self.steps: list[tuple[bool, float]] = []  # (skipped, loss scale) after each optimizer step
         self.automatic_optimization = not two_optimizers
         self.losses: list[float] = []
         self.sent: list[int] = []
@@ -62,8 +66,15 @@ class _Net(L.LightningModule):
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         self._counting.__exit__(None, None, None)
 
+    def on_train_epoch_end(self) -> None:  # one epoch is one optimizer step
+        zero = getattr(self.trainer.strategy, "zero_optimizer", None)
+        if zero is not None:
+            self.steps.append((zero.last_step_info.skipped, zero.loss_scale))
+
     def training_step(self, batch, batch_idx):
         x, y = batch
+        if self.current_epoch == self.inf_at_epoch and batch_idx == 0 and dist.get_rank() == 1:
+            x = x * float("inf")
         loss = mse(self.net(x + 0.1 * self.current_epoch), y)  # other inputs in each epoch
         self.losses.append(float(loss.detach()))
         return loss
@@ -195,28 +206,32 @@ def test_trainer_fits_bitwise_like_lightning_ddp(zerofn_world, n):
 
 
 def _clip_value_and_fp16():
-    """Clipping by value at stage 1 against ddp; "16-mixed" with zerofn's loss scaler in place of the GradScaler."""
+    """Clipping by value at stage 1 against ddp; "16-mixed" with zerofn's loss scaler in place of the GradScaler,
+    an overflow on rank 1 alone in the second step."""
     out = {}
     for name, strategy in (("ddp", "ddp"), ("zerofn", ZeroTrainerStrategy(stage=1))):
         model = _Net()
         _fit(_trainer(strategy, 2, clip=0.01, algorithm="value"), model)
         out[name] = _params(model)
     # Lightning turns precision="16-mixed" into "bf16-mixed" on the CPU; the plugin is what it builds elsewhere.
-    trainer = _trainer(ZeroTrainerStrategy(initial_scale=2.0**10), 2, plugins=[MixedPrecision("16-mixed", "cpu")])
-    model = _Net()
+    # An inf on rank 1 alone in the second step: every rank skips it and backs off the scale.
+    strategy = ZeroTrainerStrategy(initial_scale=2.0**10, hysteresis=1)
+    trainer = _trainer(strategy, 3, plugins=[MixedPrecision("16-mixed", "cpu")])
+    model = _Net(inf_at_epoch=1)
     _fit(trainer, model)
     zero = trainer.strategy.zero_optimizer
-    out["fp16"] = (trainer.precision_plugin.scaler, zero.loss_scale, int(zero.state.step), _params(model))
+    out["fp16"] = (trainer.precision_plugin.scaler, model.steps, int(zero.state.step), _params(model))
     return out
 
 
-def test_clip_by_value_at_stage_1_and_fp16_with_zerofns_loss_scaler(zerofn_world):
+def test_clip_by_value_at_stage_1_and_fp16_with_an_overflow_on_one_rank_skipped_on_every_rank(zerofn_world):
     results = zerofn_world(2).run(_clip_value_and_fp16)
     for rank, out in enumerate(results):
         for name in out["ddp"]:
             assert_bitwise_equal(out["zerofn"][name], out["ddp"][name], f"rank {rank} {name}")
-        scaler, scale, step, _ = out["fp16"]
-        assert scaler is None and scale == 2.0**10 and step == 2  # no GradScaler; zerofn's scale, two steps taken
+        scaler, steps, taken, _ = out["fp16"]
+        assert scaler is None  # no GradScaler: zerofn's loss scaler, whose overflow verdict every rank shares
+        assert steps == [(False, 2.0**10), (True, 2.0**9), (False, 2.0**9)] and taken == 2, (rank, steps)
     for name, p in results[0]["fp16"][3].items():
         assert_bitwise_equal(results[1]["fp16"][3][name], p, name)
 
