@@ -89,6 +89,36 @@ def get_world(n: int) -> World:
     return plugin.pools()(n)
 
 
+_reference_pools: dict[str, World] = {}
+
+
+def reference_world(n: int) -> World:
+    """A pool of one rank on the kernels of the session's pool of ``n``: a single-process
+    reference for a bitwise comparison with ``n`` ranks runs on the kernels they run on.
+
+    ``get_world(1)`` but for ``PORTABLE_KERNELS_AT``: a one-rank pool of its own, on the
+    portable kernels (a fork from the fork server, so a fraction of a second to start).
+    """
+    if n != PORTABLE_KERNELS_AT or os.environ.get("ATEN_CPU_CAPABILITY"):
+        return get_world(1)
+    if "portable" not in _reference_pools:
+        pools = plugin.pools()
+        _reference_pools["portable"] = World(
+            1,
+            timeout=pools.timeout,
+            run_timeout=pools.timeout,
+            threads=pools.threads,
+            env={"ATEN_CPU_CAPABILITY": PORTABLE_KERNELS},
+        )
+    return _reference_pools["portable"]
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    for world in _reference_pools.values():
+        world.close()
+    _reference_pools.clear()
+
+
 @pytest.fixture(params=WORLD_SIZES, ids=lambda n: f"N{n}")
 def world(request: pytest.FixtureRequest, zerofn_world: plugin.WorldPools) -> World:
     """Each test using this runs at world sizes 1, 2, 3 and 4."""

@@ -133,8 +133,9 @@ def _torch_continues(
 ) -> dict[str, Any]:
     """Plain torch AdamW continuing ``sd`` from ``params`` on the gradients ``world`` ranks form.
 
-    Run on a one-rank pool (the ranks' thread and kernel settings, so each rank's
-    gradient here has that rank's bits). Each step: every rank's ``_rank_grads``, scaled
+    Run on ``reference_world(world)``: one rank with the thread and kernel settings of the
+    ranks it stands for, so each rank's gradient here has that rank's bits. Each step:
+    every rank's ``_rank_grads``, scaled
     by the 0-d fp32 factor 1/world as zerofn's ``pack_grads`` scales them, summed in
     float64 (exact in any order for N <= 4 fp32 addends; at one or two ranks the fp32
     wire's single rounding of the exact sum, the same bits) and rounded to fp32 once: the
@@ -186,13 +187,13 @@ def test_zerofn_state_dict_continues_in_torch_adamw_and_back():
     the exact wire), so torch's AdamW and zerofn's take the same bits: any difference is
     a state dict that lost or misplaced something (a moment, the step count, an lr).
     """
-    from conftest import get_world
+    from conftest import get_world, reference_world
 
     full = get_world(2).run(_zerofn_then_full, 5)[0]
     names = full["zerofn"]["names"]
     masters = {n: full["zerofn"]["master"][n] for n in names}
     # Plain torch: the master weights become the params, the state loads as is.
-    torch_run = get_world(1).run(_torch_continues, full, masters, 5, 5, 2)[0]
+    torch_run = reference_world(2).run(_torch_continues, full, masters, 5, 5, 2)[0]
     assert torch_run["lr"] == 1e-2
     # zerofn continuing itself, for comparison.
     reference = get_world(2).run(_continue_from_torch, full, masters, 5, 5)[0]
@@ -201,7 +202,7 @@ def test_zerofn_state_dict_continues_in_torch_adamw_and_back():
     # continuing by itself on 3 ranks' gradients.
     assert "zerofn" not in torch_run["sd"]
     zerofn_continued = get_world(3).run(_continue_from_torch, torch_run["sd"], torch_run["params"], 10, 3)
-    torch_continued = get_world(1).run(_torch_continues, torch_run["sd"], torch_run["params"], 10, 3, 3)[0]
+    torch_continued = reference_world(3).run(_torch_continues, torch_run["sd"], torch_run["params"], 10, 3, 3)[0]
     for params in zerofn_continued:
         assert_trees_equal(params, torch_continued["params"])
     assert max_rel_diff(torch_continued["params"], torch_run["params"]) > 1e-3  # the 3 steps trained
@@ -243,12 +244,14 @@ def test_save_at_n_load_at_every_m_equals_the_saved_state_and_keeps_training(wor
     steps bitwise plain torch AdamW continuing the saved state on M ranks' gradients
     (``_torch_continues``); at M = N also bitwise the run that never stopped (the same
     arithmetic in the same order)."""
+    from conftest import reference_world
+
     path = str(tmp_path / f"ckpt_n{n}")
     saved = worlds[n].run(_save_after, path, 4)[0]
     reference = worlds[n].run(_never_stopped, 8)[0]
     masters = dict(saved["zerofn"]["master"])
     for m in (1, 2, 3, 4):
-        continued = worlds[1].run(_torch_continues, saved, masters, 4, 4, m)[0]["params"]
+        continued = reference_world(m).run(_torch_continues, saved, masters, 4, 4, m)[0]["params"]
         assert max_rel_diff(continued, masters) > 1e-3, f"N={n} -> M={m}: the 4 steps did not train"
         for loaded, params in worlds[m].run(_load_and_continue, path, 4, 4):
             assert_state_dicts_equal(loaded, saved, f"N={n} -> M={m}")

@@ -23,12 +23,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import get_world
+from conftest import get_world, reference_world
 from helpers import assert_trees_equal, seeded
 
 import zerofn as zf
 from zerofn.buckets import cut_shard
 from zerofn.layout import make_layout
+from zerofn.testing import World
 
 KINDS = ("adamw8bit", "adamw4bit", "adamwfp8")
 STEPS = 30
@@ -98,19 +99,28 @@ def _expected_nbytes(layout, kind: str) -> int:
     return total
 
 
-_results: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
+_results: dict[World, dict[str, dict[str, torch.Tensor]]] = {}  # by the pool that ran it
+
+
+def _on(world) -> dict[str, dict[str, torch.Tensor]]:
+    if world not in _results:
+        _results[world] = world.run(_train_functional, KINDS)[0]
+    return _results[world]
 
 
 def _at(n: int) -> dict[str, dict[str, torch.Tensor]]:
-    if n not in _results:
-        _results[n] = get_world(n).run(_train_functional, KINDS)[0]
-    return _results[n]
+    return _on(get_world(n))
+
+
+def _one_rank_like(n: int) -> dict[str, dict[str, torch.Tensor]]:
+    """The one-rank run on the kernels of the pool of ``n`` ranks (``conftest.reference_world``)."""
+    return _on(reference_world(n))
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_params_after_30_steps_are_bitwise_equal_at_every_world_size(n):
     for kind in KINDS:
-        assert_trees_equal(_at(n)[kind], _at(1)[kind])
+        assert_trees_equal(_at(n)[kind], _one_rank_like(n)[kind])
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -296,10 +306,14 @@ def saved(tmp_path_factory):
 
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
 def test_a_checkpoint_saved_at_two_ranks_resumes_at_m_ranks_bitwise(saved, m):
+    # At one rank against the run that never stopped; at M against one rank resuming on the
+    # same kernels (conftest.reference_world: the pool of 3 runs on the portable ones, the
+    # saving pool of 2 on this machine's): together, at every M the run that never stopped.
     resumed = get_world(m).run(_resume, saved)[0]
+    one_rank = {"dcp": _at(1), "full": _at(1)} if m == 1 else reference_world(m).run(_resume, saved)[0]
     for kind in KINDS:
-        assert_trees_equal(resumed["dcp"][kind], _at(1)[kind])
-        assert_trees_equal(resumed["full"][kind], _at(1)[kind])
+        assert_trees_equal(resumed["dcp"][kind], one_rank["dcp"][kind])
+        assert_trees_equal(resumed["full"][kind], one_rank["full"][kind])
 
 
 def test_the_full_state_dict_is_torchaos_own_and_loads_into_the_plain_optimizer_and_back(saved):
@@ -323,8 +337,11 @@ def test_the_full_state_dict_is_torchaos_own_and_loads_into_the_plain_optimizer_
             for n, p in params.items():
                 p.grad = g[n]
             plain.step()
-    back = get_world(3).run(_continue_plain, plain.state_dict(), {n: p.detach() for n, p in params.items()})[0]
-    assert_trees_equal(back, _at(1)["adamw8bit"])
+    args = (plain.state_dict(), {n: p.detach() for n, p in params.items()})
+    back = get_world(3).run(_continue_plain, *args)[0]
+    # as one rank continuing on the same kernels, which on this machine's is the run that never stopped
+    assert_trees_equal(back, reference_world(3).run(_continue_plain, *args)[0])
+    assert_trees_equal(get_world(1).run(_continue_plain, *args)[0], _at(1)["adamw8bit"])
 
 
 def _continue_plain(sd: dict, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
