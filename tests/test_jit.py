@@ -430,10 +430,13 @@ def _refusals() -> dict[str, tuple[str, str]]:
         "muon_tensor_lr": zf.optim.partition(  # rank 1 owns no Muon param: it refuses too, never waits
             [(["0.weight"], zf.torch_optim.from_torch(torch.optim.Muon, lr=lr)), (lambda n: True, zf.optim.sgd())]
         ),
+        "numbers": zf.optim.adamw(lr=lr),  # a state built by hand with Python numbers
     }
     for name, opt in cases.items():
         torch._dynamo.reset()
         state = zf.shard_params(params, opt).as_tensors()
+        if name == "numbers":
+            state = state.replace(step=0, loss_scale=zf.LossScaleState(1.0, 0, 0))
         shards = zf.reduce_grads({n: torch.ones_like(p) for n, p in params.items()}, state.layout)
         compiled = torch.compile(lambda s, g: zf.step_shards(s, g), fullgraph=True, backend="aot_eager")
         before = {n: t.clone() for n, t in state.master.items()}
@@ -448,7 +451,7 @@ def _refusals() -> dict[str, tuple[str, str]]:
 
 def test_what_cannot_compile_is_refused_at_trace_time_naming_it():
     for out in get_world(2).run(_refusals):
-        assert set(out) == {"adafactor", "sgd_first_step", "muon_tensor_lr", "adamw8bit"}
+        assert set(out) == {"adafactor", "sgd_first_step", "muon_tensor_lr", "adamw8bit", "numbers"}
         assert all(kind == "Unsupported" for kind, _ in out.values()), out  # dynamo's, raised while tracing
         assert "from_torch(Adafactor) under torch.compile" in out["adafactor"][1]
         assert ".item()" in out["adafactor"][1]
@@ -459,3 +462,4 @@ def test_what_cannot_compile_is_refused_at_trace_time_naming_it():
         assert "Run the first step eagerly, then compile the step" in out["sgd_first_step"][1]
         assert "torch.optim.Muon under torch.compile takes a float lr" in out["muon_tensor_lr"][1]
         assert "zerofn.optim.adamw8bit under torch.compile: its state is torchao's" in out["adamw8bit"][1]
+        assert "the state's step and loss scale are Python numbers (a state built by hand)" in out["numbers"][1]
