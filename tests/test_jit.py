@@ -180,11 +180,11 @@ def _shard_params_numbers() -> list[tuple[str, str, tuple[int, ...], str]]:
     state = zf.shard_params(params, zf.optim.adamw(lr=1e-2), precision=zf.PrecisionPolicy(loss_scaler=scaler))
     numbers = {"step": state.step, **state.loss_scale._asdict()}
     return [(k, str(v.dtype), tuple(v.shape), str(v.device)) for k, v in numbers.items()] + [
-        ("values", repr((int(state.step), *(v.item() for v in state.loss_scale))), (), str(state.state_device))
+        ("values", repr((int(state.step), *(v.item() for v in state.loss_scale))), (), str(state.work_device))
     ]
 
 
-def test_shard_params_makes_the_step_count_and_loss_scale_0d_tensors_on_the_state_device():
+def test_shard_params_makes_the_step_count_and_loss_scale_0d_tensors_on_the_params_device():
     for out in get_world(2).run(_shard_params_numbers):
         assert out == [
             ("step", "torch.int64", (), "cpu"),

@@ -76,7 +76,7 @@ class LossScaleState(NamedTuple):
 
     A scaler's ``init`` returns Python numbers, and ``update`` on them is host arithmetic.
     A :class:`~zerofn.ZeroState` holds them as 0-d tensors (float64 scale, int64 counters,
-    on the state's device), as ``torch.optim`` keeps its ``step``: a compiled step reads
+    on the params' device), as ``torch.optim`` keeps its ``step``: a compiled step reads
     them as inputs (a skipped step is a ``torch.where``, the scale moves without
     recompiling) and the same step body runs eagerly. ``update`` on tensors is tensor math
     whose float64 products round as the Python floats do: the same trajectory. With

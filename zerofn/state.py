@@ -53,11 +53,13 @@ class ZeroState:
         when ``precision.master_weights`` is False; on ``precision.state_device`` (the CPU for
         CPU offload) or else on the params' device.
       opt_state: the optimizer's state NamedTuple over the same shard shapes (same device).
-      step: completed (not skipped) optimizer steps, a 0-d int64 tensor on the state's
-        device (as ``torch.optim`` keeps its ``step``), so one step body serves eager and
-        compiled calls; ``int(state.step)`` reads it.
+      step: completed (not skipped) optimizer steps, a 0-d int64 tensor (as ``torch.optim``
+        keeps its ``step``), so one step body serves eager and compiled calls;
+        ``int(state.step)`` reads it. It and the loss-scale state live on the params'
+        device (:attr:`work_device`), with the gradients and the scalar all-reduce they
+        meet, also under CPU offload.
       loss_scale: the loss scaler's :class:`~zerofn.precision.LossScaleState`, its three
-        fields 0-d tensors (float64 scale, int64 counters) on the state's device; advanced
+        fields 0-d tensors (float64 scale, int64 counters) on the params' device; advanced
         by every ``step_shards``, skipped steps included (that is how the scaler backs off).
       precision: the :class:`~zerofn.precision.PrecisionPolicy` the state was built with
         (static): its loss scaler, ``nonfinite`` rule and dtypes drive ``step_shards``.
@@ -120,11 +122,11 @@ class ZeroState:
 
         ``shard_params`` and the checkpoint loaders make them so; a state built by hand
         with Python numbers gets an int64 ``step`` and a float64 scale and two int64
-        counters on the state's device. Nothing else is copied.
+        counters on the params' device (:attr:`work_device`). Nothing else is copied.
         """
         if isinstance(self.step, torch.Tensor) and all(isinstance(v, torch.Tensor) for v in self.loss_scale):
             return self
-        step, loss_scale = tensor_numbers(self.step, self.loss_scale, self.state_device)
+        step, loss_scale = tensor_numbers(self.step, self.loss_scale, self.work_device)
         return self.replace(step=step, loss_scale=loss_scale)
 
     def as_tensors(self) -> ZeroState:
@@ -132,7 +134,7 @@ class ZeroState:
 
         The step count and the loss-scale state are 0-d tensors already, from
         ``shard_params`` on (a state built by hand with Python numbers gets them here, on
-        the state's device, as ``step_shards`` converts them eagerly). Optimizer state
+        the params' device, as ``step_shards`` converts them eagerly). Optimizer state
         that torch creates lazily as zeros at a param's first step (``torch.optim.Muon``'s
         momentum buffers, through :func:`~zerofn.torch_optim.from_torch`) is created here,
         as the same zeros, so that the compiled step's state keeps one structure. Tensors are shared, nothing is copied.

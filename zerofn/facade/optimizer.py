@@ -342,7 +342,20 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
     @property
     def loss_scale(self) -> float:
         """The loss scale the next ``backward`` multiplies the loss by (1.0 without scaling)."""
-        return float(self._state.loss_scale.scale)
+        return self._host_loss_scale()
+
+    def _host_loss_scale(self) -> float:
+        """The state's loss scale as a Python float, read from its 0-d tensor once per new tensor.
+
+        The gradient hooks ask for it per bucket; a step makes at most one new scale tensor, so
+        the device is read at most once per step (never under ``NoLossScaling``, whose tensor
+        does not change).
+        """
+        scale = self._state.loss_scale.scale
+        seen = self.__dict__.get("_scale_seen")
+        if seen is None or seen[0] is not scale:
+            seen = self._scale_seen = (scale, float(scale))
+        return seen[1]
 
     @property
     def last_step_info(self) -> StepInfo | None:
@@ -575,6 +588,6 @@ def _loss_scale_of(opt: weakref.ref[ZeroOptimizer]) -> Any:
 
     def scale() -> float:
         me = opt()
-        return 1.0 if me is None else float(me._state.loss_scale.scale)
+        return 1.0 if me is None else me._host_loss_scale()
 
     return scale

@@ -87,7 +87,7 @@ def shard_params(
       A :class:`ZeroState` whose ``master[name]`` is, for a split param, chunk ``rank`` of
       the padded flat param, shape ``(ceil(numel / N),)``; for a whole param the full
       param (its shape) on its owner rank, absent on the others. ``precision`` is the
-      policy used. ``step`` (0) and the loss-scale state are 0-d tensors on the state's
+      policy used. ``step`` (0) and the loss-scale state are 0-d tensors on the params'
       device (int64 step and counters, float64 scale), so the same state steps eagerly and
       under ``torch.compile``.
 
@@ -119,7 +119,7 @@ def shard_params(
             if s.holds(rank)
         }
     )
-    step, loss_scale = tensor_numbers(0, policy.loss_scaler.init(), state_device)
+    step, loss_scale = tensor_numbers(0, policy.loss_scaler.init(), param_device)
     return ZeroState(
         layout,
         optimizer,
