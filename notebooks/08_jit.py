@@ -9,8 +9,9 @@
 # `wait_tensor`), which the compiler keeps in the graph; eagerly it calls c10d as always.
 #
 # What a compiled step needs (the guide: `docs/jit.md`): the state's numbers as tensors
-# (`state.as_tensors()`: step count, loss scale), a learning rate that changes as a 0-d
-# tensor updated in place, and the skip decision as tensor math (zerofn does that).
+# (`shard_params` makes the step count and loss scale 0-d tensors), a learning rate that
+# changes as a 0-d tensor updated in place, and the skip decision as tensor math (zerofn
+# does that).
 #
 # This notebook, on 2 gloo ranks: the collectives of the compiled graph, in order; how
 # often it compiles over 12 steps of a schedule; the bits against the eager loop; and the
@@ -69,7 +70,7 @@ def eager_and_compiled(steps):
         return state, zf.gather_params(state), info.grad_norm
 
     def train(fn):
-        state = zf.shard_params(params, zf.optim.adamw(lr=lr)).as_tensors()
+        state = zf.shard_params(params, zf.optim.adamw(lr=lr))
         p, times, norms = params, [], []
         for i, x in enumerate(data):
             lr.fill_(1e-2 * 0.95**i)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from typing import Any
 
 import torch
 from conftest import get_world
@@ -53,8 +54,9 @@ def _reference() -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Ten
     return {n: p.detach() for n, p in params.items()}, {n: opt.state[p] for n, p in params.items()}
 
 
-def _load_fixture(path: str) -> dict[str, float]:
-    """Load the fixture on this rank; the largest relative differences from the reference."""
+def _load_fixture(path: str) -> dict[str, Any]:
+    """Load the fixture on this rank; the largest relative differences from the reference, and the
+    dtypes of the loaded state's numbers (the file holds Python numbers; the state 0-d tensors)."""
     model = {n: torch.zeros(s) for n, s in SHAPES.items()}
     buffers = {"running": torch.zeros(3)}
     state = zf.checkpoint.load(path, model, params_out=model, buffers_out=buffers)
@@ -62,6 +64,8 @@ def _load_fixture(path: str) -> dict[str, float]:
     ref_params, ref_state = _reference()
     names = full["zerofn"]["names"]
     out = {"step": float(state.step), "buffer": float((buffers["running"] - torch.arange(3.0)).abs().max())}
+    numbers = (state.step, *state.loss_scale)
+    out["numbers"] = [(str(t.dtype), t.dim()) if isinstance(t, torch.Tensor) else type(t).__name__ for t in numbers]
     for i, n in enumerate(names):
         out[f"param/{n}"] = tensor_rel_diff(model[n], ref_params[n])
         out[f"master/{n}"] = tensor_rel_diff(full["zerofn"]["master"][n], ref_params[n])
@@ -78,4 +82,10 @@ def test_a_version_1_checkpoint_from_before_the_package_loads_at_any_world_size(
     for n in (1, 2):
         for diffs in get_world(n).run(_load_fixture, str(tmp_path / "v1")):
             assert diffs.pop("step") == STEPS
+            assert diffs.pop("numbers") == [
+                ("torch.int64", 0),
+                ("torch.float64", 0),
+                ("torch.int64", 0),
+                ("torch.int64", 0),
+            ]
             assert all(d <= 1e-6 for d in diffs.values()), diffs

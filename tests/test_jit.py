@@ -1,10 +1,11 @@
 """jit: the README's functional step under ``torch.compile(fullgraph=True)``, one graph, bitwise equal to eager.
 
 The step is the README's loop (``torch.func.grad``, ``reduce_grads``, ``step_shards``,
-``gather_params``) with the state in its tensor form (``state.as_tensors()``) and the
-learning rate a 0-d tensor a schedule updates in place. ``fullgraph=True`` makes any graph
-break an error, and ``torch._dynamo.config.error_on_recompile`` makes any recompile one,
-so every step after the first runs the one graph compiled first.
+``gather_params``) with the state as ``shard_params`` makes it (its step count and loss
+scale are 0-d tensors) and the learning rate a 0-d tensor a schedule updates in place.
+``fullgraph=True`` makes any graph break an error, and
+``torch._dynamo.config.error_on_recompile`` makes any recompile one, so every step after
+the first runs the one graph compiled first.
 
 Tolerances: ``backend="aot_eager"`` runs the same aten kernels as eager mode, and the
 compiled step computes its scalars (norm, unscale-and-clip coefficient, loss scale,
@@ -20,6 +21,9 @@ noise floor is involved (at 3 ranks those are torch's portable kernels, tests/co
 
 from __future__ import annotations
 
+import re
+import textwrap
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -64,7 +68,7 @@ def _compiled_against_eager(stage: int, fp16: bool, steps: int, overflow_at: int
     lr = torch.tensor(1e-2, dtype=torch.float64)
     scaler = zf.DynamicLossScaler(initial_scale=2.0**10, growth_interval=3)
     precision = zf.PrecisionPolicy(param_dtype=torch.float16, loss_scaler=scaler) if fp16 else None
-    start = zf.shard_params(params, zf.optim.adamw(lr=lr, weight_decay=0.1), precision=precision).as_tensors()
+    start = zf.shard_params(params, zf.optim.adamw(lr=lr, weight_decay=0.1), precision=precision)
 
     def loss_fn(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return F.mse_loss(torch.func.functional_call(model, p, (x,)), y)
@@ -119,6 +123,77 @@ def test_an_fp16_overflow_on_one_rank_skips_on_both_with_the_same_scale_trajecto
     assert scales[2] == scales[1] and max(scales) > scales[0]  # hysteresis absorbed it; growth every 3 good steps
 
 
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def _readme_loop() -> tuple[str, str]:
+    """The README's functional loop: the code before ``for step in range(20):`` and the loop's body, as written."""
+    block = re.search(r"```python\n(.*?)```", README.read_text(encoding="utf-8"), re.DOTALL)
+    assert block is not None
+    setup, body = block.group(1).split("for step in range(20):\n")
+    return setup, textwrap.dedent(body)
+
+
+def _readme_loop_compiled_against_eager(steps: int) -> dict[str, Any]:
+    """The README's setup, then its loop body as a step function run eagerly and compiled, from the same seed."""
+    setup, body = _readme_loop()
+    code = "def readme_step(state, params):\n" + textwrap.indent(body, "    ") + "    return state, params, info\n"
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    scope: dict[str, Any] = {"__name__": "readme"}
+    exec(setup + code, scope)  # the setup: model, params, state from shard_params (no as_tensors), grad_fn
+    start, params, rank_seed = scope["state"], scope["params"], 1 + dist.get_rank()
+
+    def run(fn: Any) -> tuple[zf.ZeroState, dict[str, torch.Tensor], list[tuple[float, bool, float]]]:
+        torch.manual_seed(rank_seed)  # as the README seeds the batches
+        state, p, trace = start, params, []
+        for _ in range(steps):
+            state, p, info = fn(state, p)
+            trace.append((float(info.grad_norm), bool(info.skipped), float(info.clip_coef)))
+        return state, p, trace
+
+    (se, pe, te) = run(scope["readme_step"])
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        (sc, pc, tc) = run(torch.compile(scope["readme_step"], fullgraph=True, backend="aot_eager"))
+    torch._dynamo.reset()
+    return {
+        "params_equal": all(torch.equal(pe[n], pc[n]) for n in pe),
+        "master_equal": all(torch.equal(se.master[n], sc.master[n]) for n in se.master),
+        "trace_equal": te == tc,
+        "clipped": any(c < 1.0 for _, _, c in te),
+        "steps": (int(se.step), int(sc.step)),
+        "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
+    }
+
+
+def test_the_readme_loop_as_written_compiles_fullgraph_and_trains_bitwise_as_eager():
+    for rank, out in enumerate(get_world(2).run(_readme_loop_compiled_against_eager, 20)):
+        assert out["params_equal"] and out["master_equal"] and out["trace_equal"], rank
+        assert out["graphs"] == 1, out["graphs"]
+        assert out["steps"] == (20, 20)
+
+
+def _shard_params_numbers() -> list[tuple[str, str, tuple[int, ...], str]]:
+    _, params = _model(False)
+    scaler = zf.DynamicLossScaler(initial_scale=2.0**10)
+    state = zf.shard_params(params, zf.optim.adamw(lr=1e-2), precision=zf.PrecisionPolicy(loss_scaler=scaler))
+    numbers = {"step": state.step, **state.loss_scale._asdict()}
+    return [(k, str(v.dtype), tuple(v.shape), str(v.device)) for k, v in numbers.items()] + [
+        ("values", repr((int(state.step), *(v.item() for v in state.loss_scale))), (), str(state.work_device))
+    ]
+
+
+def test_shard_params_makes_the_step_count_and_loss_scale_0d_tensors_on_the_params_device():
+    for out in get_world(2).run(_shard_params_numbers):
+        assert out == [
+            ("step", "torch.int64", (), "cpu"),
+            ("scale", "torch.float64", (), "cpu"),
+            ("growth_tracker", "torch.int64", (), "cpu"),
+            ("hysteresis_left", "torch.int64", (), "cpu"),
+            ("values", repr((0, 1024.0, 0, 2)), (), "cpu"),
+        ]
+
+
 def _two_steps_compiled() -> dict[str, bool]:
     """Two models of different shapes through one step function, each compiled in turn (no reset
     between them); whether each compiled step's params equal the eager step's.
@@ -138,7 +213,7 @@ def _two_steps_compiled() -> dict[str, bool]:
         torch.manual_seed(seeded(width))
         model = torch.nn.Sequential(torch.nn.Linear(width - 4, width), torch.nn.Tanh(), torch.nn.Linear(width, 1))
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
-        state = zf.shard_params(params, zf.optim.adamw(lr=1e-2)).as_tensors()
+        state = zf.shard_params(params, zf.optim.adamw(lr=1e-2))
         grads = {n: torch.randn(p.shape) for n, p in params.items()}
         compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
         eager, again = step(state, grads)[1], compiled(state, grads)[1]
@@ -171,7 +246,7 @@ def _errors_compiled_and_eager() -> dict[str, tuple[str, str] | None]:
         return zf.reduce_grads(grads, layout)
 
     def step(state: zf.ZeroState, shards: dict[str, torch.Tensor]) -> Any:
-        return zf.step_shards(state.as_tensors(), shards)
+        return zf.step_shards(state, shards)
 
     compiled_reduce = torch.compile(reduce, fullgraph=True, backend="aot_eager", dynamic=False)
     compiled_step = torch.compile(step, fullgraph=True, backend="aot_eager", dynamic=False)
@@ -354,10 +429,13 @@ def _refusals() -> dict[str, tuple[str, str]]:
         "muon_tensor_lr": zf.optim.partition(  # rank 1 owns no Muon param: it refuses too, never waits
             [(["0.weight"], zf.torch_optim.from_torch(torch.optim.Muon, lr=lr)), (lambda n: True, zf.optim.sgd())]
         ),
+        "numbers": zf.optim.adamw(lr=lr),  # a state built by hand with Python numbers
     }
     for name, opt in cases.items():
         torch._dynamo.reset()
         state = zf.shard_params(params, opt).as_tensors()
+        if name == "numbers":
+            state = state.replace(step=0, loss_scale=zf.LossScaleState(1.0, 0, 0))
         shards = zf.reduce_grads({n: torch.ones_like(p) for n, p in params.items()}, state.layout)
         compiled = torch.compile(lambda s, g: zf.step_shards(s, g), fullgraph=True, backend="aot_eager")
         before = {n: t.clone() for n, t in state.master.items()}
@@ -372,7 +450,7 @@ def _refusals() -> dict[str, tuple[str, str]]:
 
 def test_what_cannot_compile_is_refused_at_trace_time_naming_it():
     for out in get_world(2).run(_refusals):
-        assert set(out) == {"adafactor", "sgd_first_step", "muon_tensor_lr", "adamw8bit"}
+        assert set(out) == {"adafactor", "sgd_first_step", "muon_tensor_lr", "adamw8bit", "numbers"}
         assert all(kind == "Unsupported" for kind, _ in out.values()), out  # dynamo's, raised while tracing
         assert "from_torch(Adafactor) under torch.compile" in out["adafactor"][1]
         assert ".item()" in out["adafactor"][1]
@@ -383,3 +461,4 @@ def test_what_cannot_compile_is_refused_at_trace_time_naming_it():
         assert "Run the first step eagerly, then compile the step" in out["sgd_first_step"][1]
         assert "torch.optim.Muon under torch.compile takes a float lr" in out["muon_tensor_lr"][1]
         assert "zerofn.optim.adamw8bit under torch.compile: its state is torchao's" in out["adamw8bit"][1]
+        assert "the state's step and loss scale are Python numbers (a state built by hand)" in out["numbers"][1]

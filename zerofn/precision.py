@@ -70,22 +70,16 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 class LossScaleState(NamedTuple):
-    """State of a loss scaler; a pytree of three Python numbers.
+    """State of a loss scaler; a pytree of three numbers, Python or 0-d tensors.
 
-    ``scale`` is a Python ``float``, not a 0-d tensor, on purpose:
-
-    - the skip decision is already a host-side ``bool`` (the overflow flag is all-reduced
-      and read once so every rank can branch), so ``update`` runs on the host and costs no
-      kernel launch and no extra device synchronisation;
-    - ``loss * scale`` with a Python scalar needs no host-to-device copy, and the gradient
-      multiplier from :func:`unscale_and_clip_coef` is a Python float for the same reason;
-    - with power-of-two factors (the defaults) every scale is a power of two, exact in
-      float32 and float64 alike, so host float64 arithmetic equals a float32 tensor
-      implementation bit for bit; with other factors float64 is the more accurate;
-    - it has no device, so CPU offload and checkpoints need no placement rule for it.
-
-    The cost: a float is a constant to ``torch.compile`` and CUDA graphs, so a captured
-    region must take the scale as an input rather than close over it.
+    A scaler's ``init`` returns Python numbers, and ``update`` on them is host arithmetic.
+    A :class:`~zerofn.ZeroState` holds them as 0-d tensors (float64 scale, int64 counters,
+    on the params' device), as ``torch.optim`` keeps its ``step``: a compiled step reads
+    them as inputs (a skipped step is a ``torch.where``, the scale moves without
+    recompiling) and the same step body runs eagerly. ``update`` on tensors is tensor math
+    whose float64 products round as the Python floats do: the same trajectory. With
+    power-of-two factors (the defaults) every scale is a power of two, exact in float32 and
+    float64 alike.
 
     Attributes:
       scale: the current loss scale, ``> 0``; the loss is multiplied by it before backward.
@@ -96,9 +90,9 @@ class LossScaleState(NamedTuple):
         overflow that meets it at ``<= 1`` backs off. Refilled when the scale grows.
     """
 
-    scale: float
-    growth_tracker: int
-    hysteresis_left: int
+    scale: float | torch.Tensor
+    growth_tracker: int | torch.Tensor
+    hysteresis_left: int | torch.Tensor
 
 
 @runtime_checkable
@@ -231,7 +225,7 @@ class DynamicLossScaler:
           A new :class:`LossScaleState`; ``state`` is not changed.
         """
         scale, tracker, left = state
-        if isinstance(found_overflow, torch.Tensor):
+        if isinstance(found_overflow, torch.Tensor) or isinstance(scale, torch.Tensor):
             return self._update_tensors(state, found_overflow)
         if found_overflow:
             if left <= 1:
@@ -243,14 +237,29 @@ class DynamicLossScaler:
             return LossScaleState(grown, 0, self.hysteresis)
         return LossScaleState(scale, tracker, left)
 
-    def _update_tensors(self, state: LossScaleState, found: torch.Tensor) -> LossScaleState:
-        """:meth:`update` as tensor math (``torch.where``, no host sync), for a compiled step.
+    def _update_tensors(self, state: LossScaleState, found: torch.Tensor | bool) -> LossScaleState:
+        """:meth:`update` as tensor math (``torch.where``, no host sync).
 
-        ``state``'s fields are 0-d tensors (float64 scale, int64 counters; see
-        :meth:`zerofn.ZeroState.as_tensors`), ``found`` a 0-d bool tensor. The float64
-        products round as the Python floats of :meth:`update` do: the same trajectory.
+        ``state``'s fields are 0-d tensors (float64 scale, int64 counters, as a
+        :class:`~zerofn.ZeroState` holds them); ``found`` a 0-d bool tensor (a compiled
+        step), or a Python bool (an eager step, which then computes one branch only). The
+        float64 products round as the Python floats of :meth:`update` do: the same trajectory.
         """
         scale, tracker, left = state
+        if isinstance(found, bool):
+            if found:
+                backed = torch.clamp(scale * self.backoff_factor, min=float(self.min_scale))
+                return LossScaleState(
+                    torch.where(left <= 1, backed, scale), torch.zeros_like(tracker), torch.clamp(left - 1, min=0)
+                )
+            ticked = tracker + 1
+            grow = ticked == self.growth_interval
+            grown = torch.clamp(scale * self.growth_factor, max=float(self.max_scale))
+            return LossScaleState(
+                torch.where(grow, grown, scale),
+                torch.where(grow, torch.zeros_like(tracker), ticked),
+                torch.where(grow, torch.full_like(left, self.hysteresis), left),
+            )
         backed = torch.clamp(scale * self.backoff_factor, min=float(self.min_scale))
         over_scale = torch.where(left <= 1, backed, scale)
         ticked = tracker + 1

@@ -37,10 +37,10 @@ _NOT_A_DICT = (
 class ZeroState:
     """One rank's ZeRO state: its master shards, optimizer-state shards and loss scale.
 
-    A pytree whose leaves are the tensors, the step count and the three numbers of the
+    A pytree whose leaves are the tensors, the step count and the three 0-d tensors of the
     loss-scale state; ``layout``, ``optimizer``, ``rank``, ``precision`` and ``param_device``
     are static metadata carried in the tree's context, so ``tree_map`` over a state
-    touches tensors (and those numbers) only.
+    touches tensors only.
 
     Attributes:
       layout: the :class:`~zerofn.layout.ShardLayout` every rank agrees on.
@@ -53,9 +53,14 @@ class ZeroState:
         when ``precision.master_weights`` is False; on ``precision.state_device`` (the CPU for
         CPU offload) or else on the params' device.
       opt_state: the optimizer's state NamedTuple over the same shard shapes (same device).
-      step: completed (not skipped) optimizer steps.
-      loss_scale: the loss scaler's :class:`~zerofn.precision.LossScaleState`; advanced by
-        every ``step_shards``, skipped steps included (that is how the scaler backs off).
+      step: completed (not skipped) optimizer steps, a 0-d int64 tensor (as ``torch.optim``
+        keeps its ``step``), so one step body serves eager and compiled calls;
+        ``int(state.step)`` reads it. It and the loss-scale state live on the params'
+        device (:attr:`work_device`), with the gradients and the scalar all-reduce they
+        meet, also under CPU offload.
+      loss_scale: the loss scaler's :class:`~zerofn.precision.LossScaleState`, its three
+        fields 0-d tensors (float64 scale, int64 counters) on the params' device; advanced
+        by every ``step_shards``, skipped steps included (that is how the scaler backs off).
       precision: the :class:`~zerofn.precision.PrecisionPolicy` the state was built with
         (static): its loss scaler, ``nonfinite`` rule and dtypes drive ``step_shards``.
         (``policy`` is its old name: reading it, or ``replace(policy=...)``, still works
@@ -69,7 +74,7 @@ class ZeroState:
     rank: int
     master: FrozenDict[torch.Tensor]
     opt_state: Any
-    step: int = 0
+    step: torch.Tensor | int = 0  # a state built by hand may pass numbers: see as_tensors
     loss_scale: LossScaleState = NO_LOSS_SCALE
     precision: PrecisionPolicy = DEFAULT_POLICY
     param_device: str | None = None
@@ -112,35 +117,33 @@ class ZeroState:
     def items(self) -> Any:
         raise TypeError(_NOT_A_DICT)
 
-    def as_tensors(self) -> ZeroState:
-        """This state with its numbers as 0-d tensors, for a step under ``torch.compile``.
+    def _with_tensor_numbers(self) -> ZeroState:
+        """This state with its step count and loss-scale state as 0-d tensors (itself if they are).
 
-        ``step`` becomes an int64 tensor and the loss-scale state a float64 scale and two
-        int64 counters, on the state's device. A compiled step then reads them as inputs
-        (a skipped step is a ``torch.where``, the scale moves without recompiling), where
-        Python numbers would be constants of the graph and recompile it on every change.
-        The stage functions accept either form eagerly and keep the form they were given.
-        Tensors are shared, nothing is copied but the numbers. Optimizer state that torch
-        creates lazily as zeros at a param's first step (``torch.optim.Muon``'s momentum
-        buffers, through :func:`~zerofn.torch_optim.from_torch`) is created here, as the
-        same zeros, so that the compiled step's state keeps one structure.
+        ``shard_params`` and the checkpoint loaders make them so; a state built by hand
+        with Python numbers gets an int64 ``step`` and a float64 scale and two int64
+        counters on the params' device (:attr:`work_device`). Nothing else is copied.
+        """
+        if isinstance(self.step, torch.Tensor) and all(isinstance(v, torch.Tensor) for v in self.loss_scale):
+            return self
+        step, loss_scale = tensor_numbers(self.step, self.loss_scale, self.work_device)
+        return self.replace(step=step, loss_scale=loss_scale)
+
+    def as_tensors(self) -> ZeroState:
+        """This state ready for a compiled step; with most optimizers the state itself.
+
+        The step count and the loss-scale state are 0-d tensors already, from
+        ``shard_params`` on (a state built by hand with Python numbers gets them here, on
+        the params' device, as ``step_shards`` converts them eagerly). Optimizer state
+        that torch creates lazily as zeros at a param's first step (``torch.optim.Muon``'s
+        momentum buffers, through :func:`~zerofn.torch_optim.from_torch`) is created here,
+        as the same zeros, so that the compiled step's state keeps one structure. Tensors are shared, nothing is copied.
         """
         from zerofn.torch_optim import state_for_compile
 
-        opt_state = state_for_compile(self.optimizer, self.opt_state, self.master)
-        if isinstance(self.step, torch.Tensor):
-            return self if opt_state is self.opt_state else self.replace(opt_state=opt_state)
-        device = self.state_device
-        scale, tracker, left = self.loss_scale
-        return self.replace(
-            opt_state=opt_state,
-            step=torch.tensor(self.step, dtype=torch.int64, device=device),
-            loss_scale=LossScaleState(
-                torch.tensor(float(scale), dtype=torch.float64, device=device),
-                torch.tensor(int(tracker), dtype=torch.int64, device=device),
-                torch.tensor(int(left), dtype=torch.int64, device=device),
-            ),
-        )
+        state = self._with_tensor_numbers()
+        opt_state = state_for_compile(state.optimizer, state.opt_state, state.master)
+        return state if opt_state is state.opt_state else state.replace(opt_state=opt_state)
 
     @property
     def nbytes(self) -> int:
@@ -167,6 +170,25 @@ class ZeroState:
     def work_device(self) -> torch.device:
         """Where the full params and gradients live (``param_device``, else the state's device)."""
         return torch.device(self.param_device) if self.param_device is not None else self.state_device
+
+
+def tensor_numbers(
+    step: torch.Tensor | int, loss_scale: LossScaleState, device: torch.device | str
+) -> tuple[torch.Tensor, LossScaleState]:
+    """``step`` as a 0-d int64 tensor and ``loss_scale`` as a float64 scale and two int64 counters, on ``device``.
+
+    Fields that are tensors already are kept as they are.
+    """
+
+    def tensor(value: Any, dtype: torch.dtype) -> torch.Tensor:
+        if isinstance(value, torch.Tensor):
+            return value
+        return torch.tensor(float(value) if dtype.is_floating_point else int(value), dtype=dtype, device=device)
+
+    scale, tracker, left = loss_scale
+    return tensor(step, torch.int64), LossScaleState(
+        tensor(scale, torch.float64), tensor(tracker, torch.int64), tensor(left, torch.int64)
+    )
 
 
 pytree.register_pytree_node(

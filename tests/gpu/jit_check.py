@@ -75,7 +75,7 @@ def _compiled_step(device_kind: str, backends: list[str], steps: int) -> dict[st
         return state, zf.gather_params(state), info.grad_norm
 
     def train(fn: Any) -> tuple[dict[str, torch.Tensor], list[float], float, list[float]]:
-        state = zf.shard_params(params, zf.optim.adamw(lr=lr, weight_decay=0.1)).as_tensors()
+        state = zf.shard_params(params, zf.optim.adamw(lr=lr, weight_decay=0.1))
         p, norms, times = params, [], []
         for i, x in enumerate(data):
             lr.fill_(1e-2 * 0.9**i)

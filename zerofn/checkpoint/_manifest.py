@@ -95,7 +95,7 @@ class Manifest:
             # A partition's hyperparameters live in its parts (a list of torch optimizers in the facade).
             part_groups=tuple(part_groups(state.optimizer, layout.names)) if state.optimizer.parts else None,
             optimizer={"name": state.optimizer.name, "torch_class": state.optimizer.torch_class.__name__},
-            step=state.step,
+            step=int(state.step),
             loss_scale=loss_scale_to_dict(state),
             saved_world_size=layout.world_size,
             model=tuple(model) if model is not None else None,

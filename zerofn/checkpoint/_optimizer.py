@@ -116,15 +116,23 @@ def torch_defaults(cls: type[torch.optim.Optimizer], given: tuple[tuple[str, Any
 
 
 def loss_scale_to_dict(state: ZeroState) -> dict[str, Any] | None:
+    """The loss-scale state as Python numbers (float scale, int counters), as files keep it."""
     ls = getattr(state, "loss_scale", None)
-    return None if ls is None else dict(ls._asdict())
+    if ls is None:
+        return None
+    return {k: v.item() if isinstance(v, torch.Tensor) else v for k, v in ls._asdict().items()}
 
 
 def with_loss_scale(state: ZeroState, saved: Mapping[str, Any] | None) -> ZeroState:
+    """A loaded state with the saved loss-scale state, and its numbers as 0-d tensors on its device.
+
+    Files keep Python numbers (those written before the state held tensors too); the state
+    holds tensors, as ``shard_params`` makes them.
+    """
     current = getattr(state, "loss_scale", None)
-    if saved is None or current is None:
-        return state
-    return state.replace(loss_scale=type(current)(**saved))
+    if saved is not None and current is not None:
+        state = state.replace(loss_scale=type(current)(**saved))
+    return state._with_tensor_numbers()
 
 
 def optimizer_for(

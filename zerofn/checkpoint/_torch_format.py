@@ -247,7 +247,7 @@ def _torch_format(
             "shapes": [list(layout[n].shape) for n in ordered],
             "dtypes": [str(layout[n].dtype).removeprefix("torch.") for n in ordered],
             "master": {n: master[n] for n in ordered},
-            "step": state.step,
+            "step": int(state.step),
             "loss_scale": loss_scale_to_dict(state),
             "optimizer": {"name": optimizer.name, "torch_class": optimizer.torch_class.__name__},
         },

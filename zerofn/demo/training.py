@@ -65,7 +65,7 @@ def train(cfg: DemoConfig, group: dist.ProcessGroup | None = None) -> dict[str, 
         reduce_how = "all_reduce"  # ZeRO-1 all-reduces the full grads, then keeps its shards
     zero: ZeroRun = FunctionalRun(cfg, group, policy) if cfg.api == "functional" else FacadeRun(cfg, group, policy)
     ddp = DDPRun(cfg, group)
-    scale_start = zero.zero_state().loss_scale.scale
+    scale_start = float(zero.zero_state().loss_scale.scale)
 
     data = batches(x, y, rank, world, cfg.batch_per_rank)
     # Only rank 0 draws the bar, as nanoGPT's master_process.
@@ -123,7 +123,7 @@ def _train_both(
 
         note = f"rank-0 loss {loss:.4f}"
         if cfg.precision == "fp16":
-            note += f", loss scale {zero.zero_state().loss_scale.scale:g}"
+            note += f", loss scale {float(zero.zero_state().loss_scale.scale):g}"
         bar.update(step, note)
     return trace
 
@@ -203,7 +203,7 @@ def _summarise(
         "skipped": trace.skipped,
         "ddp_skipped": trace.ddp_skipped,
         "loss_scale_start": scale_start,
-        "loss_scale_end": state.loss_scale.scale,
+        "loss_scale_end": float(state.loss_scale.scale),
         "state_bytes_per_rank": int(worst[2]),
         "master_bytes_per_rank": int(worst[3]),
         "ddp_state_bytes": ddp_state_bytes,

@@ -10,10 +10,9 @@ tensor math, its checks the functional step's verdict nodes.
 
 What the facade does around the graph, every step, eagerly:
 
-- the numbers that change (the step count and the loss-scale state) enter as tensors
-  (``state.as_tensors()``) and leave as the Python numbers the rest of the facade keeps,
-  so the loss scale ``backward`` multiplies by, ``state_dict`` and checkpoints are the
-  eager facade's;
+- the numbers that change (the step count and the loss-scale state) are the state's 0-d
+  tensors, inputs of the graph as of the eager step, so the loss scale ``backward``
+  multiplies by, ``state_dict`` and checkpoints are the eager facade's;
 - each param group's learning rate enters as a 0-d float64 tensor this module owns and
   fills from ``param_groups`` before every call (an LR scheduler or a hand edit of
   ``param_groups[i]["lr"]`` never recompiles); the other hyperparameters are constants of
@@ -45,7 +44,6 @@ from zerofn._comm import CommPolicy
 from zerofn._tree import FrozenDict
 from zerofn.optim import ParamGroup
 from zerofn.stages import gather_params, step_shards
-from zerofn.stages._step_shards import _as_numbers
 from zerofn.state import StepInfo, ZeroState
 
 __all__ = ["DEFAULT_BACKEND", "CompiledStep", "check_compilable", "resolve_backend"]
@@ -156,7 +154,7 @@ class CompiledStep:
     def __call__(
         self, state: ZeroState, shards: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor]
     ) -> tuple[ZeroState, StepInfo]:
-        """The step on ``state`` (numbers form, live hyperparameters); the new state in numbers form.
+        """The step on ``state`` (with its live hyperparameters); the new state and the info as numbers.
 
         Writes the gathered params into ``params`` once the graph has returned (one
         ``_foreach_copy_``; nothing when it raised). Collectives: the functional step's,
@@ -164,7 +162,7 @@ class CompiledStep:
         bucketed gather; with a rejected input or a non-finite gradient under
         ``nonfinite="raise"``, one object all-gather before raising on every rank.
         """
-        traced = state.replace(optimizer=self._with_lr_tensors(state.optimizer)).as_tensors()
+        traced = state.replace(optimizer=self._with_lr_tensors(state.optimizer))
         config = torch._dynamo.config
         limit_raises, config.fail_on_recompile_limit_hit = config.fail_on_recompile_limit_hit, True  # 20 µs
         try:
@@ -176,8 +174,8 @@ class CompiledStep:
         # unchanged, so the params get the values they hold.
         names = list(gathered)
         torch._foreach_copy_([params[n] for n in names], [gathered[n] for n in names])
-        numbers = _as_numbers(new_state).replace(optimizer=state.optimizer)
-        return numbers, StepInfo(float(info.grad_norm), bool(info.skipped), float(info.clip_coef))
+        info = StepInfo(float(info.grad_norm), bool(info.skipped), float(info.clip_coef))
+        return new_state.replace(optimizer=state.optimizer), info
 
     def _with_lr_tensors(self, opt: optim.Optimizer) -> optim.Optimizer:
         """``opt`` with every group's lr a 0-d float64 tensor of this object, filled with its value now.

@@ -45,7 +45,7 @@ from zerofn.facade._param_methods import ParamMethods
 from zerofn.facade._prefetch import ParamPrefetcher
 from zerofn.facade._reducer import GradReducer, ShardedGrad
 from zerofn.facade._state_dicts import StateDictMethods
-from zerofn.precision import GradAccumDtype, PrecisionPolicy, scale_loss
+from zerofn.precision import GradAccumDtype, NoLossScaling, PrecisionPolicy, scale_loss
 from zerofn.stages import DEFAULT_BUCKET_NUMEL, gather_params, shard_params
 from zerofn.state import StepInfo, ZeroState
 
@@ -342,7 +342,20 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
     @property
     def loss_scale(self) -> float:
         """The loss scale the next ``backward`` multiplies the loss by (1.0 without scaling)."""
-        return self._state.loss_scale.scale
+        return self._host_loss_scale()
+
+    def _host_loss_scale(self) -> float:
+        """The state's loss scale as a Python float, read from its 0-d tensor once per new tensor.
+
+        The gradient hooks ask for it per bucket; a step makes at most one new scale tensor, so
+        the device is read at most once per step (never under ``NoLossScaling``, whose tensor
+        does not change).
+        """
+        scale = self._state.loss_scale.scale
+        seen = self.__dict__.get("_scale_seen")
+        if seen is None or seen[0] is not scale:
+            seen = self._scale_seen = (scale, float(scale))
+        return seen[1]
 
     @property
     def last_step_info(self) -> StepInfo | None:
@@ -382,7 +395,7 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
         # Pending gathers here mean a forward ran outside the model's hooks and read old params: writing
         # them now makes autograd refuse the saved tensors (modified in place) instead of training on them.
         self.wait_params()
-        if self._state.loss_scale.scale != 1.0:
+        if self._scales_loss():
             loss = scale_loss(loss, self._state.loss_scale)
         loss.backward(retain_graph=retain_graph)
 
@@ -390,9 +403,13 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
         """``torch.autograd.backward(tensor, grad * loss scale)``; the gradients are averaged as in ``backward``."""
         self._guard.check_structure("ZeroOptimizer.backward_by_grad")
         self.wait_params()  # as in backward
-        if self._state.loss_scale.scale != 1.0:
+        if self._scales_loss():
             grad = scale_loss(grad, self._state.loss_scale)
         torch.autograd.backward(tensor, grad)
+
+    def _scales_loss(self) -> bool:
+        """Whether ``backward`` multiplies by the loss scale: not under ``NoLossScaling`` (a scale of 1.0 forever)."""
+        return not isinstance(self._state.precision.loss_scaler, NoLossScaling)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget all gradients: ``p.grad`` (set to ``None``, or zeroed), accumulators and shards.
@@ -528,7 +545,7 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
             self._guard.record()
         if info.skipped:
             if self._verbose:
-                scales = old_scale, new_state.loss_scale.scale
+                scales = float(old_scale), float(new_state.loss_scale.scale)
                 log.info(
                     "zerofn: non-finite gradient (norm %s); step skipped, loss scale %s -> %s", info.grad_norm, *scales
                 )
@@ -576,6 +593,6 @@ def _loss_scale_of(opt: weakref.ref[ZeroOptimizer]) -> Any:
 
     def scale() -> float:
         me = opt()
-        return 1.0 if me is None else me._state.loss_scale.scale
+        return 1.0 if me is None else me._host_loss_scale()
 
     return scale

@@ -1,6 +1,7 @@
 """The global gradient norm over the group: one scalar all-reduce.
 
-Shared by ``step_shards`` (its first collective) and the facade's ``clip_grad_norm_``.
+What the facade's ``clip_grad_norm_`` and ``get_grad_norm`` report (``step_shards`` packs
+the same three scalars in its own body).
 """
 
 from __future__ import annotations

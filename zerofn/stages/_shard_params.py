@@ -17,7 +17,7 @@ from zerofn.buckets import cut_shard
 from zerofn.layout import block_of, make_layout
 from zerofn.optim import Optimizer
 from zerofn.precision import PrecisionPolicy, resolve_param_dtypes
-from zerofn.state import DEFAULT_POLICY, ZeroState
+from zerofn.state import DEFAULT_POLICY, ZeroState, tensor_numbers
 
 
 def _policy_for(policy: PrecisionPolicy | None, master_dtype: torch.dtype) -> PrecisionPolicy:
@@ -87,7 +87,9 @@ def shard_params(
       A :class:`ZeroState` whose ``master[name]`` is, for a split param, chunk ``rank`` of
       the padded flat param, shape ``(ceil(numel / N),)``; for a whole param the full
       param (its shape) on its owner rank, absent on the others. ``precision`` is the
-      policy used.
+      policy used. ``step`` (0) and the loss-scale state are 0-d tensors on the params'
+      device (int64 step and counters, float64 scale), so the same state steps eagerly and
+      under ``torch.compile``.
 
     Collectives: with ``check`` (the default) one all-gather of two int64 values (the
     layout fingerprint and a digest of the params' checksums); with ``sync`` one tiny
@@ -117,14 +119,15 @@ def shard_params(
             if s.holds(rank)
         }
     )
+    step, loss_scale = tensor_numbers(0, policy.loss_scaler.init(), param_device)
     return ZeroState(
         layout,
         optimizer,
         rank,
         master,
         optimizer.init(master, layout=layout),
-        0,
-        loss_scale=policy.loss_scaler.init(),
+        step,
+        loss_scale=loss_scale,
         precision=policy,
         param_device=str(param_device),
     )

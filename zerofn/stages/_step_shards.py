@@ -1,6 +1,7 @@
 """``step_shards``: overflow decided on every rank, unscale and clip, the optimizer on this rank's shards.
 
-The eager body, the traced body a compiled graph runs, and the errors both raise on every rank.
+One body serves eager and compiled calls (the state's step count and loss scale are 0-d
+tensors either way); the errors it raises on every rank.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from zerofn.precision import (
     unscale_and_clip_coef,
     unscaled_norm,
 )
-from zerofn.stages._grad_norm import _global_norm
 from zerofn.state import StepInfo, ZeroState
 from zerofn.torch_optim import refuse_uncompiled
 
@@ -87,10 +87,12 @@ def step_shards(
         act on the same list on every rank and call again.
 
     Returns:
-      ``(new_state, info)`` with ``new_state.step == state.step + 1`` unless skipped;
-      ``info.grad_norm`` is the true norm :math:`n/s`. A skipped step returns ``state``
-      itself when the loss-scale state did not move, else ``state`` with only
-      ``loss_scale`` replaced (the same tensors).
+      ``(new_state, info)`` with ``new_state.step == state.step + 1`` unless skipped (the
+      step count and the loss-scale state are 0-d tensors, as ``shard_params`` makes them;
+      a state built by hand with Python numbers comes back with them as tensors);
+      ``info.grad_norm`` is the true norm :math:`n/s`, and ``info``'s fields are Python
+      numbers. A skipped step returns ``state`` itself when the loss-scale state did not
+      move, else ``state`` with only ``loss_scale`` replaced (the same tensors).
 
     Raises:
       NonFiniteGradError: on every rank, when a gradient element on any rank is not finite
@@ -101,53 +103,84 @@ def step_shards(
     with ``nonfinite="raise"`` and a bad step, one object all-gather of the offending
     names before raising.
 
-    Under ``torch.compile`` (one graph with the other stage functions): the same steps as
-    tensor math, bitwise equal with ``backend="aot_eager"``; pass ``state.as_tensors()``
-    (tensor step and loss scale) and read ``info``'s fields as 0-d tensors. The checks
-    above run once per trace; their verdict, and the errors, on every call.
+    Under ``torch.compile`` (one graph with the other stage functions) the same body runs
+    without a host sync, bitwise equal with ``backend="aot_eager"``: the overflow decision,
+    the loss-scale update and the coefficient are tensor math, a skipped step is a
+    ``torch.where`` between the old and the updated state, and ``info``'s fields are 0-d
+    tensors (float64, bool, float64). The checks above run once per trace; their verdict,
+    and the errors, on every call. Eagerly the step reads the all-reduced scalars on the
+    host once, runs no update when it skips, and multiplies by a Python float.
     """
     comm.group_rank(group)  # a rank outside the group cannot take part: raise here, alone
     # Validate locally, then tell the other ranks through the norm all-reduce itself (a
     # third flag), so a bad input on one rank makes every rank raise, none waits.
     failure = _validate_step(state, grad_shards, group, max_norm, norm_type)
-    if comm.tracing():
-        return _step_shards_traced(state, grad_shards, group, max_norm, norm_type, failure, veto)
-    if isinstance(state.step, torch.Tensor):  # the tensor form (as_tensors) steps as the numbers do
-        new_state, info = step_shards(
-            _as_numbers(state), grad_shards, group, max_norm, norm_type=norm_type, donate=donate, veto=veto
-        )
-        return new_state.as_tensors(), info
+    tracing = comm.tracing()
+    if tracing:
+        refuse_uncompiled(state.optimizer)  # (the same on every rank: before any collective of the graph)
+        if not isinstance(state.step, torch.Tensor):
+            _traced.refuse(_NOT_TENSORS)
+    else:
+        state = state._with_tensor_numbers()  # a state built by hand with Python numbers
     policy, loss_scale = state.precision, state.loss_scale
     refused = failure is not None or veto is not None
-    norm, rejected = _global_norm(
-        grad_shards if failure is None else {}, norm_type, group, state.work_device, rejected=refused
+    device = state.work_device
+    local = local_norm_term(grad_shards.values() if failure is None else [], norm_type, device)
+    finite = torch.isfinite(local)
+    packed = torch.stack(
+        [
+            torch.where(finite, local, torch.zeros_like(local)),
+            (~finite).to(torch.float64),
+            torch.full((), float(refused), dtype=torch.float64, device=device),
+        ]
     )
-    if rejected:
-        _raise_rejected(failure, group, veto)
-    found = not math.isfinite(norm)
-    new_loss_scale = policy.loss_scaler.update(loss_scale, found)
-    if found:
-        if policy.nonfinite == "raise":
-            _raise_nonfinite(state, grad_shards, group)
-        skipped = state if new_loss_scale == loss_scale else state.replace(loss_scale=new_loss_scale)
-        return skipped, StepInfo(norm, True, 1.0)
-    coef = unscale_and_clip_coef(norm, loss_scale.scale, max_norm)
-    true_norm = unscaled_norm(norm, loss_scale.scale)
-    clipped = max_norm is not None and (true_norm + 1e-6) / max_norm > 1
+    total = comm.all_reduce_scalars(packed, "max" if norm_type == math.inf else "sum", group)
+    coef: float | torch.Tensor
+    if not tracing:
+        # Eagerly every rank reads the all-reduced scalars once and branches on them: a
+        # skipped step runs no update, and the coefficient is a Python float.
+        norm_sq, flag, rejected = total.tolist()
+        if rejected > 0:
+            _raise_rejected(failure, group, veto)
+        if flag > 0:
+            new_loss_scale = policy.loss_scaler.update(loss_scale, True)
+            if policy.nonfinite == "raise":
+                _raise_nonfinite(state, grad_shards, group)
+            skipped = state if new_loss_scale is loss_scale else state.replace(loss_scale=new_loss_scale)
+            return skipped, StepInfo(math.inf, True, 1.0)
+        new_loss_scale = policy.loss_scaler.update(loss_scale, False)
+        scale = float(loss_scale.scale)
+        norm = math.sqrt(norm_sq) if norm_type == 2.0 else norm_sq
+        coef = unscale_and_clip_coef(norm, scale, max_norm)
+        true_norm = unscaled_norm(norm, scale)
+        clipped = max_norm is not None and (true_norm + 1e-6) / max_norm > 1
+        info = StepInfo(true_norm, False, max_norm / (true_norm + 1e-6) if clipped else 1.0)
+        found = None
+    else:
+        coef, found, new_loss_scale, info = _traced_scalars(
+            state, grad_shards, group, max_norm, norm_type, total, failure, veto
+        )
     moved = _placement.to_device(grad_shards, state.state_device)  # CPU offload: grads go to the state
     grads = {}
     for name, g in moved.items():
         target = state.master[name].dtype
-        if coef != 1.0:
-            wide = torch.promote_types(g.dtype, target)
+        wide = torch.promote_types(g.dtype, target)
+        if isinstance(coef, torch.Tensor):
+            g = g.to(wide) * coef.to(state.state_device, wide)  # x * 1.0 == x: no branch
+        elif coef != 1.0:
             owned = donate or g is not grad_shards[name]
             g = g.mul_(coef) if owned and g.dtype == wide else g.to(wide) * coef
         grads[name] = g.to(target)
-    new_master, new_opt_state = state.optimizer.update(grads, state.opt_state, state.master, donate=donate)
-    new_state = state.replace(
-        master=FrozenDict(new_master), opt_state=new_opt_state, step=state.step + 1, loss_scale=new_loss_scale
+    new_master, new_opt_state = state.optimizer.update(
+        grads, state.opt_state, state.master, donate=donate and not tracing
     )
-    return new_state, StepInfo(true_norm, False, max_norm / (true_norm + 1e-6) if clipped else 1.0)
+    if found is None:
+        master, opt_state, step = FrozenDict(new_master), new_opt_state, state.step + 1
+    else:  # compiled: a skipped step selects the old state (the update ran, its results are dropped)
+        master, opt_state = _select_unless(found.to(state.state_device), state, new_master, new_opt_state)
+        step = torch.where(found, state.step, state.step + 1)
+    new_state = state.replace(master=master, opt_state=opt_state, step=step, loss_scale=new_loss_scale)
+    return new_state, info
 
 
 def _validate_step(
@@ -191,62 +224,34 @@ def _validate_step(
     return None
 
 
-def _as_numbers(state: ZeroState) -> ZeroState:
-    """The inverse of :meth:`ZeroState.as_tensors`: step and loss-scale state as Python numbers."""
-    scale, tracker, left = state.loss_scale
-    return state.replace(step=int(state.step), loss_scale=LossScaleState(float(scale), int(tracker), int(left)))
-
-
 _NOT_TENSORS = (
-    "step_shards under torch.compile: the state's step and loss scale are Python numbers, which a compiled "
-    "graph would bake in as constants (and recompile on every change), and a skipped step cannot leave them "
-    "as they were without a graph break; pass state.as_tensors() to the compiled step (once, before the loop)"
+    "step_shards under torch.compile: the state's step and loss scale are Python numbers (a state built by "
+    "hand), which a compiled graph would bake in as constants and recompile on every change; pass the state "
+    "from shard_params, whose numbers are 0-d tensors, or state.as_tensors()"
 )
 
 
-def _step_shards_traced(
+def _traced_scalars(
     state: ZeroState,
     grad_shards: Mapping[str, torch.Tensor],
     group: Group,
     max_norm: float | None,
     norm_type: float,
+    total: torch.Tensor,
     failure: Exception | None,
     veto: object,
-) -> tuple[ZeroState, StepInfo]:
-    """``step_shards`` inside a compiled graph: the same arithmetic as tensor math, no host sync.
+) -> tuple[torch.Tensor, torch.Tensor, LossScaleState, StepInfo]:
+    """A compiled step's decisions from the all-reduced scalars, as tensor math (no host sync).
 
     The local checks ran once, at trace time (shapes and dtypes are static); their
     verdict rides in the scalar all-reduce as eagerly, and :func:`zerofn._traced.verdict`
     raises the eager errors on every rank when a rank rejected its input, or, with
-    ``nonfinite="raise"``, when a gradient is not finite. Otherwise the overflow flag is
-    a tensor every rank got from the same all-reduce: a skipped step is ``torch.where``
-    between the old and the updated state (the update runs either way, its non-finite
-    results are dropped), the loss scaler advances by tensor math, and the unscale-and-clip
-    coefficient is a float64 tensor computed as :func:`unscale_and_clip_coef` computes it.
-    ``donate`` is not needed: the compiler plans the graph's buffers.
+    ``nonfinite="raise"``, when a gradient is not finite. Otherwise the overflow flag is a
+    tensor every rank got from the same all-reduce, the loss scaler advances by tensor
+    math, and the unscale-and-clip coefficient is a float64 tensor computed as
+    :func:`unscale_and_clip_coef` computes it. Returns ``(coef, found, new loss scale, info)``.
     """
-    if not isinstance(state.step, torch.Tensor):
-        # Python numbers: one graph cannot hold this step. Break here, saying why (with
-        # fullgraph=True this is the error), and step the tensor form in the next graph.
-        torch._dynamo.graph_break(msg=_NOT_TENSORS)
-        new_state, info = _step_shards_traced(
-            state.as_tensors(), grad_shards, group, max_norm, norm_type, failure, veto
-        )
-        return _as_numbers(new_state), info
-    refuse_uncompiled(state.optimizer)  # (the same on every rank: before any collective of the graph)
     policy, loss_scale = state.precision, state.loss_scale
-    device = state.work_device
-    refused = failure is not None or veto is not None
-    local = local_norm_term(grad_shards.values() if failure is None else [], norm_type, device)
-    finite = torch.isfinite(local)
-    packed = torch.stack(
-        [
-            torch.where(finite, local, torch.zeros_like(local)),
-            (~finite).to(torch.float64),
-            torch.full((), float(refused), dtype=torch.float64, device=device),
-        ]
-    )
-    total = comm.all_reduce_scalars(packed, "max" if norm_type == math.inf else "sum", group)
     names = list(grad_shards)
     desc = (
         comm.group_name(group),
@@ -273,14 +278,14 @@ def _step_shards_traced(
         div = torch.where(clip > 1, clip * scale, div)
         clip_info = torch.where(clip > 1, max_norm / (true_norm + 1e-6), clip_info)
     coef = 1.0 / div  # unscale_and_clip_coef, in float64 as eagerly
-    moved = _placement.to_device(grad_shards, state.state_device)
-    grads = {}
-    for name, g in moved.items():
-        target = state.master[name].dtype
-        wide = torch.promote_types(g.dtype, target)
-        grads[name] = (g.to(wide) * coef.to(state.state_device, wide)).to(target)  # x * 1.0 == x: no branch
-    new_master, new_opt_state = state.optimizer.update(grads, state.opt_state, state.master, donate=False)
-    keep = found.to(state.state_device)
+    info = StepInfo(torch.where(found, norm, true_norm), found, torch.where(found, 1.0, clip_info))
+    return coef, found, new_loss_scale, info
+
+
+def _select_unless(
+    keep: torch.Tensor, state: ZeroState, new_master: Mapping[str, torch.Tensor], new_opt_state: Any
+) -> tuple[FrozenDict[torch.Tensor], Any]:
+    """The updated masters and optimizer state where ``keep`` is false, the old ones where it is true."""
 
     def select(old: Any, new: Any) -> Any:
         return torch.where(keep, old, new) if isinstance(new, torch.Tensor) and old is not None else new
@@ -293,10 +298,7 @@ def _step_shards_traced(
             "in a step (a buffer created on the first step); run one step eagerly before compiling"
         )
     opt_state = pytree.tree_unflatten([select(o, n) for o, n in zip(old_leaves, new_leaves, strict=True)], spec)
-    master = FrozenDict({n: select(state.master[n], t) for n, t in new_master.items()})
-    step = torch.where(found, state.step, state.step + 1)
-    new_state = state.replace(master=master, opt_state=opt_state, step=step, loss_scale=new_loss_scale)
-    return new_state, StepInfo(torch.where(found, norm, true_norm), found, torch.where(found, 1.0, clip_info))
+    return FrozenDict({n: select(state.master[n], t) for n, t in new_master.items()}), opt_state
 
 
 @_traced.handler("step_shards")
