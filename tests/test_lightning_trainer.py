@@ -207,7 +207,7 @@ def test_trainer_fits_bitwise_like_lightning_ddp(zerofn_world, n):
 
 def _clip_value_and_fp16():
     """Clipping by value at stage 1 against ddp; "16-mixed" with zerofn's loss scaler in place of the GradScaler,
-    an overflow on rank 1 alone in the second step."""
+    an overflow on rank 1 alone in the second step; "bf16-true"."""
     out = {}
     for name, strategy in (("ddp", "ddp"), ("zerofn", ZeroTrainerStrategy(stage=1))):
         model = _Net()
@@ -221,10 +221,18 @@ def _clip_value_and_fp16():
     _fit(trainer, model)
     zero = trainer.strategy.zero_optimizer
     out["fp16"] = (trainer.precision_plugin.scaler, model.steps, int(zero.state.step), _params(model))
+    # "bf16-true": bfloat16 params, stepped from float32 master shards.
+    trainer = _trainer(ZeroTrainerStrategy(), 2, precision="bf16-true")
+    model = _Net()
+    _fit(trainer, model)
+    masters = {t.dtype for t in trainer.strategy.zero_optimizer.state.master.values()}
+    out["bf16_true"] = (masters, _params(model))
     return out
 
 
-def test_clip_by_value_at_stage_1_and_fp16_with_an_overflow_on_one_rank_skipped_on_every_rank(zerofn_world):
+def test_clip_by_value_at_stage_1_fp16_with_an_overflow_on_one_rank_skipped_on_every_rank_and_bf16_true(
+    zerofn_world,
+):
     results = zerofn_world(2).run(_clip_value_and_fp16)
     for rank, out in enumerate(results):
         for name in out["ddp"]:
@@ -234,6 +242,11 @@ def test_clip_by_value_at_stage_1_and_fp16_with_an_overflow_on_one_rank_skipped_
         assert steps == [(False, 2.0**10), (True, 2.0**9), (False, 2.0**9)] and taken == 2, (rank, steps)
     for name, p in results[0]["fp16"][3].items():
         assert_bitwise_equal(results[1]["fp16"][3][name], p, name)
+    (m0, p0), (m1, p1) = (out["bf16_true"] for out in results)
+    assert m0 == m1 == {torch.float32}
+    for name, p in p0.items():
+        assert p.dtype == torch.bfloat16, name
+        assert_bitwise_equal(p1[name], p, name)
 
 
 # ----------------------------------------------------------------------------- checkpoints
