@@ -238,7 +238,7 @@ def test_init_hook_runs_once_on_every_rank_with_the_group_up_and_again_after_a_r
         first = world.run(_init_seen)
         for rank, (seen, pid, seed, threads) in enumerate(first):
             assert seen == {"pid": pid, "rank": rank, "sum": n * (n + 1) / 2, "calls": 1}
-            assert (seed, threads) == (40 + rank, 2)
+            assert (seed, threads) == (seeded(40 + rank), 2)
         world.run(_all_reduce_ones)
         assert [r[0]["calls"] for r in world.run(_init_seen)] == [1] * n  # not once per run
         with pytest.raises(WorldError, match=r"\(pool restarted\)") as info:
@@ -252,7 +252,7 @@ def test_init_hook_runs_once_on_every_rank_with_the_group_up_and_again_after_a_r
 def test_init_hook_closures_travel_by_value_and_a_failing_hook_stops_the_start():
     seed = 1234  # captured by value: the workers cannot import this test's locals
     with World(1, init=lambda: torch.manual_seed(seeded(seed))) as world:
-        assert world.run(torch.initial_seed) == [seed]
+        assert world.run(torch.initial_seed) == [seeded(seed)]
     world = World(2, init=_raise_on_last_rank_in_init)
     with pytest.raises(WorldError, match=r"1 rank\(s\) failed in the init hook \(pool closed\)") as info:
         world.start()
