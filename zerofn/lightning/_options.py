@@ -15,22 +15,13 @@ from typing import Any, Literal
 import torch
 
 from zerofn._comm import CommPolicy
-from zerofn.facade._options import PRECISION_DEFAULTS
+from zerofn.facade._options import _SCALER_KEYS, PRECISION_DEFAULTS
 from zerofn.precision import DynamicLossScaler, GradAccumDtype, PrecisionPolicy
 from zerofn.stages import DEFAULT_BUCKET_NUMEL
 
 __all__ = ["ZeroOptions"]
 
 _D = PRECISION_DEFAULTS
-_SCALER = (
-    "initial_scale",
-    "min_scale",
-    "growth_factor",
-    "backoff_factor",
-    "growth_interval",
-    "hysteresis",
-    "max_scale",
-)
 _PRECISION = ("communication_dtype", "cpu_offload", "master_weights", "grad_accum_dtype", "nonfinite")
 _FACADE = (
     "reduce_bucket_size",
@@ -120,7 +111,7 @@ class ZeroOptions:
             raise ValueError(f"{who}: {e}") from None
 
     def _scaler(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in _SCALER}
+        return {k: getattr(self, k) for k in _SCALER_KEYS}
 
     def facade_kwargs(self, *, fp16_mixed: bool, who: str) -> dict[str, Any]:
         """``ZeroOptimizer``'s keywords (all but the optimizer, ``module=``, ``partition_grad=``, ``init_sync=``).
