@@ -1,0 +1,129 @@
+"""zerofn.flat: the flat layout, the FlatDict's named views, its pytree and packing (pure, in-process)."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+
+import zerofn as zf
+from zerofn import flat
+from zerofn._tree import FrozenDict
+from zerofn.buckets import cut_shard
+
+
+def _layout(n=3):
+    params = {
+        "a": torch.empty(5, 4, device="meta"),
+        "b": torch.empty(3, dtype=torch.bfloat16, device="meta"),
+        "c": torch.empty(7, device="meta"),
+        "w": torch.empty(6, 6, device="meta"),
+        "e": torch.empty(0, device="meta"),
+    }
+    return zf.make_layout(params, n, placement={"w": "whole"})
+
+
+def test_groups_are_per_dtype_in_layout_order_without_alignment_padding():
+    layout = _layout(3)
+    owner = layout["w"].owner
+    fl = flat.flat_layout(layout, owner)
+    assert [g.dtype for g in fl.groups] == [torch.float32, torch.bfloat16]
+    f32 = fl.groups[0]
+    assert f32.names == ("a", "c", "e")
+    assert f32.numels == (7, 3, 0) and f32.offsets == (0, 7, 10) and f32.numel == 10
+    assert fl.loose == ("w",) and fl.shapes["w"] == (6, 6)
+    assert fl.names == ("a", "b", "c", "w", "e")
+    other = flat.flat_layout(layout, (owner + 1) % 3)
+    assert other.loose == () and "w" not in other.names
+    assert flat.flat_layout(layout, owner) is fl  # cached
+    assert hash(fl) == hash(flat.flat_layout(_layout(3), owner)) and fl == flat.flat_layout(_layout(3), owner)
+
+
+def _shards(layout, rank):
+    full = {s.name: torch.arange(s.numel, dtype=torch.float32).reshape(s.shape) + 1 for s in layout.params}
+    return {s.name: cut_shard(full[s.name], s, rank, dtype=torch.float32) for s in layout.params if s.holds(rank)}
+
+
+@pytest.mark.parametrize("rank", [0, 1, 2])
+def test_names_read_views_of_the_buffers_with_the_values_packed(rank):
+    layout = _layout(3)
+    fl = flat.flat_layout(layout, rank)
+    shards = _shards(layout, rank)
+    d = flat.pack(fl, shards)
+    assert isinstance(d, FrozenDict) and list(d) == list(shards) and len(d) == len(shards)
+    for name, t in shards.items():
+        assert torch.equal(d[name], t) and d[name].shape == t.shape
+        if name != "w":
+            assert d[name]._base is not None  # a view
+    assert "nope" not in d
+    with pytest.raises(KeyError):
+        d["nope"]
+    # buffers are the shards side by side: concatenation in group order, bit for bit
+    assert torch.equal(d.buffers[0], torch.cat([shards["a"], shards["c"], shards["e"]]))
+    # padding zero: the last rank's shard of c (7 over 3 -> 3, 3, 1 + 2 zeros)
+    if rank == 2:
+        assert d["c"].tolist() == [7.0, 0.0, 0.0]
+
+
+def test_pytree_leaves_are_the_buffers_and_round_trip():
+    layout = _layout(3)
+    owner = layout["w"].owner
+    d = flat.pack(flat.flat_layout(layout, owner), _shards(layout, owner))
+    leaves, spec = pytree.tree_flatten(d)
+    assert len(leaves) == 3  # two buffers and the loose whole param
+    again = pytree.tree_unflatten(leaves, spec)
+    assert isinstance(again, flat.FlatDict) and again.flat_layout is d.flat_layout
+    doubled = pytree.tree_map(lambda t: t * 2, d)
+    assert all(torch.equal(doubled[n], d[n] * 2) for n in d)
+    assert pickle.loads(pickle.dumps(d))["a"].tolist() == d["a"].tolist()
+
+
+def test_a_subset_of_names_leaves_the_others_zero_and_unheld():
+    layout = _layout(2)
+    fl = flat.flat_layout(layout, 0)
+    shards = _shards(layout, 0)
+    d = flat.pack(fl, {"c": shards["c"]})
+    assert list(d) == ["c"] and "a" not in d and d.buffers[1] is None
+    assert torch.equal(d.buffers[0][: layout["a"].shard_numel], torch.zeros(layout["a"].shard_numel))
+    assert [p.numel() for p in d.pieces()] == [layout["c"].shard_numel]
+    assert not d.holds_all and flat.pack(fl, shards).holds_all
+
+
+def test_packable_refuses_what_a_buffer_cannot_hold():
+    layout = _layout(2)
+    fl = flat.flat_layout(layout, 0)
+    shards = _shards(layout, 0)
+    assert flat.packable(fl, shards)
+    assert not flat.packable(fl, {**shards, "a": None})
+    assert not flat.packable(fl, {**shards, "a": torch.zeros(3)})  # wrong shape
+    assert not flat.packable(fl, {**shards, "c": shards["c"].double()})  # two dtypes in a group
+    assert not flat.packable(fl, {"zz": torch.zeros(1)})
+    assert not flat.packable(fl, {})
+
+
+def test_runs_merge_consecutive_names_of_a_group():
+    layout = _layout(1)
+    fl = flat.flat_layout(layout, 0)
+    assert fl.runs(fl.names) == (
+        (0, 0, 20, ("a",)),
+        (1, 0, 3, ("b",)),
+        (0, 20, 27, ("c",)),
+        (-1, 0, 0, ("w",)),
+        (0, 27, 27, ("e",)),
+    )
+    assert fl.runs(("a", "c")) == ((0, 0, 27, ("a", "c")),)
+
+
+def test_a_flatdict_cannot_be_changed():
+    layout = _layout(2)
+    d = flat.pack(flat.flat_layout(layout, 0), _shards(layout, 0))
+    with pytest.raises(AttributeError):
+        d.x = 1
+    with pytest.raises(TypeError):
+        d["a"] = torch.zeros(1)
+    with pytest.raises(TypeError):
+        flat.FlatDict({"a": torch.zeros(1)})
+    new = d.replace({"a": torch.full_like(d["a"], -9.0)})
+    assert isinstance(new, flat.FlatDict) and new["a"].eq(-9).all() and not d["a"].eq(-9).any()

@@ -1,0 +1,399 @@
+"""Flat shards: a rank's shards of every split param of one group in one contiguous buffer.
+
+Note: the flat vocabulary
+-------------------------
+flat group
+    The split (and ``blocked(B)``) params of one working dtype, in layout order (which is
+    bucket order: a bucket is a run of consecutive same-dtype split params, so its
+    members are consecutive in their flat group too). On every rank the group's shards
+    lie side by side in one 1-D buffer of ``sum(shard_numel)`` elements: the shard of the
+    ``k``-th member starts where the ``(k-1)``-th ends. No alignment padding is added
+    between shards: a buffer holds the shards' own padding (zero, see
+    :mod:`zerofn.layout`) and nothing else, so a rank's state bytes are the formula's and
+    the buffer is the concatenation of the per-param shards, bit for bit.
+loose
+    A whole param this rank owns (``placement="whole"``): it keeps its full shape and its
+    own tensor (per-matrix math: Muon, Adafactor), outside every buffer.
+:class:`FlatLayout`
+    Static, hashable metadata: the groups (names, offsets, shard sizes), the loose names
+    and the view shape of every name this rank holds. A pure function of the
+    :class:`~zerofn.layout.ShardLayout` and the rank (:func:`flat_layout`), so reduce_grads
+    (which knows no optimizer) and shard_params agree on it without talking.
+:class:`FlatDict`
+    A read-only ``Mapping[str, Tensor]`` over a :class:`FlatLayout`: ``d[name]`` is a view
+    of its group's buffer (``buf[off:off + shard_numel]``) or the loose tensor. A pytree
+    node whose leaves are the buffers (and the loose tensors) and whose context is the
+    layout, so ``tree_map`` over a state touches a handful of tensors and a compiled graph
+    receives a handful of inputs. A FlatDict may hold a subset of the layout's names (the
+    gradients of a step in which some params got none): the ranges of the names it does
+    not hold are zero (gradients) or unspecified (never read), and a group none of whose
+    names it holds has no buffer (``None``).
+
+Padding stays zero: every buffer's padding elements (the tails of the last ranks' shards)
+are zero in masters, gradients and optimizer state, and the element-wise updates keep
+them so (a zero gradient moves nothing).
+
+No collectives here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from zerofn._tree import FrozenDict
+from zerofn.layout import ShardLayout
+
+__all__ = ["FlatDict", "FlatGroup", "FlatLayout", "flat_layout", "pack", "packable"]
+
+
+@dataclasses.dataclass(frozen=True)
+class FlatGroup:
+    """One flat buffer's plan: the shards of ``names`` at ``offsets``, ``numel`` elements in all.
+
+    Attributes:
+      dtype: the members' working dtype (the buffer's dtype is the kind's: master,
+        gradient or state dtype).
+      names: members, in layout order.
+      offsets: where each member's shard starts in the buffer.
+      numels: each member's ``shard_numel``.
+      numel: the buffer's length, ``sum(numels)``.
+    """
+
+    dtype: torch.dtype
+    names: tuple[str, ...]
+    offsets: tuple[int, ...]
+    numels: tuple[int, ...]
+    numel: int
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class FlatLayout:
+    """Where every name this rank holds lives in its flat buffers (static, hashable).
+
+    Attributes:
+      world_size, rank: of the :class:`~zerofn.layout.ShardLayout` it was made from.
+      fingerprint: that layout's fingerprint.
+      groups: one :class:`FlatGroup` per working dtype, in order of first appearance.
+      loose: the whole params this rank owns, in layout order (own tensors, full shape).
+      names: every name this rank holds, in layout order.
+      where: name -> ``(group index, offset, numel)``; group index ``-1`` for loose names.
+      shapes: name -> the shape ``d[name]`` has: ``(shard_numel,)`` or the full shape.
+    """
+
+    world_size: int
+    rank: int
+    fingerprint: str
+    groups: tuple[FlatGroup, ...]
+    loose: tuple[str, ...]
+    names: tuple[str, ...]
+    where: Mapping[str, tuple[int, int, int]] = dataclasses.field(repr=False)
+    shapes: Mapping[str, tuple[int, ...]] = dataclasses.field(repr=False)
+
+    def __hash__(self) -> int:
+        return hash((self.world_size, self.rank, self.fingerprint))
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, FlatLayout):
+            return NotImplemented
+        key = (self.world_size, self.rank, self.fingerprint, self.names)
+        return key == (other.world_size, other.rank, other.fingerprint, other.names)
+
+    def runs(self, names: tuple[str, ...]) -> tuple[tuple[int, int, int, tuple[str, ...]], ...]:
+        """``names`` (a subsequence of :attr:`names`) as maximal contiguous runs, in layout order.
+
+        Returns ``(group, start, stop, members)`` tuples: ``members`` fill
+        ``buf[start:stop]`` of group ``group`` exactly; a loose name is a run of its own
+        with group ``-1``. Cached.
+        """
+        fn = _runs.__wrapped__ if torch.compiler.is_compiling() else _runs
+        return fn(self, names)
+
+
+@functools.lru_cache(maxsize=512)
+def _runs(flat: FlatLayout, names: tuple[str, ...]) -> tuple[tuple[int, int, int, tuple[str, ...]], ...]:
+    out: list[tuple[int, int, int, tuple[str, ...]]] = []
+    cur: list[Any] | None = None
+    for name in names:
+        g, off, n = flat.where[name]
+        if g >= 0 and cur is not None and cur[0] == g and cur[2] == off:
+            cur[2] = off + n
+            cur[3].append(name)
+            continue
+        if cur is not None:
+            out.append((cur[0], cur[1], cur[2], tuple(cur[3])))
+        cur = [g, off, off + n, [name]]
+    if cur is not None:
+        out.append((cur[0], cur[1], cur[2], tuple(cur[3])))
+    return tuple(out)
+
+
+def flat_layout(layout: ShardLayout, rank: int) -> FlatLayout:
+    """The :class:`FlatLayout` of ``rank``'s shards under ``layout`` (cached; a pure function)."""
+    fn = _flat_layout.__wrapped__ if torch.compiler.is_compiling() else _flat_layout
+    return fn(layout, rank)
+
+
+@functools.lru_cache(maxsize=256)
+def _flat_layout(layout: ShardLayout, rank: int) -> FlatLayout:
+    members: dict[torch.dtype, list[str]] = {}
+    loose: list[str] = []
+    names: list[str] = []
+    where: dict[str, tuple[int, int, int]] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    offsets: dict[torch.dtype, list[int]] = {}
+    sizes: dict[torch.dtype, int] = {}
+    for spec in layout.params:
+        if not spec.holds(rank):
+            continue
+        names.append(spec.name)
+        shapes[spec.name] = spec.local_shape(rank)  # type: ignore[assignment]
+        if spec.is_whole:
+            loose.append(spec.name)
+            continue
+        members.setdefault(spec.dtype, []).append(spec.name)
+        offsets.setdefault(spec.dtype, []).append(sizes.get(spec.dtype, 0))
+        sizes[spec.dtype] = sizes.get(spec.dtype, 0) + spec.shard_numel
+    groups = []
+    for gi, (dtype, group_names) in enumerate(members.items()):
+        numels = tuple(layout[n].shard_numel for n in group_names)
+        groups.append(FlatGroup(dtype, tuple(group_names), tuple(offsets[dtype]), numels, sizes[dtype]))
+        for n, off, k in zip(group_names, offsets[dtype], numels, strict=True):
+            where[n] = (gi, off, k)
+    for n in loose:
+        where[n] = (-1, 0, 0)
+    return FlatLayout(
+        layout.world_size, rank, layout.fingerprint, tuple(groups), tuple(loose), tuple(names), where, shapes
+    )
+
+
+class FlatDict(FrozenDict[torch.Tensor]):
+    """A read-only ``name -> Tensor`` mapping backed by one flat buffer per group.
+
+    ``d[name]`` is a view (``buffers[g][off:off + shard_numel]``) for a split or
+    ``blocked(B)`` param, the tensor itself for a loose (whole) one. Iteration follows the
+    layout order of the names held. A pytree node: the leaves are the buffers (``None``
+    for a group without a held name) followed by the loose tensors; the context is the
+    :class:`FlatLayout` and the names held.
+
+    Build one with :func:`pack` (from a mapping) or :meth:`from_buffers`. The buffers are
+    1-D and contiguous; padding elements are zero, and so are the ranges of layout names
+    the dict does not hold when it carries gradients.
+    """
+
+    __slots__ = ("_buffers", "_flat", "_held", "_loose", "_names")
+    _flat: FlatLayout
+    _buffers: tuple[torch.Tensor | None, ...]
+    _loose: dict[str, torch.Tensor]
+    _names: tuple[str, ...]
+    _held: frozenset[str] | None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("build a FlatDict with zerofn.flat.pack(...) or FlatDict.from_buffers(...)")
+
+    @classmethod
+    def from_buffers(
+        cls,
+        flat: FlatLayout,
+        buffers: Iterable[torch.Tensor | None],
+        loose: Mapping[str, torch.Tensor] | None = None,
+        names: tuple[str, ...] | None = None,
+    ) -> FlatDict:
+        """A FlatDict over ``flat`` holding ``names`` (default: all of the layout's), from its buffers.
+
+        ``buffers``: one 1-D tensor of ``group.numel`` elements per group (``None`` where
+        no held name lives); ``loose``: name -> full-shape tensor for the held loose names.
+        Nothing is copied.
+        """
+        self = object.__new__(cls)
+        setter = object.__setattr__
+        setter(self, "_flat", flat)
+        setter(self, "_buffers", tuple(buffers))
+        setter(self, "_loose", dict(loose or {}))
+        names = flat.names if names is None else tuple(names)
+        setter(self, "_names", names)
+        setter(self, "_held", None if names is flat.names or names == flat.names else _held(names))
+        return self
+
+    @property
+    def flat_layout(self) -> FlatLayout:
+        return self._flat
+
+    @property
+    def buffers(self) -> tuple[torch.Tensor | None, ...]:
+        """One 1-D buffer per group of :attr:`flat_layout` (``None`` where no held name lives)."""
+        return self._buffers
+
+    @property
+    def loose(self) -> Mapping[str, torch.Tensor]:
+        return self._loose
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The names held, in layout order."""
+        return self._names
+
+    @property
+    def holds_all(self) -> bool:
+        """True if every name of the layout is held."""
+        return self._held is None
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if not self.__contains__(key):
+            raise KeyError(key)
+        g, off, n = self._flat.where[key]
+        if g < 0:
+            return self._loose[key]
+        return self._buffers[g][off : off + n]  # type: ignore[index]
+
+    def __contains__(self, key: object) -> bool:
+        if self._held is None:
+            return key in self._flat.where
+        return key in self._held
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __repr__(self) -> str:
+        return f"FlatDict({dict(self.items())!r})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (self._flat, self._buffers, self._loose, self._names))
+
+    def replace(self, changes: Mapping[str, torch.Tensor]) -> FrozenDict[torch.Tensor]:  # type: ignore[override]
+        """A new mapping with ``changes`` applied: a FlatDict with new buffers where it can be packed."""
+        merged = {**dict(self.items()), **changes}
+        return pack(self._flat, merged) if packable(self._flat, merged) else FrozenDict(merged)
+
+    def pieces(self) -> list[torch.Tensor]:
+        """The held entries as few tensors as possible, in layout order: one view per contiguous run."""
+        out = []
+        for g, start, stop, members in self._flat.runs(self._names):
+            out.append(self._loose[members[0]] if g < 0 else self._buffers[g][start:stop])  # type: ignore[index]
+        return out
+
+    def with_buffers(
+        self, buffers: Iterable[torch.Tensor | None], loose: Mapping[str, torch.Tensor] | None = None
+    ) -> FlatDict:
+        """The same names over new buffers (and loose tensors; default: these)."""
+        return FlatDict.from_buffers(self._flat, buffers, self._loose if loose is None else loose, self._names)
+
+
+@functools.lru_cache(maxsize=256)
+def _held(names: tuple[str, ...]) -> frozenset[str]:
+    return frozenset(names)
+
+
+def _rebuild(
+    flat: FlatLayout, buffers: tuple[Any, ...], loose: dict[str, torch.Tensor], names: tuple[str, ...]
+) -> FlatDict:
+    return FlatDict.from_buffers(flat, buffers, loose, names)
+
+
+def _flatten(d: FlatDict) -> tuple[list[Any], Any]:
+    loose_names = tuple(d._loose)
+    return [*d._buffers, *(d._loose[n] for n in loose_names)], (d._flat, d._names, len(d._buffers), loose_names)
+
+
+def _unflatten(leaves: Iterable[Any], ctx: Any) -> FlatDict:
+    flat, names, n_buffers, loose_names = ctx
+    leaves = list(leaves)
+    return FlatDict.from_buffers(
+        flat, leaves[:n_buffers], dict(zip(loose_names, leaves[n_buffers:], strict=True)), names
+    )
+
+
+pytree.register_pytree_node(FlatDict, _flatten, _unflatten, serialized_type_name="zerofn.FlatDict")
+
+
+def _plain(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and (type(t) is torch.Tensor or type(t) is torch.nn.Parameter)
+
+
+def packable(flat: FlatLayout, mapping: Mapping[str, Any]) -> bool:
+    """True if :func:`pack` can hold ``mapping``: plain tensors of the layout's names and shapes,
+    one dtype and device per group."""
+    if isinstance(mapping, FlatDict):
+        return mapping._flat == flat
+    if not mapping:
+        return False
+    seen: dict[int, tuple[torch.dtype, torch.device]] = {}
+    shapes = flat.shapes
+    for name, t in mapping.items():
+        if name not in flat.where or not _plain(t) or tuple(t.shape) != shapes[name]:
+            return False
+        g = flat.where[name][0]
+        if g < 0:
+            continue
+        kind = (t.dtype, t.device)
+        if seen.setdefault(g, kind) != kind:
+            return False
+    return True
+
+
+def pack(flat: FlatLayout, mapping: Mapping[str, torch.Tensor]) -> FlatDict:
+    """``mapping`` (:func:`packable`) copied into new flat buffers, one ``torch.cat`` per group.
+
+    The result holds ``mapping``'s names; the ranges of the others are zero. Loose
+    tensors are kept as they are (not copied). A FlatDict over ``flat`` is returned as is.
+    """
+    if isinstance(mapping, FlatDict) and mapping._flat == flat:
+        return mapping
+    buffers: list[torch.Tensor | None] = []
+    for group in flat.groups:
+        present = [n for n in group.names if n in mapping]
+        if not present:
+            buffers.append(None)
+            continue
+        first = mapping[present[0]]
+        parts = []
+        for n, k in zip(group.names, group.numels, strict=True):
+            t = mapping.get(n)
+            parts.append(t.detach().reshape(-1) if t is not None else first.new_zeros(k))
+        buffers.append(torch.cat(parts) if len(parts) > 1 else parts[0].clone())
+    loose = {n: mapping[n] for n in flat.loose if n in mapping}
+    names = tuple(n for n in flat.names if n in mapping)
+    return FlatDict.from_buffers(flat, buffers, loose, names)
+
+
+def zeros_like(d: FlatDict, dtype: torch.dtype | None = None) -> FlatDict:
+    """Zeros with ``d``'s names, layout and devices (one allocation per buffer and loose tensor)."""
+    return FlatDict.from_buffers(
+        d._flat,
+        [None if b is None else torch.zeros_like(b, dtype=dtype) for b in d._buffers],
+        {n: torch.zeros_like(t, dtype=dtype) for n, t in d._loose.items()},
+        d._names,
+    )
+
+
+def flatten_like(master: FlatDict, tree: Any) -> Any:
+    """``tree`` (an optimizer state) with every name -> tensor mapping over ``master``'s names
+    held flat (:func:`pack`), where it can be; everything else as it is.
+
+    Walks NamedTuples, tuples and lists; a mapping whose values are plain tensors of the
+    shard shapes (a subset of the names is fine) becomes a :class:`FlatDict`; a mapping
+    of 0-d step counts, of ``None`` or of low-bit tensors stays.
+    """
+    if isinstance(tree, FlatDict):
+        return tree
+    if isinstance(tree, Mapping):
+        if tree and packable(master._flat, tree) and any(master._flat.where[n][0] >= 0 for n in tree):
+            return pack(master._flat, tree)
+        return tree
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        return type(tree)(*(flatten_like(master, v) for v in tree))
+    if isinstance(tree, tuple):
+        return tuple(flatten_like(master, v) for v in tree)
+    if isinstance(tree, list):
+        return [flatten_like(master, v) for v in tree]
+    return tree
