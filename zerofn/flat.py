@@ -397,3 +397,36 @@ def flatten_like(master: FlatDict, tree: Any) -> Any:
     if isinstance(tree, list):
         return [flatten_like(master, v) for v in tree]
     return tree
+
+
+def owned(d: FlatDict, donate: bool) -> FlatDict:
+    """``d`` itself when donated, else a FlatDict over fresh copies of its buffers and loose tensors."""
+    if donate:
+        return d
+    return d.with_buffers(
+        [None if b is None else b.clone() for b in d._buffers], {n: t.clone() for n, t in d._loose.items()}
+    )
+
+
+def run_view(d: FlatDict, run: tuple[int, int, int, tuple[str, ...]]) -> torch.Tensor:
+    """The tensor of one run of :meth:`FlatLayout.runs` in ``d``: a buffer range, or a loose tensor."""
+    g, start, stop, members = run
+    return d._loose[members[0]] if g < 0 else d._buffers[g][start:stop]  # type: ignore[index]
+
+
+def same_layout(flat: FlatLayout, *dicts: Any) -> bool:
+    """True if every one of ``dicts`` is a FlatDict over ``flat``."""
+    return all(isinstance(d, FlatDict) and d._flat == flat for d in dicts)
+
+
+def flatten_state(state: Any) -> Any:
+    """A :class:`~zerofn.state.ZeroState` with its master shards and optimizer state held flat
+    (:func:`pack`, :func:`flatten_like`) where they can be; the state itself if they are already."""
+    master = state.master
+    if isinstance(master, FlatDict) or not master:
+        return state
+    fl = flat_layout(state.layout, state.rank)
+    if not packable(fl, master):
+        return state
+    master = pack(fl, master)
+    return state.replace(master=master, opt_state=flatten_like(master, state.opt_state))

@@ -30,7 +30,7 @@ import torch
 import torch.optim.adam as _torch_adam
 import torch.optim.sgd as _torch_sgd
 
-from zerofn import _traced
+from zerofn import _traced, flat
 
 # The Optimizer value and its helpers live in zerofn._optimizer (shared with zerofn.lowbit
 # without an import cycle); users find them here.
@@ -48,6 +48,7 @@ from zerofn._optimizer import (
 )
 from zerofn._optimizer import ParamGroup as ParamGroup
 from zerofn._tree import FrozenDict
+from zerofn.flat import FlatDict
 
 __all__ = [
     "AdamState",
@@ -113,6 +114,8 @@ def _sgd_update(
     opt: Optimizer, grads: Params, state: SGDState, params: Params, donate: bool
 ) -> tuple[dict[str, torch.Tensor], SGDState]:
     names = _grads_in_order(opt, grads, params)
+    if _sgd_flat_ready(opt, names, grads, state, params):
+        return _sgd_update_flat(opt, names, grads, state, params, donate)  # type: ignore[arg-type]
     new_params = dict(params)
     new_bufs = dict(state.momentum_buffer)
     for gi, group_names in _by_group(opt, names).items():
@@ -149,6 +152,49 @@ def _sgd_update(
             new_params[n] = p
             new_bufs[n] = b
     return new_params, SGDState(FrozenDict(new_bufs))
+
+
+def _sgd_flat_ready(opt: Optimizer, names: list[str], grads: Params, state: SGDState, params: Params) -> bool:
+    """Flat inputs over one layout, and momentum buffers that are flat already (or not used)."""
+    if not isinstance(params, FlatDict) or not flat.same_layout(params.flat_layout, grads) or not params.holds_all:
+        return False
+    if torch.compiler.is_compiling():
+        return False
+    bufs = state.momentum_buffer
+    if flat.same_layout(params.flat_layout, bufs) and bufs.holds_all:  # type: ignore[attr-defined]
+        return True
+    return all(opt.hyperparams(n)["momentum"] == 0 for n in names)
+
+
+def _sgd_update_flat(
+    opt: Optimizer, names: list[str], grads: FlatDict, state: SGDState, params: FlatDict, donate: bool
+) -> tuple[FlatDict, SGDState]:
+    """:func:`_sgd_update` over flat buffers: one torch kernel call per param group, over its runs
+    of consecutive params (one run per buffer when every param has a gradient). Names without
+    a gradient keep their ranges (the copies are of whole buffers)."""
+    fl = params.flat_layout
+    new_params = flat.owned(params, donate)
+    bufs = state.momentum_buffer
+    new_bufs = flat.owned(bufs, donate) if isinstance(bufs, FlatDict) else bufs
+    for group_names in _by_group(opt, names).values():
+        hp = _scalar_lr(opt.hyperparams(group_names[0]))
+        runs = fl.runs(tuple(group_names))
+        # As _sgd_update: torch's foreach nesterov adds into the gradient list in place.
+        grads_mutated = hp["nesterov"] and hp["weight_decay"] == 0 and not hp["maximize"]
+        _torch_sgd.sgd(
+            [flat.run_view(new_params, r) for r in runs],
+            [flat.run_view(grads, r).clone() if grads_mutated else flat.run_view(grads, r) for r in runs],
+            [flat.run_view(new_bufs, r) if hp["momentum"] != 0 else None for r in runs],  # type: ignore[arg-type]
+            weight_decay=hp["weight_decay"],
+            momentum=hp["momentum"],
+            lr=hp["lr"],
+            dampening=hp["dampening"],
+            nesterov=hp["nesterov"],
+            maximize=hp["maximize"],
+            foreach=hp["foreach"],
+            fused=hp["fused"],
+        )
+    return new_params, SGDState(new_bufs)
 
 
 _NOT_TRACEABLE_SGD = (
@@ -269,6 +315,19 @@ def _adam_init(opt: Optimizer, params: Params) -> AdamState:
         return torch.tensor(0.0, dtype=torch.float32)
 
     amsgrad = {n for n in params if opt.hyperparams(n)["amsgrad"]}
+    if isinstance(params, FlatDict):
+        # Flat: one step count per param group, shared by its names (a step updates them
+        # together; a param that misses a step gets its own count from then on).
+        first: dict[int, torch.Tensor] = {}
+        steps = {}
+        for n, p in params.items():
+            gi = opt.group_index(n)
+            steps[n] = first[gi] if gi in first else first.setdefault(gi, step_for(n, p))
+        if len(amsgrad) == len(params):
+            max_sq: Any = flat.zeros_like(params)
+        else:
+            max_sq = FrozenDict({n: torch.zeros_like(p) for n, p in params.items() if n in amsgrad})
+        return AdamState(FrozenDict(steps), flat.zeros_like(params), flat.zeros_like(params), max_sq)
     return AdamState(
         step=FrozenDict({n: step_for(n, p) for n, p in params.items()}),
         exp_avg=FrozenDict({n: torch.zeros_like(p) for n, p in params.items()}),
@@ -281,6 +340,8 @@ def _adam_update(
     opt: Optimizer, grads: Params, state: AdamState, params: Params, donate: bool
 ) -> tuple[dict[str, torch.Tensor], AdamState]:
     names = _grads_in_order(opt, grads, params)
+    if _adam_flat_ready(opt, names, grads, state, params):
+        return _adam_update_flat(opt, names, grads, state, params, donate)  # type: ignore[arg-type]
     new_params = dict(params)
     fields = {f: dict(getattr(state, f)) for f in AdamState._fields}
     for group_names in _by_group(opt, names).values():
@@ -298,6 +359,11 @@ def _adam_update(
             for f in AdamState._fields
             if f != "max_exp_avg_sq" or hp["amsgrad"]
         }
+        # A flat state shares one step count among a group's names: torch adds 1 to each
+        # count in place, so a shared one is copied per name even when donated.
+        counts = [state.step[n] for n in group_names]
+        if donate and len({id(t) for t in counts}) < len(counts):
+            owned["step"] = [t.clone() for t in counts]
         ps = [_own(params[n], donate) for n in group_names]
         _torch_adam.adam(
             ps,
@@ -322,6 +388,88 @@ def _adam_update(
             for f, tensors in owned.items():
                 fields[f][n] = tensors[i]
     return new_params, AdamState(**{f: FrozenDict(v) for f, v in fields.items()})
+
+
+def _adam_flat_ready(opt: Optimizer, names: list[str], grads: Params, state: AdamState, params: Params) -> bool:
+    """Flat inputs over one layout: params, gradients and both moments (and the max, if used)."""
+    if not isinstance(params, FlatDict) or not params.holds_all or torch.compiler.is_compiling():
+        return False
+    fl = params.flat_layout
+    if not flat.same_layout(fl, grads, state.exp_avg, state.exp_avg_sq):
+        return False
+    if not (state.exp_avg.holds_all and state.exp_avg_sq.holds_all):  # type: ignore[attr-defined]
+        return False
+    if any(opt.hyperparams(n)["amsgrad"] for n in names):
+        max_sq = state.max_exp_avg_sq
+        return flat.same_layout(fl, max_sq) and max_sq.holds_all  # type: ignore[attr-defined]
+    return True
+
+
+def _step_runs(
+    fl: flat.FlatLayout, names: tuple[str, ...], steps: Mapping[str, torch.Tensor]
+) -> list[tuple[int, int, int, tuple[str, ...]]]:
+    """:meth:`FlatLayout.runs` of ``names``, cut where the step count tensor changes (one count per run)."""
+    out = []
+    for g, start, stop, members in fl.runs(names):
+        if g < 0 or len(members) == 1:
+            out.append((g, start, stop, members))
+            continue
+        first, at = 0, start
+        for i in range(1, len(members) + 1):
+            if i == len(members) or steps[members[i]] is not steps[members[first]]:
+                end = at + sum(fl.where[m][2] for m in members[first:i])
+                out.append((g, at, end, members[first:i]))
+                first, at = i, end
+    return out
+
+
+def _adam_update_flat(
+    opt: Optimizer, names: list[str], grads: FlatDict, state: AdamState, params: FlatDict, donate: bool
+) -> tuple[FlatDict, AdamState]:
+    """:func:`_adam_update` over flat buffers: one torch kernel call per param group, over its runs
+    of consecutive params sharing a step count (one run per buffer when every param has a
+    gradient). Names without a gradient keep their ranges (the copies are of whole buffers)
+    and their step counts. Element-wise, so the bits are those of the per-param update."""
+    fl = params.flat_layout
+    new_params = flat.owned(params, donate)
+    exp_avg = flat.owned(state.exp_avg, donate)  # type: ignore[arg-type]
+    exp_avg_sq = flat.owned(state.exp_avg_sq, donate)  # type: ignore[arg-type]
+    max_sq = state.max_exp_avg_sq
+    if isinstance(max_sq, FlatDict):
+        max_sq = flat.owned(max_sq, donate)
+    steps = dict(state.step)
+    for group_names in _by_group(opt, names).values():
+        hp = _scalar_lr(opt.hyperparams(group_names[0]))
+        runs = _step_runs(fl, tuple(group_names), state.step)
+        uses: dict[int, int] = {}
+        for r in runs:
+            uses[id(state.step[r[3][0]])] = uses.get(id(state.step[r[3][0]]), 0) + 1
+        run_steps = []
+        for r in runs:
+            s = state.step[r[3][0]]
+            run_steps.append(s if donate and uses[id(s)] == 1 else s.clone())  # torch adds 1 in place
+        _torch_adam.adam(
+            [flat.run_view(new_params, r) for r in runs],
+            [flat.run_view(grads, r) for r in runs],
+            [flat.run_view(exp_avg, r) for r in runs],
+            [flat.run_view(exp_avg_sq, r) for r in runs],
+            [flat.run_view(max_sq, r) for r in runs] if hp["amsgrad"] else [],  # type: ignore[arg-type]
+            run_steps,
+            foreach=hp["foreach"],
+            fused=hp["fused"],
+            decoupled_weight_decay=opt.name == "adamw",
+            amsgrad=hp["amsgrad"],
+            beta1=hp["betas"][0],
+            beta2=hp["betas"][1],
+            lr=hp["lr"],
+            weight_decay=hp["weight_decay"],
+            eps=hp["eps"],
+            maximize=hp["maximize"],
+        )
+        for r, s in zip(runs, run_steps, strict=True):
+            for n in r[3]:
+                steps[n] = s
+    return new_params, AdamState(FrozenDict(steps), exp_avg, exp_avg_sq, max_sq)
 
 
 _NOT_TRACEABLE = (

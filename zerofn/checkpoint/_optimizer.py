@@ -35,7 +35,12 @@ def per_param(opt_state: Any, names: tuple[str, ...]) -> dict[str, dict[str, Any
         for n in names:
             if n not in opt_state.step or int(opt_state.step[n]) == 0:
                 continue  # torch creates Adam state lazily, at a param's first step
-            entry = {"step": opt_state.step[n], "exp_avg": opt_state.exp_avg[n], "exp_avg_sq": opt_state.exp_avg_sq[n]}
+            # .clone(): a flat state shares one step tensor among names; torch keeps one per param
+            entry = {
+                "step": opt_state.step[n].clone(),
+                "exp_avg": opt_state.exp_avg[n],
+                "exp_avg_sq": opt_state.exp_avg_sq[n],
+            }
             if n in opt_state.max_exp_avg_sq:
                 entry["max_exp_avg_sq"] = opt_state.max_exp_avg_sq[n]
             out[n] = entry

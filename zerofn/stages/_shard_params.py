@@ -9,7 +9,7 @@ import torch
 
 from zerofn import _checks as checks
 from zerofn import _comm as comm
-from zerofn import _sync
+from zerofn import _sync, flat
 from zerofn._comm import Group
 from zerofn._deprecation import UNSET, renamed
 from zerofn._tree import FrozenDict
@@ -110,22 +110,25 @@ def shard_params(
     layout = make_layout(working, comm.group_size(group), placement=resolve_placement(params, optimizer, placement))
     if check and not sync:
         _sync.check_values_agree(layout, params, group, "shard_params")
-    master = FrozenDict(
-        {
-            s.name: cut_shard(
-                params[s.name], s, rank, dtype=policy.master_dtype_for(s.dtype), device=state_device, round_to=s.dtype
-            )
-            for s in layout.params
-            if s.holds(rank)
-        }
-    )
+    shards = {
+        s.name: cut_shard(
+            params[s.name], s, rank, dtype=policy.master_dtype_for(s.dtype), device=state_device, round_to=s.dtype
+        )
+        for s in layout.params
+        if s.holds(rank)
+    }
+    fl = flat.flat_layout(layout, rank)
+    master = flat.pack(fl, shards) if flat.packable(fl, shards) else FrozenDict(shards)
+    opt_state = optimizer.init(master, layout=layout)
+    if isinstance(master, flat.FlatDict):
+        opt_state = flat.flatten_like(master, opt_state)
     step, loss_scale = tensor_numbers(0, policy.loss_scaler.init(), param_device)
     return ZeroState(
         layout,
         optimizer,
         rank,
         master,
-        optimizer.init(master, layout=layout),
+        opt_state,
         step,
         loss_scale=loss_scale,
         precision=policy,

@@ -15,7 +15,7 @@ import torch.utils._pytree as pytree
 
 from zerofn import _checks as checks
 from zerofn import _comm as comm
-from zerofn import _placement, _traced
+from zerofn import _placement, _traced, flat
 from zerofn._comm import Group
 from zerofn._norm import exact_sqrt, local_norm_term
 from zerofn._tree import FrozenDict
@@ -125,7 +125,8 @@ def step_shards(
     policy, loss_scale = state.precision, state.loss_scale
     refused = failure is not None or veto is not None
     device = state.work_device
-    local = local_norm_term(grad_shards.values() if failure is None else [], norm_type, device)
+    pieces = grad_shards.pieces() if isinstance(grad_shards, flat.FlatDict) else grad_shards.values()
+    local = local_norm_term(pieces if failure is None else [], norm_type, device)
     finite = torch.isfinite(local)
     packed = torch.stack(
         [
@@ -160,6 +161,70 @@ def step_shards(
         coef, found, new_loss_scale, info = _traced_scalars(
             state, grad_shards, group, max_norm, norm_type, total, failure, veto
         )
+    flat_grads = _as_flat(state, grad_shards)
+    if flat_grads is not None:
+        owned = donate or flat_grads is not grad_shards
+        grads: Mapping[str, torch.Tensor] = _scaled_flat(state, flat_grads, coef, owned)
+    else:
+        grads = _scaled(state, grad_shards, coef, donate)
+    new_master, new_opt_state = state.optimizer.update(
+        grads, state.opt_state, state.master, donate=donate and not tracing
+    )
+    new_master, new_opt_state = _keep_flat(state.master, new_master, new_opt_state)
+    if found is None:
+        master, opt_state, step = new_master, new_opt_state, state.step + 1
+    else:  # compiled: a skipped step selects the old state (the update ran, its results are dropped)
+        master, opt_state = _select_unless(found.to(state.state_device), state, new_master, new_opt_state)
+        step = torch.where(found, state.step, state.step + 1)
+    new_state = state.replace(master=master, opt_state=opt_state, step=step, loss_scale=new_loss_scale)
+    return new_state, info
+
+
+def _as_flat(state: ZeroState, grad_shards: Mapping[str, torch.Tensor]) -> flat.FlatDict | None:
+    """The gradient shards over the master's flat layout: themselves, packed from a plain mapping
+    (one ``cat`` per buffer), or ``None`` when the master is not flat or they cannot be held flat."""
+    master = state.master
+    if not isinstance(master, flat.FlatDict):
+        return None
+    fl = master.flat_layout
+    if isinstance(grad_shards, flat.FlatDict):
+        return grad_shards if grad_shards.flat_layout == fl else None
+    if not grad_shards or not flat.packable(fl, grad_shards):
+        return None
+    return flat.pack(fl, grad_shards)
+
+
+def _scaled_flat(state: ZeroState, grads: flat.FlatDict, coef: float | torch.Tensor, owned: bool) -> flat.FlatDict:
+    """:func:`_scaled` once per flat buffer (and loose tensor): moved to the state device, times
+    ``coef`` in the wider dtype, cast to the master's dtype. Zero ranges stay zero."""
+    master = state.master
+    assert isinstance(master, flat.FlatDict)
+    device = state.state_device
+
+    def scale(g: torch.Tensor, target: torch.dtype) -> torch.Tensor:
+        moved = _placement.to_device({"g": g}, device)["g"]
+        wide = torch.promote_types(g.dtype, target)
+        if isinstance(coef, torch.Tensor):
+            moved = moved.to(wide) * coef.to(device, wide)  # x * 1.0 == x: no branch
+        elif coef != 1.0:
+            mine = owned or moved is not g
+            moved = moved.mul_(coef) if mine and moved.dtype == wide else moved.to(wide) * coef
+        return moved.to(target)
+
+    buffers = [None if g is None else scale(g, _buffer_dtype(master, i, g)) for i, g in enumerate(grads.buffers)]
+    loose = {n: scale(g, master[n].dtype) for n, g in grads.loose.items()}
+    return grads.with_buffers(buffers, loose)
+
+
+def _buffer_dtype(master: flat.FlatDict, i: int, g: torch.Tensor) -> torch.dtype:
+    b = master.buffers[i]
+    return g.dtype if b is None else b.dtype
+
+
+def _scaled(
+    state: ZeroState, grad_shards: Mapping[str, torch.Tensor], coef: float | torch.Tensor, donate: bool
+) -> dict[str, torch.Tensor]:
+    """Per name: the gradient shard on the state device, times ``coef``, in the master's dtype."""
     moved = _placement.to_device(grad_shards, state.state_device)  # CPU offload: grads go to the state
     grads = {}
     for name, g in moved.items():
@@ -171,16 +236,7 @@ def step_shards(
             owned = donate or g is not grad_shards[name]
             g = g.mul_(coef) if owned and g.dtype == wide else g.to(wide) * coef
         grads[name] = g.to(target)
-    new_master, new_opt_state = state.optimizer.update(
-        grads, state.opt_state, state.master, donate=donate and not tracing
-    )
-    if found is None:
-        master, opt_state, step = FrozenDict(new_master), new_opt_state, state.step + 1
-    else:  # compiled: a skipped step selects the old state (the update ran, its results are dropped)
-        master, opt_state = _select_unless(found.to(state.state_device), state, new_master, new_opt_state)
-        step = torch.where(found, state.step, state.step + 1)
-    new_state = state.replace(master=master, opt_state=opt_state, step=step, loss_scale=new_loss_scale)
-    return new_state, info
+    return grads
 
 
 def _validate_step(
@@ -298,7 +354,24 @@ def _select_unless(
             "in a step (a buffer created on the first step); run one step eagerly before compiling"
         )
     opt_state = pytree.tree_unflatten([select(o, n) for o, n in zip(old_leaves, new_leaves, strict=True)], spec)
+    if isinstance(new_master, flat.FlatDict) and isinstance(state.master, flat.FlatDict):
+        return pytree.tree_map(select, state.master, new_master), opt_state
     return FrozenDict({n: select(state.master[n], t) for n, t in new_master.items()}), opt_state
+
+
+def _keep_flat(
+    master: Mapping[str, torch.Tensor], new_master: Mapping[str, torch.Tensor], new_opt_state: Any
+) -> tuple[Mapping[str, torch.Tensor], Any]:
+    """The optimizer's results held flat again when the state was (one ``cat`` per buffer for an
+    optimizer that returns per-name tensors; nothing to do for one that returns FlatDicts)."""
+    if not isinstance(master, flat.FlatDict):
+        return FrozenDict(new_master), new_opt_state
+    fl = master.flat_layout
+    if not isinstance(new_master, flat.FlatDict):
+        new_master = flat.pack(fl, new_master) if flat.packable(fl, new_master) else FrozenDict(new_master)
+    if isinstance(new_master, flat.FlatDict):
+        new_opt_state = flat.flatten_like(new_master, new_opt_state)
+    return new_master, new_opt_state
 
 
 @_traced.handler("step_shards")
