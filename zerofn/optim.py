@@ -517,10 +517,17 @@ def _adam_group_traced(
     """
     lr, beta1, beta2, eps, wd = hp["lr"], hp["betas"][0], hp["betas"][1], hp["eps"], hp["weight_decay"]
     lr64 = lr.to(torch.float64) if isinstance(lr, torch.Tensor) else torch.tensor(float(lr), dtype=torch.float64)
+    # A step count shared by names stays shared (one graph input): found with `is`, as id()
+    # would guard on the object.
+    new_steps: list[tuple[torch.Tensor, torch.Tensor]] = []
     for n in names:
         param, grad = params[n], grads[n]
         grad = -grad if hp["maximize"] else grad
-        step_t = state.step[n] + 1
+        old_step = state.step[n]
+        step_t = next((new for old, new in new_steps if old is old_step), None)
+        if step_t is None:
+            step_t = old_step + 1
+            new_steps.append((old_step, step_t))
         if wd != 0:
             if opt.name == "adamw":
                 param = param * (1 - lr64 * wd).to(param.dtype)

@@ -343,8 +343,21 @@ def _select_unless(
 ) -> tuple[FrozenDict[torch.Tensor], Any]:
     """The updated masters and optimizer state where ``keep`` is false, the old ones where it is true."""
 
+    # A 0-d tensor shared by names (a flat state's step count) stays shared: found with `is`
+    # (id() would guard on the object).
+    chosen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
     def select(old: Any, new: Any) -> Any:
-        return torch.where(keep, old, new) if isinstance(new, torch.Tensor) and old is not None else new
+        if not (isinstance(new, torch.Tensor) and old is not None):
+            return new
+        if new.dim() != 0:
+            return torch.where(keep, old, new)
+        for o, n, picked in chosen:
+            if o is old and n is new:
+                return picked
+        picked = torch.where(keep, old, new)
+        chosen.append((old, new, picked))
+        return picked
 
     old_leaves, spec = pytree.tree_flatten(state.opt_state)
     new_leaves, new_spec = pytree.tree_flatten(new_opt_state)
