@@ -170,7 +170,7 @@ def step_shards(
     new_master, new_opt_state = state.optimizer.update(
         grads, state.opt_state, state.master, donate=donate and not tracing
     )
-    new_master, new_opt_state = _keep_flat(state.master, new_master, new_opt_state)
+    new_master, new_opt_state = _keep_flat(state, new_master, new_opt_state)
     if found is None:
         master, opt_state, step = new_master, new_opt_state, state.step + 1
     else:  # compiled: a skipped step selects the old state (the update ran, its results are dropped)
@@ -373,18 +373,40 @@ def _select_unless(
 
 
 def _keep_flat(
-    master: Mapping[str, torch.Tensor], new_master: Mapping[str, torch.Tensor], new_opt_state: Any
+    state: ZeroState, new_master: Mapping[str, torch.Tensor], new_opt_state: Any
 ) -> tuple[Mapping[str, torch.Tensor], Any]:
     """The optimizer's results held flat again when the state was (one ``cat`` per buffer for an
-    optimizer that returns per-name tensors; nothing to do for one that returns FlatDicts)."""
+    optimizer that returns per-name tensors; nothing to do for one that returns FlatDicts).
+
+    Eagerly every name -> shard mapping of the new optimizer state that can be held flat is
+    (so a state loaded per name, or SGD's momentum made at the first step, becomes flat);
+    in a compiled step the state keeps its structure exactly: flat where it was flat.
+    """
+    master = state.master
     if not isinstance(master, flat.FlatDict):
         return FrozenDict(new_master), new_opt_state
     fl = master.flat_layout
     if not isinstance(new_master, flat.FlatDict):
         new_master = flat.pack(fl, new_master) if flat.packable(fl, new_master) else FrozenDict(new_master)
-    if isinstance(new_master, flat.FlatDict):
-        new_opt_state = flat.flatten_like(new_master, new_opt_state)
-    return new_master, new_opt_state
+    if not isinstance(new_master, flat.FlatDict):
+        return new_master, new_opt_state
+    if comm.tracing():
+        return new_master, _match_flat(state.opt_state, new_opt_state, fl)
+    return new_master, flat.flatten_like(new_master, new_opt_state)
+
+
+def _match_flat(old: Any, new: Any, fl: flat.FlatLayout) -> Any:
+    """``new`` with FlatDicts exactly where ``old`` has them (packed or unpacked to per-name views)."""
+    if isinstance(old, flat.FlatDict):
+        if isinstance(new, flat.FlatDict) or not isinstance(new, Mapping) or not flat.packable(fl, new):
+            return new
+        return flat.pack(fl, new)
+    if isinstance(new, flat.FlatDict):
+        return FrozenDict(dict(new.items()))
+    if isinstance(old, tuple) and isinstance(new, tuple) and len(old) == len(new):
+        matched = [_match_flat(o, n, fl) for o, n in zip(old, new, strict=True)]
+        return type(new)(*matched) if hasattr(new, "_fields") else tuple(matched)
+    return new
 
 
 @_traced.handler("step_shards")
