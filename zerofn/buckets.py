@@ -42,6 +42,7 @@ import torch
 from zerofn import _comm as comm
 from zerofn import _placement
 from zerofn._comm import Group
+from zerofn.flat import FlatDict, run_view
 from zerofn.layout import Bucket, ParamSpec, ShardLayout
 
 __all__ = [
@@ -559,6 +560,14 @@ def pack_shards(
     plan = _bucket_plan(layout, bucket)
     if plan.split_width < bucket.shard_numel:
         return _pack_whole_row(shards, plan, bucket, dtype=dtype, device=device, out=out, rank=rank)
+    lone = _flat_range(shards, bucket)
+    if lone is not None:  # flat shards: the bucket is one range of a flat buffer, read in place
+        device = torch.device(device) if device is not None else lone.device
+        if lone.device != device:
+            return _placement.cat_to([lone if dtype is None else lone.to(dtype)], device)
+        if out is not None and (dtype is not None and lone.dtype != dtype):
+            return out.copy_(lone)  # the cast, straight into the caller's buffer
+        return lone if dtype is None or lone.dtype == dtype else lone.to(dtype)
     parts = [shards[name] if dtype is None else shards[name].to(dtype) for name in bucket.names]
     device = torch.device(device) if device is not None else parts[0].device
     if any(t.device != device for t in parts):  # CPU offload to an accelerator
@@ -568,6 +577,17 @@ def pack_shards(
     if out is not None:
         return torch.cat(parts, out=out)
     return torch.cat(parts)
+
+
+def _flat_range(shards: Mapping[str, torch.Tensor], bucket: Bucket) -> torch.Tensor | None:
+    """The range of a flat buffer that holds a split bucket's shards side by side, or ``None``
+    (``shards`` not flat, or the members not one run of one buffer)."""
+    if not isinstance(shards, FlatDict) or not shards.holds_all:
+        return None
+    runs = shards.flat_layout.runs(bucket.names)
+    if len(runs) != 1 or runs[0][0] < 0:
+        return None
+    return run_view(shards, runs[0])
 
 
 def _pack_whole_row(

@@ -13,7 +13,7 @@ from zerofn import _comm as comm
 from zerofn._comm import CommPolicy, Group, Pending
 from zerofn._deprecation import UNSET, renamed
 from zerofn.buckets import StagingPool, launch_gather, pack_shards, unpack_rows
-from zerofn.layout import Bucket
+from zerofn.layout import Bucket, ShardLayout
 from zerofn.stages._pipeline import DEFAULT_BUCKET_NUMEL, PIPELINE_DEPTH, _check_staging
 from zerofn.state import ZeroState
 
@@ -75,10 +75,7 @@ def gather_params(
     if check:
         checks.check_ranks_agree(layout, group, "gather_params", settings={"bucket_numel": bucket_numel}, device=device)
     how = (comm_policy or CommPolicy()).resolve(group)[1]
-    result = {
-        s.name: out[s.name] if out is not None else torch.empty(s.shape, dtype=s.dtype, device=device)
-        for s in layout.params
-    }
+    result = dict(out) if out is not None else _fresh_params(layout, device)
     # Without the caller's pool, one for this call: bucket k + 2 reuses bucket k's pages.
     # (Under torch.compile the compiler plans buffers: a caller's pool is left alone.)
     pool = staging if staging is not None and not comm.tracing() else StagingPool(keep=PIPELINE_DEPTH + 1)
@@ -105,3 +102,20 @@ def gather_params(
     while in_flight:
         write_oldest()
     return result
+
+
+#: Each fresh param starts at a multiple of this many elements of its dtype's buffer.
+_ALIGN = 16
+
+
+def _fresh_params(layout: ShardLayout, device: torch.device) -> dict[str, torch.Tensor]:
+    """New full params (layout order): views of one new buffer per dtype, each param at an
+    aligned offset, so a gather allocates once per dtype, not once per param."""
+    offsets: dict[str, int] = {}
+    sizes: dict[torch.dtype, int] = {}
+    for s in layout.params:
+        at = sizes.get(s.dtype, 0)
+        offsets[s.name] = at
+        sizes[s.dtype] = at + -(-s.numel // _ALIGN) * _ALIGN
+    buffers = {dtype: torch.empty(size, dtype=dtype, device=device) for dtype, size in sizes.items()}
+    return {s.name: buffers[s.dtype][offsets[s.name] : offsets[s.name] + s.numel].view(s.shape) for s in layout.params}
