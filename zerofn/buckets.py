@@ -319,10 +319,14 @@ def _pack_split_members(
     now, small ones appended to ``dst`` / ``src`` for the batched copy and scale."""
     n = out.shape[0]
     blocks = out[:, : plan.split_width].split(plan.widths, dim=1) if plan.widths else ()
+    # Padding and absent members are zero: one zero_ of the split region when some member
+    # needs it (not one per member: the cost of a step must not grow with the tensor count).
+    zeroed = any(whole != n or grads.get(name) is None for name, _, whole, _, _, _ in plan.split_members)
+    if zeroed and plan.split_width:
+        out[:, : plan.split_width].zero_()
     for (name, s, whole, rest, _, _), block in zip(plan.split_members, blocks, strict=True):
         t = grads.get(name)
         if t is None:
-            block.zero_()
             continue
         large = s * n >= FUSED_MIN_NUMEL
         if whole == n:  # no padding: the gradient is the block
@@ -333,8 +337,7 @@ def _pack_split_members(
                 dst.append(block)
                 src.append(part)
             continue
-        flat = t.detach().reshape(-1)
-        block[whole:].zero_()  # padding: the partial row's tail and any empty rows
+        flat = t.detach().reshape(-1)  # padding (the partial row's tail, empty rows): zeroed above
         parts = [(block[:whole], flat[: whole * s].view(whole, s))] if whole else []
         if rest:
             parts.append((block[whole, :rest], flat[whole * s :]))

@@ -429,4 +429,25 @@ def flatten_state(state: Any) -> Any:
     if not packable(fl, master):
         return state
     master = pack(fl, master)
-    return state.replace(master=master, opt_state=flatten_like(master, state.opt_state))
+    return state.replace(master=master, opt_state=_share_steps(flatten_like(master, state.opt_state)))
+
+
+def _share_steps(tree: Any) -> Any:
+    """An optimizer state whose per-name 0-d ``step`` counts of equal value are one tensor (as
+    ``init`` over a FlatDict makes them), so a flat update runs once per group, not per name.
+    Reads every count (host): for states built per name (a checkpoint load), once."""
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        fields = {f: _share_steps(v) for f, v in zip(tree._fields, tree, strict=True)}
+        from zerofn.optim import AdamState  # (zerofn.optim imports this module)
+
+        step = fields.get("step")
+        counts = isinstance(step, Mapping) and all(isinstance(t, torch.Tensor) and t.dim() == 0 for t in step.values())
+        if isinstance(tree, AdamState) and step and counts:
+            shared: dict[tuple[Any, ...], torch.Tensor] = {}
+            fields["step"] = FrozenDict(
+                {n: shared.setdefault((t.item(), t.dtype, t.device), t) for n, t in step.items()}
+            )
+        return type(tree)(**fields)
+    if isinstance(tree, tuple):
+        return tuple(_share_steps(v) for v in tree)
+    return tree

@@ -344,6 +344,7 @@ def _adam_update(
         return _adam_update_flat(opt, names, grads, state, params, donate)  # type: ignore[arg-type]
     new_params = dict(params)
     fields = {f: dict(getattr(state, f)) for f in AdamState._fields}
+    refs = _refs(state.step) if donate else {}
     for group_names in _by_group(opt, names).values():
         hp = _scalar_lr(opt.hyperparams(group_names[0]))
         if torch.compiler.is_compiling():
@@ -361,9 +362,8 @@ def _adam_update(
         }
         # A flat state shares one step count among a group's names: torch adds 1 to each
         # count in place, so a shared one is copied per name even when donated.
-        counts = [state.step[n] for n in group_names]
-        if donate and len({id(t) for t in counts}) < len(counts):
-            owned["step"] = [t.clone() for t in counts]
+        if donate and any(refs[id(state.step[n])] > 1 for n in group_names):
+            owned["step"] = [state.step[n].clone() for n in group_names]
         ps = [_own(params[n], donate) for n in group_names]
         _torch_adam.adam(
             ps,
@@ -405,6 +405,14 @@ def _adam_flat_ready(opt: Optimizer, names: list[str], grads: Params, state: Ada
     return True
 
 
+def _refs(steps: Mapping[str, torch.Tensor]) -> dict[int, int]:
+    """How many names share each step count tensor (by identity)."""
+    out: dict[int, int] = {}
+    for t in steps.values():
+        out[id(t)] = out.get(id(t), 0) + 1
+    return out
+
+
 def _step_runs(
     fl: flat.FlatLayout, names: tuple[str, ...], steps: Mapping[str, torch.Tensor]
 ) -> list[tuple[int, int, int, tuple[str, ...]]]:
@@ -438,16 +446,16 @@ def _adam_update_flat(
     if isinstance(max_sq, FlatDict):
         max_sq = flat.owned(max_sq, donate)
     steps = dict(state.step)
+    refs = _refs(state.step) if donate else {}
     for group_names in _by_group(opt, names).values():
         hp = _scalar_lr(opt.hyperparams(group_names[0]))
         runs = _step_runs(fl, tuple(group_names), state.step)
-        uses: dict[int, int] = {}
-        for r in runs:
-            uses[id(state.step[r[3][0]])] = uses.get(id(state.step[r[3][0]]), 0) + 1
+        # torch adds 1 to each count in place: a donated count is reused only when no name
+        # outside this run shares it (a param without a gradient keeps its count).
         run_steps = []
         for r in runs:
             s = state.step[r[3][0]]
-            run_steps.append(s if donate and uses[id(s)] == 1 else s.clone())  # torch adds 1 in place
+            run_steps.append(s if donate and refs[id(s)] == len(r[3]) else s.clone())
         _torch_adam.adam(
             [flat.run_view(new_params, r) for r in runs],
             [flat.run_view(grads, r) for r in runs],

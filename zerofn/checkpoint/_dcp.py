@@ -35,6 +35,7 @@ from zerofn.checkpoint._optimizer import (
     with_loss_scale,
 )
 from zerofn.checkpoint._validate import buffer_meta, check_buffers, check_fits, check_placements, layout_and_masters
+from zerofn.flat import flatten_state
 from zerofn.layout import ParamSpec, ShardLayout
 from zerofn.precision import PrecisionPolicy
 from zerofn.state import DEFAULT_POLICY, ZeroState
@@ -526,4 +527,4 @@ def _assemble(
     state = ZeroState(
         plan.layout, plan.optimizer, plan.rank, master_fd, opt_state, saved.step, precision=precision or DEFAULT_POLICY
     )
-    return with_loss_scale(state, saved.loss_scale)
+    return flatten_state(with_loss_scale(state, saved.loss_scale))  # flat, as shard_params makes it

@@ -237,6 +237,8 @@ def _flat_grads(
             at = start + piece.numel()
         if at < group.numel:
             parts.append(torch.zeros(group.numel - at, dtype=dtype, device=device))
+        if not parts:  # a group of empty params
+            parts.append(torch.zeros(0, dtype=dtype, device=device))
         buffers.append(parts[0] if len(parts) == 1 else torch.cat(parts))
     names = tuple(n for n in fl.names if n in present)
     held_loose = {

@@ -383,28 +383,29 @@ def _keep_flat(
     in a compiled step the state keeps its structure exactly: flat where it was flat.
     """
     master = state.master
-    if not isinstance(master, flat.FlatDict):
-        return FrozenDict(new_master), new_opt_state
-    fl = master.flat_layout
-    if not isinstance(new_master, flat.FlatDict):
-        new_master = flat.pack(fl, new_master) if flat.packable(fl, new_master) else FrozenDict(new_master)
-    if not isinstance(new_master, flat.FlatDict):
-        return new_master, new_opt_state
+    if isinstance(master, flat.FlatDict) and not isinstance(new_master, flat.FlatDict):
+        fl = master.flat_layout
+        new_master = flat.pack(fl, new_master) if flat.packable(fl, new_master) else new_master
     if comm.tracing():
-        return new_master, _match_flat(state.opt_state, new_opt_state, fl)
+        if not isinstance(master, flat.FlatDict) or not isinstance(new_master, flat.FlatDict):
+            new_master = FrozenDict(dict(new_master.items()))
+        return new_master, _match_flat(state.opt_state, new_opt_state)
+    if not isinstance(new_master, flat.FlatDict):
+        return FrozenDict(new_master), new_opt_state
     return new_master, flat.flatten_like(new_master, new_opt_state)
 
 
-def _match_flat(old: Any, new: Any, fl: flat.FlatLayout) -> Any:
-    """``new`` with FlatDicts exactly where ``old`` has them (packed or unpacked to per-name views)."""
+def _match_flat(old: Any, new: Any) -> Any:
+    """``new`` with FlatDicts exactly where ``old`` has them (packed, or unpacked to per-name views)."""
     if isinstance(old, flat.FlatDict):
+        fl = old.flat_layout
         if isinstance(new, flat.FlatDict) or not isinstance(new, Mapping) or not flat.packable(fl, new):
             return new
         return flat.pack(fl, new)
     if isinstance(new, flat.FlatDict):
         return FrozenDict(dict(new.items()))
     if isinstance(old, tuple) and isinstance(new, tuple) and len(old) == len(new):
-        matched = [_match_flat(o, n, fl) for o, n in zip(old, new, strict=True)]
+        matched = [_match_flat(o, n) for o, n in zip(old, new, strict=True)]
         return type(new)(*matched) if hasattr(new, "_fields") else tuple(matched)
     return new
 

@@ -1,0 +1,84 @@
+"""The cost of a step does not grow with the number of tensors: aten calls, counted.
+
+One ``step_shards``, one ``reduce_grads`` and one ``gather_params`` on a model of 10
+tensors and on one of 1,000 tensors with the same total numel, dtype and param groups, at
+world sizes 2 and 3, pure and donated. A ``TorchDispatchMode`` counts the aten calls that
+compute or allocate (views apart: a dict of named tensors at the API boundary needs a
+view each), which is exact and machine-independent; no timing.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import zerofn as zf
+
+TOTAL = 11_000  # elements in either model: 10 x 1,100 or 1,000 x 11 (padded shards at N = 2 and 3)
+BUCKET = 1 << 20  # one bucket holds either model
+
+
+class _Count(TorchDispatchMode):
+    """Counts the aten calls that compute or allocate (views and metadata reads apart)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view and func.namespace in ("aten", "c10d", "_c10d_functional"):
+            self.calls[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _params(count: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    size = TOTAL // count
+    return {f"p{i}": torch.randn(size, generator=gen) for i in range(count)}
+
+
+def _counts(count: int, opt_name: str, donate: bool) -> dict[str, dict[str, int]]:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    params = _params(count)
+    opt = zf.optim.adamw(lr=1e-2) if opt_name == "adamw" else zf.optim.sgd(lr=0.1, momentum=0.9)
+    state = zf.shard_params(params, opt, check=False)
+    gen = torch.Generator().manual_seed(1 + rank)
+    grads = {n: torch.randn(p.shape, generator=gen) for n, p in params.items()}
+    # One step first: SGD's momentum buffers exist from then on, and every cache is warm.
+    shards = zf.reduce_grads(grads, state.layout, bucket_numel=BUCKET)
+    state, _ = zf.step_shards(state, shards, max_norm=1.0)
+    out: dict[str, dict[str, int]] = {}
+    with _Count() as c:
+        shards = zf.reduce_grads(grads, state.layout, bucket_numel=BUCKET)
+    out["reduce_grads"] = dict(c.calls)
+    with _Count() as c:
+        new_state, info = zf.step_shards(state, shards, max_norm=1.0, donate=donate)
+    out["step_shards"] = dict(c.calls)
+    assert not info.skipped
+    with _Count() as c:
+        zf.gather_params(new_state, bucket_numel=BUCKET)
+    out["gather_params"] = dict(c.calls)
+    return out
+
+
+@pytest.mark.parametrize("donate", [False, True], ids=["pure", "donated"])
+@pytest.mark.parametrize("opt_name", ["adamw", "sgd"])
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_step_costs_the_same_aten_calls_for_10_and_1000_tensors(worlds, n, opt_name, donate):
+    world = worlds[n]
+    few = world.run(_counts, 10, opt_name, donate)
+    many = world.run(_counts, 1000, opt_name, donate)
+    for rank in range(n):
+        for stage in ("reduce_grads", "step_shards", "gather_params"):
+            a, b = collections.Counter(few[rank][stage]), collections.Counter(many[rank][stage])
+            what = f"rank {rank} {stage}: 10 tensors {dict(a)}, 1,000 tensors {dict(b)}"
+            # The same calls, but for one zero_ per bucket where some member's shard has
+            # padding (the 1,000 tensors of 11 elements have some at N = 2, the 10 of 1,100 none).
+            assert not a - b, what
+            assert set(b - a) <= {"aten.zero_"} and (b - a)["aten.zero_"] <= 1, what
+            assert sum(b.values()) < 40, what
