@@ -178,7 +178,8 @@ class FlatDict(FrozenDict[torch.Tensor]):
     """A read-only ``name -> Tensor`` mapping backed by one flat buffer per group.
 
     ``d[name]`` is a view (``buffers[g][off:off + shard_numel]``) for a split or
-    ``blocked(B)`` param, the tensor itself for a loose (whole) one. Iteration follows the
+    ``blocked(B)`` param, the tensor itself for a loose (whole) one; eagerly the same view
+    object on every read (made at the first). Iteration follows the
     layout order of the names held. A pytree node: the leaves are the buffers (``None``
     for a group without a held name) followed by the loose tensors; the context is the
     :class:`FlatLayout` and the names held.
@@ -188,7 +189,7 @@ class FlatDict(FrozenDict[torch.Tensor]):
     the dict does not hold when it carries gradients.
     """
 
-    __slots__ = ("_buffers", "_flat", "_held", "_loose", "_names")
+    __slots__ = ("_buffers", "_flat", "_held", "_loose", "_names", "_views")
     _flat: FlatLayout
     _buffers: tuple[torch.Tensor | None, ...]
     _loose: dict[str, torch.Tensor]
@@ -220,6 +221,7 @@ class FlatDict(FrozenDict[torch.Tensor]):
         names = flat.names if names is None else tuple(names)
         setter(self, "_names", names)
         setter(self, "_held", None if names is flat.names or names == flat.names else _held(names))
+        setter(self, "_views", {})
         return self
 
     @property
@@ -251,7 +253,12 @@ class FlatDict(FrozenDict[torch.Tensor]):
         g, off, n = self._flat.where[key]
         if g < 0:
             return self._loose[key]
-        return self._buffers[g][off : off + n]  # type: ignore[index]
+        if torch.compiler.is_compiling():
+            return self._buffers[g][off : off + n]  # type: ignore[index]
+        view = self._views.get(key)
+        if view is None:  # one view object per name: d[name] is d[name], as in a dict
+            view = self._views[key] = self._buffers[g][off : off + n]  # type: ignore[index]
+        return view
 
     def __contains__(self, key: object) -> bool:
         if self._held is None:
