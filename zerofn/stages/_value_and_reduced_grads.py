@@ -57,6 +57,13 @@ TWICE_MESSAGE = (
 )
 
 
+TRACE_REASON = (
+    "value_and_reduced_grads runs eagerly under torch.compile (its backward hooks launch c10d collectives): "
+    "compile loss_fn (value_and_reduced_grads(torch.compile(loss_fn), ...)) and the rest of the step apart, "
+    "or trace torch.func.grad + reduce_grads in one fullgraph step"
+)
+
+
 @functools.lru_cache(maxsize=256)
 def launch_order(layout: ShardLayout, bucket_numel: int) -> tuple[int, ...]:
     """The order in which :func:`value_and_reduced_grads` launches the buckets (indices into
@@ -363,6 +370,11 @@ def value_and_reduced_grads(
     agreement all-gather, so a bad input on one rank makes every rank raise before any
     bucket is sent.
 
+    Under ``torch.compile`` the returned function runs eagerly (``torch.compiler.disable``:
+    a graph break, refused by ``fullgraph=True``); a compiled ``loss_fn`` works, its
+    backward one compiled node whose gradients all arrive when it ends. To trace the
+    reduction into a graph, use ``torch.func.grad`` + ``reduce_grads``.
+
     Examples:
       >>> import torch, zerofn as zf
       >>> import torch.nn.functional as F
@@ -380,12 +392,6 @@ def value_and_reduced_grads(
 
     def value_and_grads(params: Mapping[str, torch.Tensor], *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         comm.group_rank(group)  # a rank outside the group cannot take part: raise here, alone
-        if comm.tracing():
-            raise RuntimeError(
-                f"{_WHERE}: the backward's hooks launch c10d collectives and cannot be traced by torch.compile; "
-                "compile loss_fn instead (value_and_reduced_grads(torch.compile(loss_fn), ...)), or trace "
-                "torch.func.grad + reduce_grads"
-            )
         failure: Exception | None = None
         loss: torch.Tensor | None = None
         aux: Any = None
@@ -447,4 +453,6 @@ def value_and_reduced_grads(
             return (value, aux), shards
         return value, shards
 
-    return value_and_grads
+    # Its backward hooks launch c10d collectives and wait on them: under torch.compile it
+    # runs eagerly, a graph break (fullgraph=True refuses it with this reason).
+    return torch.compiler.disable(value_and_grads, reason=TRACE_REASON)
