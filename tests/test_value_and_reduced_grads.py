@@ -104,7 +104,17 @@ def _matches_reduce_grads_of_torch_func_grad() -> list[int]:
     (loss, aux), shards = zf.value_and_reduced_grads(
         lambda p: (_loss_fn(p, x, y), {"h": p["a.weight"] * 2}), layout, bucket_numel=BUCKET, has_aux=True
     )(params)
-    assert_bitwise_equal(aux["h"], params["a.weight"] * 2, "aux") and not aux["h"].requires_grad
+    assert_bitwise_equal(aux["h"], params["a.weight"] * 2, "aux")
+    assert not aux["h"].requires_grad and not loss.requires_grad
+
+    # A param only some ranks reach: its bucket leaves at different times on different ranks,
+    # in the same order of collectives; its mean counts the others' zeros.
+    def some_use(p, x, y):
+        return _loss_fn(p, x, y) + (p["unused"].sum() if rank % 2 == 0 else 0.0)
+
+    want = zf.reduce_grads(torch.func.grad(some_use)(params, x, y), layout, bucket_numel=BUCKET)
+    _, got = zf.value_and_reduced_grads(some_use, layout, bucket_numel=BUCKET)(params, x, y)
+    assert_trees_equal(dict(got), dict(want))
     _, zeros = zf.value_and_reduced_grads(lambda p: x.sum(), layout, bucket_numel=BUCKET)(params)
     assert_trees_equal(dict(zeros), dict(zf.reduce_grads({n: torch.zeros_like(p) for n, p in params.items()}, layout)))
     return sent_before_first_layer

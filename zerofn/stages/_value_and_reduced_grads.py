@@ -15,8 +15,13 @@ the order its gradients arrive in. Buckets are launched in one static order, a p
 function of the layout: by the position of their first member in the layout, last
 first (the order a backward through a model written in forward order completes them).
 A bucket whose gradients are complete waits for the buckets before it in that order;
-the buckets still waiting when the backward returns (a param without a gradient, or a
-model whose backward completes buckets in another order) go out then, in the same order.
+the buckets still waiting when the backward returns go out then, in the same order.
+
+Note (params without a gradient): after the forward one walk over the autograd graph
+finds the params the backward cannot reach (as DDP's ``find_unused_parameters``); their
+slots stay zero (``torch.func.grad``'s zero gradient) and their buckets do not wait for
+them. Which params a rank reaches may differ between ranks without changing the order of
+the collectives.
 """
 
 from __future__ import annotations
