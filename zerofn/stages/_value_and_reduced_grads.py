@@ -18,7 +18,8 @@ A bucket whose gradients are complete waits for the buckets before it in that or
 the buckets still waiting when the backward returns go out then, in the same order.
 
 Note (params without a gradient): after the forward one walk over the autograd graph
-finds the params the backward cannot reach (as DDP's ``find_unused_parameters``); their
+finds the params the backward cannot reach (as DDP's ``find_unused_parameters``; 0.2 ms
+on the benchmark transformer's 101 tensors, stopped once every param is found); their
 slots stay zero (``torch.func.grad``'s zero gradient) and their buckets do not wait for
 them. Which params a rank reaches may differ between ranks without changing the order of
 the collectives.
@@ -168,9 +169,8 @@ def _reachable(loss: torch.Tensor, leaves: Mapping[str, torch.Tensor]) -> set[st
         if node is None or node in seen:
             continue
         seen.add(node)
-        variable = getattr(node, "variable", None)  # AccumulateGrad: the leaf it accumulates into
-        if variable is not None:
-            name = want.get(id(variable))
+        if type(node).__name__ == "AccumulateGrad":  # a leaf: node.variable is the tensor it accumulates into
+            name = want.get(id(node.variable))
             if name is not None:
                 found.add(name)
             continue
@@ -229,7 +229,7 @@ class _Reduction:
         if name in self.arrived_names:
             if self.sent[b]:
                 raise RuntimeError(TWICE_MESSAGE.format(name=name))
-            return  # accumulated into the same .grad, not sent yet: the sum goes out
+            return  # accumulated into the same .grad (or not expected), not sent yet: it goes out with it
         self.arrived_names.add(name)
         self.missing[b] -= 1
         self.launch_ready()
