@@ -55,6 +55,7 @@ ALL_SYSTEMS = (
     "deepspeed-z2",
     "zerofn-fn-pure",
     "zerofn-fn-donated",
+    "zerofn-fn-overlap",
     "zerofn-fn-compiled",
     "zerofn-fn-compiled-inductor",
     "zerofn-s1",

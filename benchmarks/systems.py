@@ -80,6 +80,14 @@ SYSTEMS: dict[str, SystemInfo] = {
             True,
         ),
         SystemInfo(
+            "zerofn-fn-overlap",
+            "zerofn functional loop as zerofn-fn-donated, the gradients from value_and_reduced_grads "
+            "(each bucket reduced during the backward)",
+            "zerofn",
+            True,
+            True,
+        ),
+        SystemInfo(
             "zerofn-fn-compiled",
             "zerofn functional loop (donated, as zerofn-fn-donated) compiled: torch.compile(fullgraph=True, "
             "backend='aot_eager')",
@@ -355,7 +363,7 @@ class DeepSpeedSystem(System):
 class ZerofnFunctional(System):
     """``torch.func.grad`` + the four stage functions, as in zerofn's README."""
 
-    def __init__(self, info: SystemInfo, ctx: Context, kernel: str, donate: bool) -> None:
+    def __init__(self, info: SystemInfo, ctx: Context, kernel: str, donate: bool, overlap: bool = False) -> None:
         super().__init__(info, ctx)
         self.model = models.build_model(ctx.cfg, ctx.seed, ctx.device)
         for p in self.model.parameters():
@@ -371,14 +379,30 @@ class ZerofnFunctional(System):
             return loss(torch.func.functional_call(model, params, (x,)), y)
 
         self.grad_fn = torch.func.grad_and_value(loss_of)
+        # overlap: the same reduction, launched bucket by bucket from the backward's hooks.
+        self.value_and_grads = (
+            zf.value_and_reduced_grads(
+                loss_of, self.state.layout, stage=2, staging=self.staging, **ctx.bucket_kwargs("bucket_numel")
+            )
+            if overlap
+            else None
+        )
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.value_and_grads is not None:
+            with _phase("forward+backward+reduce_grads"):
+                loss, gshards = self.value_and_grads(self.params, x, y)
+            return self._step_on(gshards, loss)
         with _phase("forward+backward"):
             grads, loss = self.grad_fn(self.params, x, y)
         with _phase("reduce_grads"):
             bucket = self.ctx.bucket_kwargs("bucket_numel")
             gshards = zf.reduce_grads(grads, self.state.layout, stage=2, staging=self.staging, **bucket)
             del grads
+        return self._step_on(gshards, loss)
+
+    def _step_on(self, gshards: Any, loss: torch.Tensor) -> torch.Tensor:
+        bucket = self.ctx.bucket_kwargs("bucket_numel")
         with _phase("step_shards"):
             self.state, _ = zf.step_shards(self.state, gshards, donate=self.donate)
         with _phase("gather_params"):
@@ -590,6 +614,7 @@ def _make(name: str, ctx: Context) -> System:
         "deepspeed-z2": lambda: DeepSpeedSystem(info, ctx, k, 2),
         "zerofn-fn-pure": lambda: ZerofnFunctional(info, ctx, k, donate=False),
         "zerofn-fn-donated": lambda: ZerofnFunctional(info, ctx, k, donate=True),
+        "zerofn-fn-overlap": lambda: ZerofnFunctional(info, ctx, k, donate=True, overlap=True),
         "zerofn-fn-compiled": lambda: ZerofnFunctionalCompiled(info, ctx, "aot_eager"),
         "zerofn-fn-compiled-inductor": lambda: ZerofnFunctionalCompiled(info, ctx, "inductor"),
         "zerofn-s1": lambda: ZerofnFacade(info, ctx, k, 1, overlap=False),

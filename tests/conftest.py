@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 from helpers import TEST_SEED
 from hypothesis import HealthCheck, settings
 
@@ -40,6 +41,13 @@ settings.register_profile(
 settings.load_profile("ci" if os.environ.get("CI") else os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 WORLD_SIZES = (1, 2, 3, 4)
+
+# The GPU check (tests/gpu) runs its bodies in this session: on CUDA where there is a GPU,
+# and without one as its dry run, gloo on the CPU (tests/gpu/gpucheck.py), so it cannot rot
+# on the machines without one. Only the checks of CUDA itself stay skipped there, each saying
+# so. Set before tests/gpu is collected, which reads it at import; an explicit setting wins.
+if not torch.cuda.is_available():
+    os.environ.setdefault("ZEROFN_GPU_CHECK_DEVICE", "cpu")
 
 #: The world size whose ranks run on torch's portable CPU kernels (``ATEN_CPU_CAPABILITY``,
 #: no AVX2/AVX-512), while every other pool and this process keep the machine's own: one

@@ -175,7 +175,7 @@ def test_stage1_p_grad_is_ddps_and_torch_clipping_trains_as_with_ddp(worlds, n, 
             assert res["moved"] > 1e-3, label
 
 
-def _report2(stage: int, overlap: bool) -> dict[str, Any]:
+def _torch_clipping_between_backward_and_step(stage: int, overlap: bool) -> dict[str, Any]:
     """Report 2 verbatim: torch's clip_grad_norm_(model.parameters(), 0.1) between backward and step, 4 steps."""
     model, zopt, topt, ddp = _pair(stage, overlap)
     for x, y in batches(dist.get_rank(), 4):
@@ -195,14 +195,14 @@ def _report2(stage: int, overlap: bool) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("n", [2, 3])
-def test_report2_torch_clipping_between_backward_and_step_clips_or_says_how(worlds, n):
+def test_torch_clipping_between_backward_and_step_clips_or_says_how(worlds, n):
     """Was: norm 0.0, nothing clipped, 3e-2 away from DDP after 4 steps, no warning.
 
     Stage 1 bitwise at N = 2 and 3 (the exact wire; torch's clipping on equal bits).
     """
     for stage in (1, 2):
         for overlap in (False, True):
-            for res in worlds[n].run(_report2, stage, overlap):
+            for res in worlds[n].run(_torch_clipping_between_backward_and_step, stage, overlap):
                 if stage == 1:
                     assert res["error"] is None
                     assert_trees_equal(res["zero"], res["ref"])
@@ -519,7 +519,7 @@ def test_torch_gradient_idioms_at_stage2_raise_on_every_rank_and_change_nothing(
             assert res["norm"] > 0
 
 
-def _grad_scaler_report5() -> dict[str, Any]:
+def _grad_scaler_at_stage2() -> dict[str, Any]:
     """Report 5 verbatim: GradScaler driving a stage-2 facade."""
     torch.manual_seed(seeded(0))
     model = Net()
@@ -536,8 +536,8 @@ def _grad_scaler_report5() -> dict[str, Any]:
     return {"type": None}
 
 
-def test_report5_grad_scaler_at_stage2_says_what_to_write_instead(worlds):
-    for res in worlds[2].run(_grad_scaler_report5):
+def test_grad_scaler_at_stage2_says_what_to_write_instead(worlds):
+    for res in worlds[2].run(_grad_scaler_at_stage2):
         assert res["type"] == "ShardedGradError"
         assert "facade's own loss scaling" in res["message"] and "opt.backward(loss)" in res["message"]
         assert_trees_equal(res["params"], res["before"])

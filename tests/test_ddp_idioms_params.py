@@ -130,7 +130,7 @@ def test_params_written_between_steps_are_trained_as_with_ddp(worlds, n, edit):
             assert_trees_equal(mine["zero"], first["zero"])
 
 
-def _report_1(cfg: dict[str, Any]) -> dict[str, Any]:
+def _weights_loaded_after_building(cfg: dict[str, Any]) -> dict[str, Any]:
     """The issue's script: SGD lr 0, load pretrained weights after building the optimizer, one step."""
     torch.manual_seed(seeded(0))
     model = Net()
@@ -150,13 +150,13 @@ def _report_1(cfg: dict[str, Any]) -> dict[str, Any]:
     return {"weight00": model.a.weight[0, 0].item(), "params": _named(model), "pretrained": pretrained}
 
 
-def _report_1_matrix() -> list[dict[str, Any]]:
-    return [_report_1(cfg) for cfg in CONFIGS]
+def _weights_loaded_after_building_matrix() -> list[dict[str, Any]]:
+    return [_weights_loaded_after_building(cfg) for cfg in CONFIGS]
 
 
 @pytest.mark.parametrize("n", [2, 3])
-def test_report_1_weights_loaded_after_building_the_optimizer_are_kept(worlds, n):
-    for rank_results in worlds[n].run(_report_1_matrix):
+def test_weights_loaded_after_building_the_optimizer_are_kept(worlds, n):
+    for rank_results in worlds[n].run(_weights_loaded_after_building_matrix):
         for cfg, res in zip(CONFIGS, rank_results, strict=True):
             assert res["weight00"] == 7.0, cfg
             assert_trees_equal(res["params"], res["pretrained"])

@@ -53,7 +53,12 @@ def test_ranks_add_up(zerofn_world):
     assert zerofn_world(2).run(total_of_ranks) == [(2, 1.0)] * 2
 """
 
-PROBE = "import torch, zerofn; print(torch.__version__); print(torch.__file__); print(zerofn.__file__)"
+# The last line: whether importing zerofn imported dynamo too (it should not: the first
+# compiled step does, and a rank that never compiles saves over a second of its start).
+PROBE = (
+    "import sys, torch, zerofn; print(torch.__version__); print(torch.__file__); print(zerofn.__file__); "
+    "print('torch._dynamo' in sys.modules)"
+)
 
 
 def _requirements(specs: list[str], extras: tuple[str, ...] = ("",)) -> list[str]:
@@ -148,6 +153,7 @@ def test_the_wheel_installs_with_its_extras_beside_torch_and_runs_the_demo_and_t
     expected = [md.version("torch"), str(site / "torch" / "__init__.py")]
     assert probe[:2] == expected, f"torch changed: {expected} -> {probe[:2]}"
     assert Path(probe[2]).is_relative_to(site), f"zerofn imported from {probe[2]}, not from the new environment"
+    assert probe[3] == "False", "import zerofn imported torch._dynamo"
     demo = _run([str(py), "-m", "zerofn", "demo", "--steps", "5", "--no-progress"], outside, env)
     assert "bitwise equal" in demo, demo
     (outside / "test_ranks.py").write_text(textwrap.dedent(PLUGIN_TEST))

@@ -35,6 +35,7 @@ from conftest import get_world
 from helpers import seeded
 
 import zerofn as zf
+from zerofn import _traced
 
 STEPS = 20  # the schedule changes lr at every step: 20 steps show one graph serving them all
 
@@ -101,6 +102,18 @@ def _compiled_against_eager(stage: int, fp16: bool, steps: int, overflow_at: int
         "steps": (int(se.step), int(sc.step)),
         "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
     }
+
+
+def test_zerofn_marks_constant_results_exactly_as_torch_compiler_does():
+    # zerofn sets the marker itself so that its import does not import dynamo; a torch
+    # whose decorator did more (or other) would make the compiled checks differ.
+    def by_torch() -> None: ...
+
+    def by_zerofn() -> None: ...
+
+    assert torch.compiler.assume_constant_result(by_torch) is by_torch
+    assert _traced.constant_result(by_zerofn) is by_zerofn
+    assert vars(by_torch) == vars(by_zerofn) == {"_dynamo_marked_constant": True}
 
 
 def test_the_functional_step_compiles_once_and_trains_bitwise_as_eager_for_20_steps_of_a_schedule():

@@ -538,7 +538,7 @@ def _ema_systems() -> dict[str, Any]:
 
 @pytest.mark.numerics
 @pytest.mark.parametrize("n", [2, 3])
-def test_report_1_an_ema_read_right_after_step_sees_the_updated_params(worlds, n):
+def test_an_ema_read_right_after_step_sees_the_updated_params(worlds, n):
     """Bitwise against DDP: at 2 ranks on the default fp32 wire (a mean of two does not
     depend on the order of the sum), at 3 on a float64 wire on both sides (three fp32
     addends sum exactly in any order, then one rounding; see ``helpers.exact_wire``)."""

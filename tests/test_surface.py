@@ -46,6 +46,7 @@ PUBLIC = [
     "shard_params",
     "step_shards",
     "torch_optim",
+    "value_and_reduced_grads",
 ]
 
 

@@ -25,7 +25,7 @@ from zerofn.precision import (
     StaticLossScaler,
     scale_loss,
 )
-from zerofn.stages import gather_params, reduce_grads, shard_params, step_shards
+from zerofn.stages import gather_params, reduce_grads, shard_params, step_shards, value_and_reduced_grads
 from zerofn.state import StepInfo, ZeroState
 
 __version__ = "0.1.0"
@@ -66,4 +66,5 @@ __all__ = [
     "shard_params",
     "step_shards",
     "torch_optim",
+    "value_and_reduced_grads",
 ]

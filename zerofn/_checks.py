@@ -149,7 +149,7 @@ def text_hash(text: str) -> int:
     return int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)
 
 
-@torch._dynamo.assume_constant_result  # static metadata: hashed once per trace
+@_traced.constant_result  # static metadata: hashed once per trace
 def _names_hash(names: Iterable[str]) -> int:
     return int(hashlib.sha256("\0".join(names).encode()).hexdigest()[:15], 16)
 

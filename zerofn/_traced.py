@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["failure_desc", "handler", "rebuild_failure", "refuse", "verdict"]
+__all__ = ["constant_result", "failure_desc", "handler", "rebuild_failure", "refuse", "verdict"]
 
 Handler = Callable[..., None]
 _HANDLERS: dict[str, Handler] = {}
@@ -48,7 +48,19 @@ def handler(kind: str) -> Callable[[Handler], Handler]:
     return register
 
 
-@torch._dynamo.assume_constant_result  # run for real at trace time: a constant of the graph
+def constant_result(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.compiler.assume_constant_result``, without importing dynamo with zerofn.
+
+    A compiled graph calls ``fn`` at trace time and keeps its result as a constant. The
+    marker below is all that torch's decorator sets (tests/test_jit.py checks it against
+    torch's own); torch's imports ``torch._dynamo`` first, about half of the time zerofn
+    takes to import, paid by every process that never compiles (each rank torchrun starts).
+    """
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn
+
+
+@constant_result  # run for real at trace time: a constant of the graph
 def _encode(desc: tuple) -> str:
     return repr(desc)
 

@@ -6,12 +6,14 @@ torch's CUDA stream sanitizer, and checkpoints moving between CUDA and the CPU.
 
 Where it runs is one setting, ``ZEROFN_GPU_CHECK_DEVICE``:
 
-* ``cuda`` (the default): the real check. Without CUDA every test in ``tests/gpu`` is
-  skipped with the reason (:data:`SKIP_REASON`), so the CPU suite stays green.
-* ``cpu``: a dry run of the same test bodies with gloo on the CPU (the "NCCL" pool is a
-  gloo pool, the "shared GPU" pool two gloo ranks), so a typo cannot waste GPU time. The
-  checks that only mean something on CUDA (the stream sanitizer, pinned host memory) stay
-  skipped there, with their reason.
+* ``cuda`` (the default where CUDA is available): the real check. Set explicitly on a
+  machine without CUDA, every test in ``tests/gpu`` is skipped with the reason
+  (:data:`SKIP_REASON`).
+* ``cpu`` (what tests/conftest.py sets when there is no CUDA, so ``make test`` runs it): a
+  dry run of the same test bodies with gloo on the CPU (the "NCCL" pool is a gloo pool, the
+  "shared GPU" pool two gloo ranks), so the check cannot rot unseen and a typo cannot waste
+  GPU time. The checks that only mean something on CUDA (the stream sanitizer, pinned host
+  memory) stay skipped there, with their reason.
 
 Pools (:func:`get_world`) start on first use and are closed when the interpreter exits;
 this directory has no ``conftest.py`` on purpose (a second top-level ``conftest`` module

@@ -388,7 +388,6 @@ def _unguard(p: torch.Tensor) -> None:
     _IN_FLIGHT.pop(id(p), None)
 
 
-@torch.compiler.disable  # a graph break under torch.compile: it waits and writes params, eagerly
 def _pending_torch_function(
     cls: type, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
 ) -> Any:
@@ -415,7 +414,10 @@ def _pending_class(cls: type) -> type:
         namespace = {
             "__module__": __name__,
             "__doc__": f"A {cls.__name__} whose gathered value is in flight (overlap_allgather): first use waits.",
-            "__torch_function__": classmethod(_pending_torch_function),
+            # A graph break under torch.compile: it waits and writes params, eagerly. Made
+            # here, at the first overlap_allgather step, not at import: torch.compiler.disable
+            # imports dynamo, half of zerofn's import time in every process.
+            "__torch_function__": classmethod(torch.compiler.disable(_pending_torch_function)),
             "__deepcopy__": _pending_deepcopy,
         }
         sub = type(cls)(f"Pending{cls.__name__}", (cls,), namespace)

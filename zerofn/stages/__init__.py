@@ -25,7 +25,9 @@ and clips; ``gather_params`` casts the master shards to the working dtype.
 One module per stage function (``_shard_params``, ``_reduce_grads``, ``_step_shards``,
 ``_gather_params``), the global gradient norm the step and the facade share
 (``_grad_norm``), and what the two bucketed collectives share (``_pipeline``: bucket size,
-pipeline depth). Import the names from here.
+pipeline depth). ``value_and_reduced_grads`` (``_value_and_reduced_grads``) is
+``torch.func.grad`` + ``reduce_grads`` with each bucket reduced during the backward.
+Import the names from here.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from zerofn.stages._pipeline import PIPELINE_DEPTH as PIPELINE_DEPTH
 from zerofn.stages._reduce_grads import reduce_grads, reduce_realisation, sum_over_replicas
 from zerofn.stages._shard_params import resolve_placement, shard_params
 from zerofn.stages._step_shards import StepVetoed, step_shards
+from zerofn.stages._value_and_reduced_grads import value_and_reduced_grads
 
 __all__ = [
     "StepVetoed",
@@ -48,4 +51,5 @@ __all__ = [
     "shard_params",
     "step_shards",
     "sum_over_replicas",
+    "value_and_reduced_grads",
 ]

@@ -216,8 +216,9 @@ def _worker_main(
 
 
 # What the fork server imports once, so that a worker forked from it starts with them loaded:
-# torch and zerofn (whose import, torch's included, is seconds of CPU per worker).
-_PRELOAD = ["torch", "torch.distributed", "zerofn"]
+# torch and zerofn (whose import, torch's included, is seconds of CPU per worker), and
+# dynamo, which zerofn leaves to the first compiled step (over a second more per worker).
+_PRELOAD = ["torch", "torch.distributed", "zerofn", "torch._dynamo"]
 
 
 def _worker_context() -> Any:
