@@ -24,8 +24,9 @@ and clips; ``gather_params`` casts the master shards to the working dtype.
 
 One module per stage function (``_shard_params``, ``_reduce_grads``, ``_step_shards``,
 ``_gather_params``), the global gradient norm the step and the facade share
-(``_grad_norm``), and what the two bucketed collectives share (``_pipeline``: bucket size,
-pipeline depth). ``value_and_reduced_grads`` (``_value_and_reduced_grads``) is
+(``_grad_norm``), what the two bucketed collectives share (``_pipeline``: bucket size,
+pipeline depth), and where a reduced bucket row becomes this rank's flat gradient shards
+(``_grad_shards``). ``value_and_reduced_grads`` (``_value_and_reduced_grads``) is
 ``torch.func.grad`` + ``reduce_grads`` with each bucket reduced during the backward.
 Import the names from here.
 """

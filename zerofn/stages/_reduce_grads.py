@@ -13,13 +13,13 @@ import torch
 
 from zerofn import _checks as checks
 from zerofn import _comm as comm
-from zerofn import flat
 from zerofn._comm import CommPolicy, Group, Pending
 from zerofn._deprecation import UNSET, renamed
 from zerofn._tree import FrozenDict
-from zerofn.buckets import StagingPool, launch_reduce, pack_grads, split_row
+from zerofn.buckets import StagingPool, launch_reduce, pack_grads
 from zerofn.layout import Bucket, ShardLayout
 from zerofn.precision import PrecisionPolicy
+from zerofn.stages._grad_shards import GradShards
 from zerofn.stages._pipeline import DEFAULT_BUCKET_NUMEL, PIPELINE_DEPTH, _check_staging
 from zerofn.state import DEFAULT_POLICY
 
@@ -94,6 +94,11 @@ def reduce_grads(
       (cast back from the wire), for the split params that had gradients (in layout
       order); padding elements are zero. For a whole param (placement ``"whole"``): the
       full-shape mean gradient on its owner rank, nothing on the others.
+      A :class:`~zerofn.flat.FlatDict` on this rank's flat layout (each split bucket's
+      row written into its range of one buffer per group, what :func:`step_shards`
+      applies without packing; the ranges of params without a gradient are zero), or a
+      :class:`~zerofn.FrozenDict` of per-name shards when no split param had a gradient
+      or one group's gradients came in two dtypes.
 
     Collectives: one tiny ``all_gather`` (rank agreement and input verdict, see
     ``check_ranks_agree``), then per bucket one ``reduce_scatter`` (stage 2, NCCL) or one
@@ -145,15 +150,11 @@ def reduce_grads(
         failure=failure,
     )
     how = reduce_realisation(stage, group, comm_policy)
-    rank = comm.group_rank(group)
     replicas = comm.group_size(replicate_group) if replicate_group is not None else 1
     present_set = set(present)
-    out: dict[str, torch.Tensor] = {}
     # The split buckets' rows go straight into this rank's flat gradient buffers (bucket
-    # order is flat order): row k is the range of its members, one copy (the cast back from
-    # the wire) per bucket. A group whose gradients come in two dtypes stays per name.
-    fl = flat.flat_layout(layout, rank)
-    flat_rows: dict[int, list[tuple[int, torch.Tensor]]] | None = _flat_plan(fl, grad_dtypes)
+    # order is flat order): one copy (the cast back from the wire) per bucket.
+    shards = GradShards(layout, comm.group_rank(group), grad_dtypes, device)
     # Without the caller's pool, one for this call: bucket k + 2 reuses bucket k's pages.
     # (Under torch.compile the compiler plans buffers: a caller's pool is left alone.)
     pool = staging if staging is not None and not comm.tracing() else StagingPool(keep=PIPELINE_DEPTH + 1)
@@ -162,15 +163,7 @@ def reduce_grads(
     def settle_oldest() -> None:
         bucket, dtype, pending, borrowed = in_flight.popleft()
         row = sum_over_replicas(pending.wait(), replicate_group)
-        first = fl.where.get(bucket.names[0], (-1, 0, 0))
-        if flat_rows is not None and first[0] >= 0:  # a split bucket: its range of the flat buffer
-            piece = row.to(dtype) if row.dtype != dtype else row.clone() if row._base is not None else row
-            flat_rows.setdefault(first[0], []).append((first[1], piece))
-            pool.give_unless_aliased(borrowed, [piece])
-            return
-        shards = split_row(row, layout, bucket, present_set, dtype=dtype, rank=rank)  # copied out of `rows`
-        out.update(shards)
-        pool.give_unless_aliased(borrowed, shards.values())
+        pool.give_unless_aliased(borrowed, shards.put(bucket, row, dtype))
 
     for bucket in buckets:
         members = [n for n in bucket.names if n in present_set]
@@ -188,65 +181,7 @@ def reduce_grads(
             settle_oldest()
     while in_flight:
         settle_oldest()
-    if flat_rows is not None and any(fl.where.get(n, (-1,))[0] >= 0 for n in present):
-        return _flat_grads(fl, flat_rows, out, present_set, grad_dtypes, device)
-    for name in present:
-        spec = layout[name]
-        if name not in out and spec.numel == 0 and spec.holds(rank):  # empty params travel in no bucket
-            out[name] = torch.empty(spec.local_shape(rank), dtype=grad_dtypes[name], device=device)  # type: ignore[arg-type]
-    return FrozenDict({name: out[name] for name in present if name in out})
-
-
-def _flat_plan(fl: flat.FlatLayout, grad_dtypes: Mapping[str, torch.dtype]) -> dict[int, list] | None:
-    """An empty row list per flat group, or ``None`` when some group's gradients have two dtypes."""
-    seen: dict[int, torch.dtype] = {}
-    for name, dtype in grad_dtypes.items():
-        g = fl.where.get(name, (-1,))[0]
-        if g >= 0 and seen.setdefault(g, dtype) != dtype:
-            return None
-    return {}
-
-
-def _flat_grads(
-    fl: flat.FlatLayout,
-    rows: dict[int, list[tuple[int, torch.Tensor]]],
-    loose: Mapping[str, torch.Tensor],
-    present: set[str],
-    grad_dtypes: Mapping[str, torch.dtype],
-    device: torch.device,
-) -> flat.FlatDict:
-    """The reduced rows as this rank's flat gradient shards: one buffer per group with a gradient.
-
-    A group's buffer is its rows in bucket order (one ``cat``; the row itself when one
-    bucket covers the group), with zeros where a bucket had no gradient at all (it was not
-    sent) and for empty params; the ranges of params without a gradient inside a sent
-    bucket are zero already (:func:`~zerofn.buckets.pack_grads` fills them).
-    """
-    buffers: list[torch.Tensor | None] = []
-    for gi, group in enumerate(fl.groups):
-        dtype = next((grad_dtypes[n] for n in group.names if n in present), None)
-        if dtype is None:
-            buffers.append(None)
-            continue
-        parts: list[torch.Tensor] = []
-        at = 0
-        for start, piece in sorted(rows.get(gi, ()), key=lambda sp: sp[0]):
-            if start > at:
-                parts.append(torch.zeros(start - at, dtype=dtype, device=device))
-            parts.append(piece)
-            at = start + piece.numel()
-        if at < group.numel:
-            parts.append(torch.zeros(group.numel - at, dtype=dtype, device=device))
-        if not parts:  # a group of empty params
-            parts.append(torch.zeros(0, dtype=dtype, device=device))
-        buffers.append(parts[0] if len(parts) == 1 else torch.cat(parts))
-    names = tuple(n for n in fl.names if n in present)
-    held_loose = {
-        n: loose[n] if n in loose else torch.empty(fl.shapes[n], dtype=grad_dtypes[n], device=device)
-        for n in fl.loose
-        if n in present  # an empty whole param travels in no bucket
-    }
-    return flat.FlatDict.from_buffers(fl, buffers, held_loose, names)
+    return shards.result()
 
 
 def reduce_realisation(stage: int, group: Group, policy: CommPolicy | None) -> str:

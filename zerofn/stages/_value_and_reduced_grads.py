@@ -39,9 +39,10 @@ from zerofn import _checks as checks
 from zerofn import _comm as comm
 from zerofn._comm import CommPolicy, Group, Pending
 from zerofn._tree import FrozenDict
-from zerofn.buckets import StagingPool, launch_reduce, pack_grads, split_row
+from zerofn.buckets import StagingPool, launch_reduce, pack_grads
 from zerofn.layout import Bucket, ShardLayout
 from zerofn.precision import PrecisionPolicy
+from zerofn.stages._grad_shards import GradShards
 from zerofn.stages._pipeline import DEFAULT_BUCKET_NUMEL, _check_staging
 from zerofn.stages._reduce_grads import reduce_realisation, sum_over_replicas
 from zerofn.state import DEFAULT_POLICY
@@ -211,7 +212,8 @@ class _Reduction:
         self.next = 0  # position in self.order of the next bucket to launch
         self.in_flight: collections.deque[tuple[Bucket, Pending, torch.Tensor]] = collections.deque()
         self.replica_rows: list[tuple[Bucket, torch.Tensor]] = []
-        self.out: dict[str, torch.Tensor] = {}
+        # Every param gets a gradient (zero where the loss does not reach it), in its own dtype.
+        self.shards = GradShards(layout, self.rank, {spec.name: spec.dtype for spec in layout.params}, device)
         for name in self.bucket_of.keys() - reachable:  # no gradient will come: its slot stays zero
             self.arrived_names.add(name)
             self.missing[self.bucket_of[name]] -= 1
@@ -267,11 +269,9 @@ class _Reduction:
             self._settle(bucket, row, borrowed)
 
     def _settle(self, bucket: Bucket, row: torch.Tensor, borrowed: torch.Tensor | None) -> None:
-        dtype = self.layout[bucket.names[0]].dtype
-        shards = split_row(row, self.layout, bucket, bucket.names, dtype=dtype, rank=self.rank)
-        self.out.update(shards)
+        kept = self.shards.put(bucket, row, self.layout[bucket.names[0]].dtype)
         if borrowed is not None:
-            self.pool.give_unless_aliased(borrowed, shards.values())
+            self.pool.give_unless_aliased(borrowed, kept)
 
     def finish(self) -> FrozenDict[torch.Tensor]:
         """After the backward: launch the buckets still waiting (in order), wait, add the replicas' sums."""
@@ -280,10 +280,7 @@ class _Reduction:
         self._harvest(0)
         for bucket, row in self.replica_rows:
             self._settle(bucket, sum_over_replicas(row, self.replicate_group), None)
-        for spec in self.layout.params:  # empty params travel in no bucket
-            if spec.numel == 0 and spec.holds(self.rank):
-                self.out[spec.name] = torch.empty(spec.local_shape(self.rank), dtype=spec.dtype, device=self.device)
-        return FrozenDict({name: self.out[name] for name in self.layout.names if name in self.out})
+        return self.shards.result()
 
 
 def value_and_reduced_grads(
@@ -362,7 +359,9 @@ def value_and_reduced_grads(
         shard in the param's dtype (cast back from the wire), for every split param, in
         layout order; padding elements are zero. A whole param (placement ``"whole"``):
         its full-shape mean gradient on its owner rank, nothing on the others. What
-        :func:`~zerofn.step_shards` takes.
+        :func:`~zerofn.step_shards` takes, and of ``reduce_grads``'s type: a
+        :class:`~zerofn.flat.FlatDict` on this rank's flat layout (each bucket's row
+        written into its range of one buffer per group) when it holds a split param.
 
     Collectives, per call: one tiny ``all_gather`` after the forward and before the
     backward (the rank-agreement check of ``reduce_grads``: layout, settings and this

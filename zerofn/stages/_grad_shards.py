@@ -1,0 +1,145 @@
+"""Where a reduced bucket row becomes this rank's gradient shards: one piece that
+``reduce_grads`` and ``value_and_reduced_grads`` both finish their buckets with.
+
+A split bucket's row is its members' shards side by side, which is its range of this
+rank's flat gradient buffer of its group (bucket order is flat order,
+:mod:`zerofn.flat`), so the row is written there (cast back from the wire) with one copy
+per bucket; the result is a :class:`~zerofn.flat.FlatDict` on the rank's flat layout,
+what ``step_shards`` applies without packing. A whole param's shard (its full gradient on
+its owner) and the split shards of a group whose gradients come in two dtypes are cut
+per name (:func:`~zerofn.buckets.split_row`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from zerofn import _comm as comm
+from zerofn import flat
+from zerofn._tree import FrozenDict
+from zerofn.buckets import split_row
+from zerofn.layout import Bucket, ShardLayout
+
+__all__ = ["GradShards"]
+
+
+class GradShards:
+    """Collects the reduced rows of one reduction and hands out the gradient shards.
+
+    Args:
+      layout: the layout the buckets follow.
+      rank: this rank in the sharding group.
+      grad_dtypes: name -> the dtype its gradient came in, for every name that has one
+        (its shard is in that dtype); the others get none in the result.
+      device: where the gradients live.
+
+    Eagerly each group's buffer is allocated at its first bucket and every row is copied
+    into its range (``copy_``: the cast ``row.to(dtype)`` computes), so a group costs one
+    allocation and a bucket one copy; a group covered by one bucket whose row is already
+    a fresh tensor of the right dtype takes the row itself. Ranges no bucket wrote
+    (buckets without any gradient are not sent) are zeroed in :meth:`result`. Under
+    tracing the rows are concatenated once per group instead (a write into a view of
+    one buffer becomes a scatter of the whole buffer per bucket in a graph).
+    """
+
+    def __init__(
+        self, layout: ShardLayout, rank: int, grad_dtypes: Mapping[str, torch.dtype], device: torch.device
+    ) -> None:
+        self.layout, self.rank, self.grad_dtypes, self.device = layout, rank, grad_dtypes, device
+        self.fl = flat.flat_layout(layout, rank)
+        self.flat = _one_dtype_per_group(self.fl, grad_dtypes)
+        self.tracing = comm.tracing()
+        self._buffers: dict[int, torch.Tensor] = {}
+        self._written: dict[int, list[tuple[int, int]]] = {}
+        self._rows: dict[int, list[tuple[int, torch.Tensor]]] = {}  # traced: the rows, concatenated at the end
+        self._named: dict[str, torch.Tensor] = {}
+
+    def put(self, bucket: Bucket, row: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
+        """This rank's reduced ``(S,)`` row of ``bucket`` into the shards, cast to ``dtype``.
+
+        Returns the tensors kept that may share ``row``'s storage (for
+        :meth:`~zerofn.buckets.StagingPool.give_unless_aliased`).
+        """
+        g, start, _ = self.fl.where.get(bucket.names[0], (-1, 0, 0))
+        if not self.flat or g < 0:
+            shards = split_row(row, self.layout, bucket, self.grad_dtypes, dtype=dtype, rank=self.rank)
+            self._named.update(shards)
+            return list(shards.values())
+        stop = start + row.numel()
+        if self.tracing:
+            piece = row.to(dtype) if row.dtype != dtype else row.clone() if row._base is not None else row
+            self._rows.setdefault(g, []).append((start, piece))
+            return [piece]
+        group = self.fl.groups[g]
+        buf = self._buffers.get(g)
+        if buf is None and start == 0 and stop == group.numel and row.dtype == dtype and row._base is None:
+            self._buffers[g] = row  # the only bucket of its group, a tensor of its own: no copy
+            self._written[g] = [(start, stop)]
+            return [row]
+        if buf is None:
+            buf = self._buffers[g] = torch.empty(group.numel, dtype=dtype, device=row.device)
+        buf[start:stop].copy_(row)
+        self._written.setdefault(g, []).append((start, stop))
+        return []
+
+    def result(self) -> FrozenDict[torch.Tensor]:
+        """The shards of every name in ``grad_dtypes`` this rank holds, in layout order.
+
+        A :class:`~zerofn.flat.FlatDict` when some split name has a gradient and each
+        group's gradients share a dtype (the ranges of names without one are zero), else
+        a :class:`~zerofn.FrozenDict` of per-name shards. Empty params (in no bucket) get
+        an empty tensor.
+        """
+        fl, present = self.fl, self.grad_dtypes
+        if self.flat and any(fl.where[n][0] >= 0 for n in fl.names if n in present):
+            buffers = [self._buffer(gi, group) for gi, group in enumerate(fl.groups)]
+            loose = {n: self._named[n] if n in self._named else self._empty(n) for n in fl.loose if n in present}
+            return flat.FlatDict.from_buffers(fl, buffers, loose, tuple(n for n in fl.names if n in present))
+        out = self._named
+        for name in fl.names:
+            if name in present and name not in out and self.layout[name].numel == 0:
+                out[name] = self._empty(name)
+        return FrozenDict({name: out[name] for name in self.layout.names if name in out and name in present})
+
+    def _empty(self, name: str) -> torch.Tensor:
+        return torch.empty(self.fl.shapes[name], dtype=self.grad_dtypes[name], device=self.device)
+
+    def _buffer(self, gi: int, group: flat.FlatGroup) -> torch.Tensor | None:
+        """Group ``gi``'s gradient buffer: the rows in their ranges, zeros where no bucket was sent."""
+        dtype = next((self.grad_dtypes[n] for n in group.names if n in self.grad_dtypes), None)
+        if dtype is None:
+            return None
+        if self.tracing:
+            parts: list[torch.Tensor] = []
+            at = 0
+            for start, piece in sorted(self._rows.get(gi, ()), key=lambda sp: sp[0]):
+                if start > at:
+                    parts.append(torch.zeros(start - at, dtype=dtype, device=self.device))
+                parts.append(piece)
+                at = start + piece.numel()
+            if at < group.numel or not parts:
+                parts.append(torch.zeros(group.numel - at, dtype=dtype, device=self.device))
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
+        buf = self._buffers.get(gi)
+        if buf is None:
+            return torch.zeros(group.numel, dtype=dtype, device=self.device)
+        at = 0
+        for start, stop in sorted(self._written.get(gi, ())):
+            if start > at:
+                buf[at:start].zero_()
+            at = stop
+        if at < group.numel:
+            buf[at:].zero_()
+        return buf
+
+
+def _one_dtype_per_group(fl: flat.FlatLayout, grad_dtypes: Mapping[str, torch.dtype]) -> bool:
+    """True when the gradients of each flat group share a dtype (else they stay per name)."""
+    seen: dict[int, torch.dtype] = {}
+    for name, dtype in grad_dtypes.items():
+        g = fl.where.get(name, (-1,))[0]
+        if g >= 0 and seen.setdefault(g, dtype) != dtype:
+            return False
+    return True
