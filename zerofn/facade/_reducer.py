@@ -55,6 +55,7 @@ import torch
 
 from zerofn import _checks as checks
 from zerofn import _comm as comm
+from zerofn import flat
 from zerofn._comm import CommPolicy, Group
 from zerofn.buckets import (
     StagingPool,
@@ -186,6 +187,13 @@ class GradReducer(StepGrads):
         # averaged gradients where p.grad cannot hold them bit for bit (loss-scaled, or a
         # wire dtype finer than the working one); used while p.grad is untouched.
         self.shards: dict[str, torch.Tensor] = {}
+        # Stage 2: where the shards of split buckets are written (one buffer per group of this
+        # rank's flat layout, allocated at a step's first bucket) and the views handed out of
+        # them; ``take_step_grads`` hands the buffers to ``step`` as a FlatDict when every
+        # split shard held is still such a view (see :meth:`_settle_flat`).
+        self._flat = flat.flat_layout(layout, self._rank)
+        self._grad_bufs: dict[int, torch.Tensor] = {}
+        self._grad_views: dict[str, torch.Tensor] = {}
         self._averaged: dict[str, _Averaged] = {}  # stage 1: p.grad holds this step's mean gradient
         self._aside: dict[str, torch.Tensor] = {}  # stage 1: a mean gradient set aside while more accumulates
         self._edited: set[str] = set()  # stage 1: its mean gradient was changed by the user; no exact shard
@@ -235,6 +243,7 @@ class GradReducer(StepGrads):
         self.accum = {}
         self._accumulating = False
         self.shards = {}
+        self._grad_bufs, self._grad_views = {}, {}
         self._averaged = {}
         self._aside = {}
         self._edited = set()
@@ -494,6 +503,8 @@ class GradReducer(StepGrads):
     def _settle_bucket(self, f: _InFlight, summed: torch.Tensor) -> None:
         """A reduced bucket (this rank's row, or the whole ``(N, S)`` sum at stage 1) into gradients."""
         if self._stage == 2:
+            if self._settle_flat(f, summed):
+                return
             shards = split_row(summed, self._layout, f.bucket, f.present, dtype=f.dtype, rank=self._rank)
             self._merge(shards)
             if f.buf is not None:
@@ -502,6 +513,32 @@ class GradReducer(StepGrads):
         self._settle_whole(f, summed)
         if f.buf is not None:
             self.staging.give(f.buf)
+
+    def _settle_flat(self, f: _InFlight, row: torch.Tensor) -> bool:
+        """Stage 2: a split bucket's row into its range of this rank's flat gradient buffer.
+
+        One copy (the cast back from the wire), the members' shards views of the buffer,
+        as ``reduce_grads`` writes them (:class:`~zerofn.stages._grad_shards.GradShards`),
+        so ``step`` gets them flat without packing. Only when none of the bucket's members
+        holds a shard already (a second backward before ``step`` adds to it: per name, in
+        :meth:`_merge`) and the group's buffer has the row's dtype; False otherwise.
+        """
+        g, start, _ = self._flat.where.get(f.bucket.names[0], (-1, 0, 0))
+        if g < 0 or any(n in self.shards for n in f.bucket.names):
+            return False
+        buf = self._grad_bufs.get(g)
+        if buf is None:
+            buf = self._grad_bufs[g] = torch.empty(self._flat.groups[g].numel, dtype=f.dtype, device=row.device)
+        elif buf.dtype != f.dtype:
+            return False
+        buf[start : start + row.numel()].copy_(row)  # absent members' slots are zeros in the row
+        where = self._flat.where
+        for name in f.present:
+            _, off, k = where[name]
+            self.shards[name] = self._grad_views[name] = buf[off : off + k]
+        if f.buf is not None:
+            self.staging.give(f.buf)  # copied out
+        return True
 
     def _settle_whole(self, f: _InFlight, rows: torch.Tensor) -> None:
         """Stage 1: the ``(N, S)`` sum into full averaged gradients in ``p.grad``.

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from zerofn import flat
 from zerofn.buckets import cut_shard
 from zerofn.layout import ShardLayout
 from zerofn.precision import mul_grads_
@@ -39,6 +40,9 @@ class StepGrads:
     _local: set[str]
     _taken: tuple[Any, ...] | None
     _check_carry: bool
+    _flat: flat.FlatLayout
+    _grad_bufs: dict[int, torch.Tensor]
+    _grad_views: dict[str, torch.Tensor]
 
     def _flush(self) -> None: ...
     def _foreign(self) -> list[str]: ...
@@ -91,7 +95,11 @@ class StepGrads:
         g = self._params[name].grad
         return av is not None and g is av.grad and g._version == av.version
 
-    def take_step_grads(self) -> dict[str, torch.Tensor]:
+    def take_step_grads(self) -> Mapping[str, torch.Tensor]:
+        """:meth:`_take`, at stage 2 over the flat gradient buffers (see there)."""
+        return self._take(flatten=True)
+
+    def _take(self, flatten: bool) -> Mapping[str, torch.Tensor]:
         """The shards ``step`` applies, handed over; the reducer starts from none.
 
         Stage 1: each averaged ``p.grad`` as the user left it, cut into this rank's shard
@@ -100,6 +108,11 @@ class StepGrads:
         torch.optim does. ``p.grad`` keeps its values after the step (as with DDP) until
         the next backward or ``zero_grad``. Stage 2: the shards; a placeholder the user
         cleared drops its shard. Call :meth:`settle` first. :meth:`give_back` undoes it.
+
+        Stage 2 hands over a :class:`~zerofn.flat.FlatDict` over the flat gradient buffers
+        the buckets were written into (:meth:`_flat_shards`), which ``step`` applies
+        without packing, and the reducer lets go of those buffers (``step`` may reuse them);
+        with ``flatten=False`` (:meth:`peek_step_grads`) the shards as held.
         """
         self._drop_cleared()
         self._taken = (dict(self._averaged), set(self._edited), dict(self.shards), dict(self._used), set(self._placed))
@@ -109,7 +122,7 @@ class StepGrads:
             # every rank.
             shards, self.shards, self._placed = self.shards, {}, set()
             self._check_carry = True
-            return shards
+            return self._flat_shards(shards) if flatten else shards
         scale = self._loss_scale()
         self._check_carry = scale != 1.0
         out: dict[str, torch.Tensor] = {}
@@ -134,6 +147,42 @@ class StepGrads:
         self.shards = {}
         return {n: out[n] for n in self._layout.names if n in out}
 
+    def _flat_shards(self, shards: dict[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        """Stage 2: ``shards`` as a FlatDict over the gradient buffers, which the reducer lets go of.
+
+        When every split shard held is still the view the reducer made of its buffer (a
+        shard summed over two backwards, or set by a caller, is not): the ranges of names
+        without a gradient are zeroed (one ``zero_`` per run of them; none when every param
+        got one), whole params ride as loose tensors. Otherwise ``shards`` as they are
+        (``step`` packs them).
+        """
+        bufs, views = self._grad_bufs, self._grad_views
+        self._grad_bufs, self._grad_views = {}, {}
+        fl = self._flat
+        held = [0] * len(fl.groups)
+        loose: dict[str, torch.Tensor] = {}
+        for name, t in shards.items():
+            g = fl.where.get(name, (None,))[0]
+            if g is None:
+                return shards
+            if g < 0:
+                loose[name] = t
+            elif g in bufs and (views.get(name) is t or t.numel() == 0):  # (an empty param: any empty tensor)
+                held[g] += 1
+            else:
+                return shards
+        if not bufs:
+            return shards
+        for g, buf in bufs.items():
+            group = fl.groups[g]
+            if 0 < held[g] < len(group.names):
+                without = tuple(n for n in group.names if n not in shards)
+                for _, start, stop, _ in fl.runs(without):
+                    if stop > start:
+                        buf[start:stop].zero_()
+        buffers = [bufs[g] if held[g] else None for g in range(len(fl.groups))]
+        return flat.FlatDict.from_buffers(fl, buffers, loose, tuple(n for n in fl.names if n in shards))
+
     def give_back(self, shards: Mapping[str, torch.Tensor]) -> None:
         """Undo the last :meth:`take_step_grads`: the step applied nothing (``shards`` unchanged).
 
@@ -146,6 +195,9 @@ class StepGrads:
         self._taken = None
         if self._stage == 2:
             held = dict(shards)
+            if isinstance(shards, flat.FlatDict):  # its buffers are the reducer's again, its views the shards
+                self._grad_bufs = {g: b for g, b in enumerate(shards.buffers) if b is not None}
+                self._grad_views = {n: t for n, t in held.items() if n not in shards.loose}
         self._merge_under(held)
 
     def _merge_under(self, earlier: Mapping[str, torch.Tensor]) -> None:
@@ -156,9 +208,9 @@ class StepGrads:
     def peek_step_grads(self) -> dict[str, torch.Tensor]:
         """What :meth:`take_step_grads` would hand over now, without consuming anything (for inspection)."""
         saved = (dict(self._averaged), set(self._edited), dict(self.shards), dict(self._used), set(self._placed))
-        taken = self._taken
+        taken, bufs, views = self._taken, self._grad_bufs, self._grad_views
         try:
-            return dict(self.take_step_grads())
+            return dict(self._take(flatten=False))  # (a FlatDict would zero the ranges of cleared names)
         finally:
             self._averaged, self._edited, self.shards, self._used, self._placed = saved
-            self._taken = taken
+            self._taken, self._grad_bufs, self._grad_views = taken, bufs, views

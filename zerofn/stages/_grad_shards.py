@@ -37,8 +37,9 @@ class GradShards:
 
     Eagerly each group's buffer is allocated at its first bucket and every row is copied
     into its range (``copy_``: the cast ``row.to(dtype)`` computes), so a group costs one
-    allocation and a bucket one copy; a group covered by one bucket whose row is already
-    a fresh tensor of the right dtype takes the row itself. Ranges no bucket wrote
+    allocation and a bucket one copy; a group covered by one bucket is its row (cast or
+    copied out of the staging rows, or the row itself when it is a fresh tensor of the
+    right dtype). Ranges no bucket wrote
     (buckets without any gradient are not sent) are zeroed in :meth:`result`. Under
     tracing the rows are concatenated once per group instead (a write into a view of
     one buffer becomes a scatter of the whole buffer per bucket in a graph).
@@ -74,10 +75,11 @@ class GradShards:
             return [piece]
         group = self.fl.groups[g]
         buf = self._buffers.get(g)
-        if buf is None and start == 0 and stop == group.numel and row.dtype == dtype and row._base is None:
-            self._buffers[g] = row  # the only bucket of its group, a tensor of its own: no copy
+        if buf is None and start == 0 and stop == group.numel:  # the only bucket of its group
+            own = row.to(dtype) if row.dtype != dtype else row.clone() if row._base is not None else row
+            self._buffers[g] = own  # a tensor of its own already: no copy
             self._written[g] = [(start, stop)]
-            return [row]
+            return [own]
         if buf is None:
             buf = self._buffers[g] = torch.empty(group.numel, dtype=dtype, device=row.device)
         buf[start:stop].copy_(row)
