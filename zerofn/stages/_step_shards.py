@@ -308,7 +308,19 @@ def _traced_scalars(
     :func:`unscale_and_clip_coef` computes it. Returns ``(coef, found, new loss scale, info)``.
     """
     policy, loss_scale = state.precision, state.loss_scale
-    names = list(grad_shards)
+    # The shards the handler names non-finite ones from: flat, one tensor per run of the
+    # buffers (and the members' sizes to cut it by), so the graph does not grow with the
+    # tensor count; per name otherwise.
+    cuts: tuple[tuple[int, ...] | None, ...] | None = None
+    if isinstance(grad_shards, flat.FlatDict):
+        fl = grad_shards.flat_layout
+        runs = fl.runs(grad_shards.names)
+        tensors = grad_shards.pieces()
+        names = [m for run in runs for m in run[3]]
+        cuts = tuple(None if run[0] < 0 else tuple(fl.where[m][2] for m in run[3]) for run in runs)
+    else:
+        names = list(grad_shards)
+        tensors = [grad_shards[n] for n in names]
     desc = (
         comm.group_name(group),
         _traced.failure_desc(failure),
@@ -317,8 +329,9 @@ def _traced_scalars(
         state.rank,
         state.layout.names,
         tuple(names),
+        cuts,
     )
-    _traced.verdict(total, "step_shards", desc, [grad_shards[n] for n in names])
+    _traced.verdict(total, "step_shards", desc, tensors)
     found = total[1] > 0
     norm = torch.where(
         found, torch.full_like(total[0], math.inf), exact_sqrt(total[0]) if norm_type == 2.0 else total[0]
@@ -421,12 +434,23 @@ def _settle_step(
     rank: int,
     layout_names: tuple[str, ...],
     names: tuple[str, ...],
+    cuts: tuple[tuple[int, ...] | None, ...] | None,
 ) -> None:
-    """A compiled ``step_shards``' verdict on the all-reduced scalars: return, or raise the eager error everywhere."""
+    """A compiled ``step_shards``' verdict on the all-reduced scalars: return, or raise the eager error everywhere.
+
+    ``shards``: one per name, or with ``cuts`` one per run of a flat buffer (cut into its
+    members' shards by the sizes in ``cuts``; ``None``: a loose tensor, one name).
+    """
     group = comm.group_from_name(group_name)
     if total[2] > 0:
         _raise_rejected(None if failure is None else _traced.rebuild_failure(failure), group, veto)
     if total[1] > 0 and nonfinite == "raise":
+        if cuts is not None:
+            shards = [
+                t
+                for piece, cut in zip(shards, cuts, strict=True)
+                for t in ([piece] if cut is None else piece.split(cut))
+            ]
         _raise_nonfinite_names(rank, layout_names, dict(zip(names, shards, strict=True)), group)
 
 
