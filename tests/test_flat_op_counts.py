@@ -13,6 +13,7 @@ import collections
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import zerofn as zf
@@ -40,34 +41,42 @@ def _params(count: int) -> dict[str, torch.Tensor]:
     return {f"p{i}": torch.randn(size, generator=gen) for i in range(count)}
 
 
-def _counts(count: int, opt_name: str, donate: bool) -> dict[str, dict[str, int]]:
+def _all_counts(count: int) -> dict[tuple[str, bool], dict[str, dict[str, int]]]:
+    """The counts of every (optimizer, donate) on a model of ``count`` tensors, on this rank.
+
+    ``reduce_grads`` reads neither the optimizer nor ``donate`` (the same grads, the same
+    layout for both optimizers): its calls are counted once and stand for all four. Each
+    optimizer's state takes one step first (SGD's momentum buffers exist from then on,
+    and every cache is warm); its pure step runs before its donated one, which gets a copy
+    of the shards.
+    """
     import torch.distributed as dist
 
     rank = dist.get_rank()
     params = _params(count)
-    opt = zf.optim.adamw(lr=1e-2) if opt_name == "adamw" else zf.optim.sgd(lr=0.1, momentum=0.9)
-    state = zf.shard_params(params, opt, check=False)
     gen = torch.Generator().manual_seed(1 + rank)
     grads = {n: torch.randn(p.shape, generator=gen) for n, p in params.items()}
-    # One step first: SGD's momentum buffers exist from then on, and every cache is warm.
-    shards = zf.reduce_grads(grads, state.layout, bucket_numel=BUCKET)
-    state, _ = zf.step_shards(state, shards, max_norm=1.0)
-    out: dict[str, dict[str, int]] = {}
+    opts = {"adamw": zf.optim.adamw(lr=1e-2), "sgd": zf.optim.sgd(lr=0.1, momentum=0.9)}
+    states = {name: zf.shard_params(params, opt, check=False) for name, opt in opts.items()}
+    layout = states["adamw"].layout
+    assert all(state.layout == layout for state in states.values())
+    zf.reduce_grads(grads, layout, bucket_numel=BUCKET)  # warm
     with _Count() as c:
-        shards = zf.reduce_grads(grads, state.layout, bucket_numel=BUCKET)
-    out["reduce_grads"] = dict(c.calls)
-    with _Count() as c:
-        new_state, info = zf.step_shards(state, shards, max_norm=1.0, donate=donate)
-    out["step_shards"] = dict(c.calls)
-    assert not info.skipped
-    with _Count() as c:
-        zf.gather_params(new_state, bucket_numel=BUCKET)
-    out["gather_params"] = dict(c.calls)
+        shards = zf.reduce_grads(grads, layout, bucket_numel=BUCKET)
+    reduced = dict(c.calls)
+    out: dict[tuple[str, bool], dict[str, dict[str, int]]] = {}
+    for name, state in states.items():
+        state, _ = zf.step_shards(state, pytree.tree_map(torch.clone, shards), max_norm=1.0)
+        for donate in (False, True):
+            given = pytree.tree_map(torch.clone, shards) if donate else shards
+            with _Count() as c:
+                new_state, info = zf.step_shards(state, given, max_norm=1.0, donate=donate)
+            stepped = dict(c.calls)
+            assert not info.skipped
+            with _Count() as c:
+                zf.gather_params(new_state, bucket_numel=BUCKET)
+            out[name, donate] = {"reduce_grads": reduced, "step_shards": stepped, "gather_params": dict(c.calls)}
     return out
-
-
-def _all_counts(count: int) -> dict[tuple[str, bool], dict[str, dict[str, int]]]:
-    return {(opt, donate): _counts(count, opt, donate) for opt in ("adamw", "sgd") for donate in (False, True)}
 
 
 @pytest.mark.parametrize("n", [2, 3])

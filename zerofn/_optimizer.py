@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 import torch
 
 from zerofn._tree import FrozenDict
+from zerofn.flat import FlatDict
 
 __all__ = ["NameSelector", "Optimizer", "ParamGroup", "Params", "PartitionState", "partition"]
 
@@ -228,6 +229,8 @@ def _grads_in_order(opt: Optimizer, grads: Params, params: Params) -> list[str]:
     unknown = [n for n in grads if n not in params]
     if unknown:
         raise KeyError(f"zerofn.optim.{opt.name}.update: gradients for unknown params {unknown}")
+    if isinstance(grads, FlatDict):  # its values are tensors: no view per name to look at
+        return [n for n in params if n in grads]
     return [n for n in params if n in grads and grads[n] is not None]
 
 

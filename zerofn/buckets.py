@@ -96,11 +96,16 @@ class BucketPlan(NamedTuple):
         of the rows' first ``split_width`` columns into column blocks).
       members: every member's :class:`MemberPlan`, in bucket order.
       split_width: columns the split members take; the whole members' region follows.
+      chunked: every split member is small (``N * width < FUSED_MIN_NUMEL``), non-empty
+        and exactly ``ceil(numel / N)`` wide, so the split region of the rows is
+        ``torch._chunk_cat`` of the flattened gradients (each zero-padded, cut into ``N``
+        chunks, chunk ``r`` of each in row ``r``): one call for the whole bucket.
     """
 
     widths: tuple[int, ...]
     members: tuple[MemberPlan, ...]
     split_width: int = 0
+    chunked: bool = False
 
     @property
     def split_members(self) -> tuple[MemberPlan, ...]:
@@ -144,7 +149,13 @@ def bucket_plan(layout: ShardLayout, bucket: Bucket) -> BucketPlan:
         ends.append(spans[-1][1])
     if max(ends) != bucket.shard_numel:
         raise AssertionError(f"zerofn: bucket members do not fill a row of {bucket.shard_numel}: {bucket}")
-    return BucketPlan(widths, tuple(members), split_width)
+    n = layout.world_size
+    chunked = bool(widths) and all(
+        m.owner < 0 and 0 < m.width * n < FUSED_MIN_NUMEL and -(-(m.whole * m.width + m.rest) // n) == m.width
+        for m in members
+        if m.owner < 0
+    )
+    return BucketPlan(widths, tuple(members), split_width, chunked)
 
 
 def _bucket_plan(layout: ShardLayout, bucket: Bucket) -> BucketPlan:
@@ -257,7 +268,8 @@ def pack_grads(
         return _pack_split_traced(grads, plan, out, scale)
     dst: list[torch.Tensor] = []
     src: list[torch.Tensor] = []
-    _pack_split_members(grads, plan, out, scale, dst, src)
+    if not _pack_split_chunked(grads, plan, out, scale):
+        _pack_split_members(grads, plan, out, scale, dst, src)
     if plan.split_width < bucket.shard_numel:
         # Whole members: zero the region (other rows' padding, absent members), then
         # write each present member into its owner's row.
@@ -305,6 +317,29 @@ def _pack_split_traced(
             flat = torch.cat([flat, flat.new_zeros(n * s - flat.numel())])
         blocks.append(flat.view(n, s))
     return torch.cat(blocks, dim=1)
+
+
+def _pack_split_chunked(
+    grads: Mapping[str, torch.Tensor | None], plan: BucketPlan, out: torch.Tensor, scale: float
+) -> bool:
+    """:func:`pack_grads` for the split members of a :attr:`~BucketPlan.chunked` bucket whose
+    members are all present: one ``torch._chunk_cat`` writes them, padding zeroed, into the
+    rows' split region and one ``mul_`` scales it (the rounding of ``rows.mul_(factor)``, as
+    the other paths), so the cost does not grow with the member count (no view per member
+    of a 1-D gradient). False, writing nothing, where that does not apply."""
+    if not plan.chunked:
+        return False
+    tensors = []
+    for m in plan.split_members:
+        t = grads.get(m.name)
+        if t is None:
+            return False
+        tensors.append(t if t.dim() == 1 else t.reshape(-1))
+    region = out[:, : plan.split_width]
+    with torch.no_grad():
+        torch._chunk_cat(tensors, 0, out.shape[0], out=region)
+        region.mul_(scale)
+    return True
 
 
 def _pack_split_members(

@@ -7,7 +7,7 @@ tensors either way); the errors it raises on every rank.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -254,7 +254,7 @@ def _validate_step(
             raise ValueError(f"step_shards: norm_type must be 2.0 or math.inf, got {norm_type!r}")
         if max_norm is not None and not (max_norm > 0 and math.isfinite(max_norm)):
             raise ValueError(f"step_shards: max_norm must be a positive finite number or None, got {max_norm!r}")
-        for name, g in grad_shards.items():
+        for name, shape, dtype in _shard_metadata(grad_shards):
             if name not in state.layout:
                 raise KeyError(f"step_shards on rank {state.rank}: gradient shard for unknown param {name!r}")
             spec = state.layout[name]
@@ -264,20 +264,32 @@ def _validate_step(
                     f"step_shards on rank {state.rank}: got a gradient for whole param {name!r} (shape {spec.shape}), "
                     f"which rank {spec.owner} owns; pass the output of reduce_grads on this rank"
                 )
-            if tuple(g.shape) != expected:
+            if shape != expected:
                 what = "the full shape of a whole param this rank owns" if spec.is_whole else "a split param"
                 raise ValueError(
-                    f"step_shards on rank {state.rank}: shard of {name!r} has shape {tuple(g.shape)}, expected "
+                    f"step_shards on rank {state.rank}: shard of {name!r} has shape {shape}, expected "
                     f"{expected} ({what}) for a param of shape {spec.shape} over {state.layout.world_size} ranks; "
                     "pass the output of reduce_grads, not full gradients"
                 )
-            if not g.is_floating_point():
-                raise TypeError(
-                    f"step_shards on rank {state.rank}: shard of {name!r} has dtype {g.dtype}, not floating"
-                )
+            if not dtype.is_floating_point:
+                raise TypeError(f"step_shards on rank {state.rank}: shard of {name!r} has dtype {dtype}, not floating")
     except (TypeError, ValueError, KeyError) as e:
         return e
     return None
+
+
+def _shard_metadata(grad_shards: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, tuple[int, ...], torch.dtype]]:
+    """``(name, shape, dtype)`` of every gradient shard; for a FlatDict from its layout and
+    buffers, without making a view per name."""
+    if not isinstance(grad_shards, flat.FlatDict):
+        for name, g in grad_shards.items():
+            yield name, tuple(g.shape), g.dtype
+        return
+    fl, buffers, loose = grad_shards.flat_layout, grad_shards.buffers, grad_shards.loose
+    for name in grad_shards.names:
+        g = fl.where[name][0]
+        t = loose[name] if g < 0 else buffers[g]
+        yield name, tuple(t.shape) if g < 0 else fl.shapes[name], t.dtype  # type: ignore[union-attr]
 
 
 _NOT_TENSORS = (
