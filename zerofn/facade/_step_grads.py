@@ -99,7 +99,7 @@ class StepGrads:
         """:meth:`_take`, at stage 2 over the flat gradient buffers (see there)."""
         return self._take(flatten=True)
 
-    def _take(self, flatten: bool) -> Mapping[str, torch.Tensor]:
+    def _take(self, flatten: bool, peek: bool = False) -> Mapping[str, torch.Tensor]:
         """The shards ``step`` applies, handed over; the reducer starts from none.
 
         Stage 1: each averaged ``p.grad`` as the user left it, cut into this rank's shard
@@ -112,7 +112,8 @@ class StepGrads:
         Stage 2 hands over a :class:`~zerofn.flat.FlatDict` over the flat gradient buffers
         the buckets were written into (:meth:`_flat_shards`), which ``step`` applies
         without packing, and the reducer lets go of those buffers (``step`` may reuse them);
-        with ``flatten=False`` (:meth:`peek_step_grads`) the shards as held.
+        with ``peek`` (:meth:`peek_step_grads`) the same FlatDict, the buffers kept and
+        nothing zeroed (the ranges of names it does not hold are then unspecified).
         """
         self._drop_cleared()
         self._taken = (dict(self._averaged), set(self._edited), dict(self.shards), dict(self._used), set(self._placed))
@@ -122,7 +123,7 @@ class StepGrads:
             # every rank.
             shards, self.shards, self._placed = self.shards, {}, set()
             self._check_carry = True
-            return self._flat_shards(shards) if flatten else shards
+            return self._flat_shards(shards, peek) if flatten else shards
         scale = self._loss_scale()
         self._check_carry = scale != 1.0
         out: dict[str, torch.Tensor] = {}
@@ -147,7 +148,7 @@ class StepGrads:
         self.shards = {}
         return {n: out[n] for n in self._layout.names if n in out}
 
-    def _flat_shards(self, shards: dict[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    def _flat_shards(self, shards: dict[str, torch.Tensor], peek: bool = False) -> Mapping[str, torch.Tensor]:
         """Stage 2: ``shards`` as a FlatDict over the gradient buffers, which the reducer lets go of.
 
         When every split shard held is still the view the reducer made of its buffer (a
@@ -157,7 +158,8 @@ class StepGrads:
         (``step`` packs them).
         """
         bufs, views = self._grad_bufs, self._grad_views
-        self._grad_bufs, self._grad_views = {}, {}
+        if not peek:
+            self._grad_bufs, self._grad_views = {}, {}
         fl = self._flat
         held = [0] * len(fl.groups)
         loose: dict[str, torch.Tensor] = {}
@@ -175,7 +177,7 @@ class StepGrads:
             return shards
         for g, buf in bufs.items():
             group = fl.groups[g]
-            if 0 < held[g] < len(group.names):
+            if not peek and 0 < held[g] < len(group.names):
                 without = tuple(n for n in group.names if n not in shards)
                 for _, start, stop, _ in fl.runs(without):
                     if stop > start:
@@ -210,7 +212,9 @@ class StepGrads:
         saved = (dict(self._averaged), set(self._edited), dict(self.shards), dict(self._used), set(self._placed))
         taken, bufs, views = self._taken, self._grad_bufs, self._grad_views
         try:
-            return dict(self._take(flatten=False))  # (a FlatDict would zero the ranges of cleared names)
+            # As step will get them (a FlatDict's names in layout order), so a norm of these
+            # pieces sums in the order the step's does; nothing zeroed, the buffers kept.
+            return dict(self._take(flatten=True, peek=True))
         finally:
             self._averaged, self._edited, self.shards, self._used, self._placed = saved
             self._taken, self._grad_bufs, self._grad_views = taken, bufs, views
