@@ -3,7 +3,7 @@
 ``FlatDict`` on the state's flat layout (each bucket's row written into its range, the
 ranges of params without a gradient zero), so the step packs nothing; and a compiled
 ``step_shards`` updates once per flat buffer, its graph the same size for 10 tensors as
-for 100.
+for 100, bitwise the eager step also when some params have no gradient.
 
 Real gloo ranks; the values themselves are checked bitwise elsewhere
 (tests/test_value_and_reduced_grads.py, tests/test_reducer.py, tests/test_jit.py): here
@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import Net, assert_trees_equal, batches, seeded
+import torch.utils._pytree as pytree
+from helpers import Net, assert_bitwise_equal, assert_trees_equal, batches, seeded
 
 import zerofn as zf
 from zerofn.flat import FlatDict
@@ -141,3 +142,37 @@ def _graph_sizes(opt_name: str) -> dict[int, int]:
 def test_a_compiled_step_does_not_grow_with_the_tensor_count(worlds, opt_name):
     for sizes in worlds[2].run(_graph_sizes, opt_name):
         assert sizes[10] == sizes[100], sizes
+
+
+def _compiled_with_gaps(opt_name: str) -> int:
+    """A compiled ``step_shards`` (aot_eager) on flat shards some params are missing from
+    (their ranges kept, one ``cat`` per buffer), a whole param among them: bitwise the eager step."""
+    gen = torch.Generator().manual_seed(seeded(0))
+    params = {f"p{i}": torch.randn(7 + i, generator=gen) for i in range(6)}
+    params["w"] = torch.randn(4, 4, generator=gen)
+    lr = torch.tensor(1e-2, dtype=torch.float64)
+    if opt_name == "adamw":
+        opt = zf.optim.adamw(lr=lr, weight_decay=0.1, amsgrad=True)
+    else:
+        opt = zf.optim.sgd(lr=lr, momentum=0.9, nesterov=True)
+    state = zf.shard_params(params, opt, check=False, placement={"w": "whole"})
+    grads = {n: torch.randn(p.shape, generator=gen) for n, p in params.items()}
+    state, _ = zf.step_shards(state, zf.reduce_grads(grads, state.layout))  # SGD's momentum exists from here on
+    some = zf.reduce_grads({n: g for n, g in grads.items() if n not in ("p2", "p3")}, state.layout)
+    assert isinstance(some, FlatDict) and "p2" not in some
+    eager, _ = zf.step_shards(state, some, max_norm=1.0)
+    torch._dynamo.reset()
+    step = torch.compile(lambda s, g: zf.step_shards(s, g, max_norm=1.0), backend="aot_eager", fullgraph=True)
+    compiled, _ = step(state, some)
+    assert isinstance(compiled.master, FlatDict)
+    want = pytree.tree_leaves((eager.master, eager.opt_state, eager.step))
+    got = pytree.tree_leaves((compiled.master, compiled.opt_state, compiled.step))
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert_bitwise_equal(a, b, f"leaf {i}")
+    return len(got)
+
+
+@pytest.mark.parametrize("opt_name", ["adamw", "sgd"])
+def test_a_compiled_step_on_flat_shards_with_gaps_is_the_eager_step(worlds, opt_name):
+    worlds[2].run(_compiled_with_gaps, opt_name)
