@@ -1,7 +1,7 @@
 # zerofn: set up, demo, test, lint. Every target installs what it needs into .venv first.
 #
 #   make demo                 # python -m zerofn demo (ARGS="--world-size 3 --stage 1")
-#   make test                 # python -m pytest      (PYTEST_ARGS="-k demo -x")
+#   make test                 # python -m pytest -n 2 (PYTEST_ARGS="-k demo -x", PYTEST_WORKERS=0: one process)
 #   make test-numerics        # the float-sensitive checks with every rank on torch's portable CPU kernels
 #   make lint                 # ruff check + ruff format --check
 #   make notebooks            # execute notebooks/NN_*.py into NN_*.ipynb (ARGS="03")
@@ -20,6 +20,10 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 ARGS ?=
 PYTEST_ARGS ?=
+# pytest-xdist processes `make test` spreads the tests over. Two even on two cores: much of
+# the suite waits (process starts, rendezvous, timeouts slept out, subprocesses), and the
+# other process computes meanwhile. Each has its own pools of ranks. 0: one process.
+PYTEST_WORKERS ?= 2
 # The kernel family of `make test-numerics`: torch's portable kernels (no AVX2/AVX-512).
 # `make test` sees it too: its pool of 3 ranks runs on them (tests/conftest.py).
 NUMERICS_CPU_CAPABILITY ?= default
@@ -60,7 +64,7 @@ demo: $(STAMP)
 	$(PY) -m zerofn demo $(ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 # The float-sensitive tests (marker `numerics`) are bitwise by construction or held to a
 # bound from error analysis, so they must pass on any kernels. `make test` runs its pool of

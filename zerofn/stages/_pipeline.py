@@ -1,8 +1,11 @@
-"""What ``reduce_grads`` and ``gather_params`` share: the bucket size, the pipeline depth, the staging check."""
+"""What the bucketed stages share: the bucket size, the pipeline depth, the option checks."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from zerofn.buckets import StagingPool
+from zerofn.precision import PrecisionPolicy
 
 #: Padded elements per bucket (16 MiB in float32; DDP's buckets are 25 MiB). Measured on gloo,
 #: 2 ranks on 2 cores (benchmarks/README.md, "Current numbers"): every collective costs a fixed
@@ -17,3 +20,17 @@ PIPELINE_DEPTH = 1
 def _check_staging(staging: object, where: str) -> None:
     if staging is not None and not isinstance(staging, StagingPool):
         raise TypeError(f"{where}: staging must be a zerofn.buckets.StagingPool or None, got {type(staging).__name__}")
+
+
+def check_reduce_options(stage: Any, bucket_numel: Any, precision: Any, staging: Any, where: str) -> None:
+    """The options ``reduce_grads`` and ``value_and_reduced_grads`` share, checked alike (raises, no collective)."""
+    if stage not in (1, 2):
+        raise ValueError(f"{where}: stage must be 1 or 2, got {stage!r}")
+    if not isinstance(bucket_numel, int) or isinstance(bucket_numel, bool) or bucket_numel <= 0:
+        raise ValueError(f"{where}: bucket_numel must be a positive int (elements), got {bucket_numel!r}")
+    if precision is not None and not isinstance(precision, PrecisionPolicy):
+        raise TypeError(
+            f"{where}: precision must be a zerofn.PrecisionPolicy (state.precision) or None, "
+            f"got {type(precision).__name__}"
+        )
+    _check_staging(staging, where)

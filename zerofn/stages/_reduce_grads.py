@@ -20,7 +20,7 @@ from zerofn.buckets import StagingPool, launch_reduce, pack_grads
 from zerofn.layout import Bucket, ShardLayout
 from zerofn.precision import PrecisionPolicy
 from zerofn.stages._grad_shards import GradShards
-from zerofn.stages._pipeline import DEFAULT_BUCKET_NUMEL, PIPELINE_DEPTH, _check_staging
+from zerofn.stages._pipeline import DEFAULT_BUCKET_NUMEL, PIPELINE_DEPTH, check_reduce_options
 from zerofn.state import DEFAULT_POLICY
 
 
@@ -110,20 +110,11 @@ def reduce_grads(
     # Local validation first; its verdict travels in the agreement all-gather, so a bad
     # input on one rank makes every rank raise instead of leaving the others waiting.
     try:
-        if stage not in (1, 2):
-            raise ValueError(f"reduce_grads: stage must be 1 or 2, got {stage!r}")
-        if not isinstance(bucket_numel, int) or isinstance(bucket_numel, bool) or bucket_numel <= 0:
-            raise ValueError(f"reduce_grads: bucket_numel must be a positive int (elements), got {bucket_numel!r}")
-        if precision is not None and not isinstance(precision, PrecisionPolicy):
-            raise TypeError(
-                f"reduce_grads: precision must be a zerofn.PrecisionPolicy (state.precision) or None, "
-                f"got {type(precision).__name__}"
-            )
+        check_reduce_options(stage, bucket_numel, precision, staging, "reduce_grads")
         precision = precision or DEFAULT_POLICY
         comm_dtype = comm_dtype if comm_dtype is not None else precision.comm_dtype
         checks.validate_world(layout, group, "reduce_grads")
         checks.validate_replicas(replicate_group, "reduce_grads")
-        _check_staging(staging, "reduce_grads")
         present = checks.validate_grads(
             grads, layout, group, "reduce_grads", accum_dtype_for=precision.grad_accum_dtype_for
         )

@@ -43,7 +43,7 @@ from zerofn.buckets import StagingPool, launch_reduce, pack_grads
 from zerofn.layout import Bucket, ShardLayout
 from zerofn.precision import PrecisionPolicy
 from zerofn.stages._grad_shards import GradShards
-from zerofn.stages._pipeline import DEFAULT_BUCKET_NUMEL, _check_staging
+from zerofn.stages._pipeline import DEFAULT_BUCKET_NUMEL, check_reduce_options
 from zerofn.stages._reduce_grads import reduce_realisation, sum_over_replicas
 from zerofn.state import DEFAULT_POLICY
 
@@ -90,16 +90,7 @@ def launch_order(layout: ShardLayout, bucket_numel: int) -> tuple[int, ...]:
 def _check_options(stage: Any, bucket_numel: Any, precision: Any, staging: Any, loss_fn: Any) -> None:
     if not callable(loss_fn):
         raise TypeError(f"{_WHERE}: loss_fn must be callable (params, *args) -> loss, got {type(loss_fn).__name__}")
-    if stage not in (1, 2):
-        raise ValueError(f"{_WHERE}: stage must be 1 or 2, got {stage!r}")
-    if not isinstance(bucket_numel, int) or isinstance(bucket_numel, bool) or bucket_numel <= 0:
-        raise ValueError(f"{_WHERE}: bucket_numel must be a positive int (elements), got {bucket_numel!r}")
-    if precision is not None and not isinstance(precision, PrecisionPolicy):
-        raise TypeError(
-            f"{_WHERE}: precision must be a zerofn.PrecisionPolicy (state.precision) or None, "
-            f"got {type(precision).__name__}"
-        )
-    _check_staging(staging, _WHERE)
+    check_reduce_options(stage, bucket_numel, precision, staging, _WHERE)
 
 
 def _check_params(params: Any, layout: ShardLayout, group: Group) -> None:
