@@ -118,9 +118,15 @@ class Optimizer:
         """
         return self._update(self, grads, state, params, donate)
 
+    def __post_init__(self) -> None:
+        # Every group's hyperparameters merged once (the defaults last): the step asks per
+        # name, and a merge per name per step is a cost that grows with the tensor count.
+        merged = tuple(FrozenDict({**self.defaults, **g.hyperparams}) for g in self.groups)
+        object.__setattr__(self, "_merged", (*merged, FrozenDict(self.defaults)))
+
     def hyperparams(self, name: str) -> Mapping[str, Any]:
-        """The hyperparameters in force for parameter ``name``."""
-        return {**self.defaults, **self._group_overrides(name)}
+        """The hyperparameters in force for parameter ``name`` (a read-only mapping)."""
+        return self._merged[self.group_index(name)]
 
     def group_index(self, name: str) -> int:
         """Index of the group that selects ``name``; ``len(groups)`` for the defaults."""
@@ -128,10 +134,6 @@ class Optimizer:
             if group.matches(name):
                 return i
         return len(self.groups)
-
-    def _group_overrides(self, name: str) -> Mapping[str, Any]:
-        i = self.group_index(name)
-        return self.groups[i].hyperparams if i < len(self.groups) else {}
 
     def with_hyperparams(self, group: int | None = None, **changes: Any) -> Optimizer:
         """A copy with ``changes`` applied to group ``group`` (``None``: the defaults)."""
@@ -214,6 +216,8 @@ def _make_groups(name: str, param_groups: Sequence[Mapping[str, Any]] | None) ->
 
 def _by_group(opt: Optimizer, names: Sequence[str]) -> dict[int, list[str]]:
     """Names bucketed by group index, order kept, so each group is one kernel call."""
+    if not opt.groups:  # every name in the defaults' group
+        return {0: list(names)} if names else {}
     out: dict[int, list[str]] = {}
     for n in names:
         out.setdefault(opt.group_index(n), []).append(n)
