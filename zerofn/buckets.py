@@ -28,22 +28,28 @@ Communicating pieces (through :mod:`zerofn.comm`, which owns every collective)::
 Where a piece can write into a caller's buffer it takes ``out=``, so the facade's reused
 staging buffers go through the same code as the functional path's fresh ones, and both
 give the same bits.
+
+Every name above is public here; the plan (:class:`BucketPlan`) lives in
+``zerofn/_bucket_plan.py`` and the gather side (``pack_shards``, ``launch_gather``,
+``cut_shard``) in ``zerofn/_bucket_gather.py``, each file one concern.
 """
 
 from __future__ import annotations
 
-import functools
-import itertools
 from collections.abc import Collection, Iterable, Mapping
-from typing import NamedTuple
 
 import torch
 
 from zerofn import _comm as comm
-from zerofn import _placement
+from zerofn._bucket_gather import cut_shard as cut_shard
+from zerofn._bucket_gather import launch_gather as launch_gather
+from zerofn._bucket_gather import pack_shards as pack_shards
+from zerofn._bucket_plan import FUSED_MIN_NUMEL, _bucket_plan
+from zerofn._bucket_plan import BucketPlan as BucketPlan
+from zerofn._bucket_plan import MemberPlan as MemberPlan
+from zerofn._bucket_plan import bucket_plan as bucket_plan
 from zerofn._comm import Group
-from zerofn.flat import FlatDict, run_view
-from zerofn.layout import Bucket, ParamSpec, ShardLayout
+from zerofn.layout import Bucket, ShardLayout
 
 __all__ = [
     "BucketPlan",
@@ -58,109 +64,6 @@ __all__ = [
     "split_row",
     "unpack_rows",
 ]
-
-# Members of at least this many elements (N * width) are copied and scaled in one pass
-# (``torch.mul(..., out=)``); smaller ones in one batched ``_foreach_copy_`` +
-# ``_foreach_mul_`` per bucket (per-call overhead dominates for them).
-FUSED_MIN_NUMEL = 2**16
-
-
-class MemberPlan(NamedTuple):
-    """Where one member of a bucket sits in the ``(N, S)`` rows.
-
-    Attributes:
-      name: the param's name.
-      width: split: columns it takes in every row (its ``shard_numel``); whole: its
-        ``numel``, the columns it takes in its owner's row.
-      whole: split: rows its flat tensor fills completely (``numel // width``; 0 for an
-        empty param); 0 for a whole param.
-      rest: split: elements of its flat tensor in row ``whole`` (the rest of that row is
-        padding); 0 for a whole param.
-      col: its first column (``bucket.offsets``).
-      owner: the row that holds a whole param; -1 for a split one (every row).
-    """
-
-    name: str
-    width: int
-    whole: int
-    rest: int
-    col: int = 0
-    owner: int = -1
-
-
-class BucketPlan(NamedTuple):
-    """A bucket's static copy plan.
-
-    Attributes:
-      widths: the split members' widths, side by side from column 0 (one ``torch.split``
-        of the rows' first ``split_width`` columns into column blocks).
-      members: every member's :class:`MemberPlan`, in bucket order.
-      split_width: columns the split members take; the whole members' region follows.
-      chunked: every split member is small (``N * width < FUSED_MIN_NUMEL``), non-empty
-        and exactly ``ceil(numel / N)`` wide, so the split region of the rows is
-        ``torch._chunk_cat`` of the flattened gradients (each zero-padded, cut into ``N``
-        chunks, chunk ``r`` of each in row ``r``): one call for the whole bucket.
-    """
-
-    widths: tuple[int, ...]
-    members: tuple[MemberPlan, ...]
-    split_width: int = 0
-    chunked: bool = False
-
-    @property
-    def split_members(self) -> tuple[MemberPlan, ...]:
-        return tuple(m for m in self.members if m.owner < 0)
-
-    @property
-    def whole_members(self) -> tuple[MemberPlan, ...]:
-        return tuple(m for m in self.members if m.owner >= 0)
-
-
-@functools.lru_cache(maxsize=1024)
-def bucket_plan(layout: ShardLayout, bucket: Bucket) -> BucketPlan:
-    """The :class:`BucketPlan` of ``bucket`` in ``layout`` (cached per pair; pure).
-
-    Raises ``AssertionError`` if the bucket's offsets do not describe such rows: split
-    members side by side from column 0 in bucket order, whole members after them, no two
-    members of one row overlapping, everything within ``bucket.shard_numel``.
-    """
-    split = [(n, o) for n, o in zip(bucket.names, bucket.offsets, strict=True) if not layout[n].is_whole]
-    widths = tuple(layout[n].shard_numel for n, _ in split)
-    starts = (0, *itertools.accumulate(widths))
-    if tuple(o for _, o in split) != starts[:-1]:  # split members side by side
-        raise AssertionError(f"zerofn: bucket members are not packed side by side: {bucket}")
-    split_width = starts[-1]
-    used: dict[int, list[tuple[int, int]]] = {}
-    members = []
-    for name, col in zip(bucket.names, bucket.offsets, strict=True):
-        spec = layout[name]
-        if spec.is_whole:
-            members.append(MemberPlan(name, spec.numel, 0, 0, col, spec.owner))
-            used.setdefault(spec.owner, []).append((col, col + spec.numel))
-        else:
-            s = spec.shard_numel
-            whole = spec.numel // s if s else 0
-            members.append(MemberPlan(name, s, whole, spec.numel - whole * s, col))
-    ends = [split_width]
-    for spans in used.values():
-        spans.sort()
-        if spans[0][0] < split_width or any(a[1] > b[0] for a, b in itertools.pairwise(spans)):
-            raise AssertionError(f"zerofn: whole members of a bucket overlap: {bucket}")
-        ends.append(spans[-1][1])
-    if max(ends) != bucket.shard_numel:
-        raise AssertionError(f"zerofn: bucket members do not fill a row of {bucket.shard_numel}: {bucket}")
-    n = layout.world_size
-    chunked = bool(widths) and all(
-        m.owner < 0 and 0 < m.width * n < FUSED_MIN_NUMEL and -(-(m.whole * m.width + m.rest) // n) == m.width
-        for m in members
-        if m.owner < 0
-    )
-    return BucketPlan(widths, tuple(members), split_width, chunked)
-
-
-def _bucket_plan(layout: ShardLayout, bucket: Bucket) -> BucketPlan:
-    """:func:`bucket_plan`; under torch.compile its pure body, traced once per graph."""
-    return (bucket_plan.__wrapped__ if torch.compiler.is_compiling() else bucket_plan)(layout, bucket)
 
 
 class StagingPool:
@@ -548,174 +451,3 @@ def unpack_rows(
     if dst:
         torch._foreach_copy_(dst, src)
     return result
-
-
-# --------------------------------------------------------------------------- gather side
-
-
-def pack_shards(
-    shards: Mapping[str, torch.Tensor],
-    layout: ShardLayout,
-    bucket: Bucket,
-    *,
-    dtype: torch.dtype | None = None,
-    device: torch.device | None = None,
-    out: torch.Tensor | None = None,
-    rank: int | None = None,
-) -> torch.Tensor:
-    """This rank's ``(S,)`` row of a bucket: its members' shards side by side.
-
-    Each shard is cast to ``dtype`` (the working dtype for a gather of master shards;
-    float32 masters are rounded to nearest) and the row is placed on ``device`` (CPU
-    offload: the shards live on the CPU and the row goes to the params' device, from a
-    pinned buffer, see :func:`zerofn._placement.cat_to`). Without a ``dtype``, shards of
-    mixed dtypes are promoted by ``torch.cat`` (exactly; :func:`unpack_rows` casts back).
-
-    A bucket of one contiguous shard already on ``device`` (and in ``dtype``) is its own
-    row: no copy; the caller must not change that shard until the gather reading it has
-    completed.
-
-    A bucket with whole params (placement ``"whole"``) needs ``rank``: the row then holds
-    the split shards, the whole params ``rank`` owns flattened at their columns, and zeros
-    in the columns of the other ranks' whole params.
-
-    Args:
-      shards: name -> ``(shard_numel,)`` shard, for every split member of ``bucket``, and
-        name -> full-shape tensor for every whole member ``rank`` owns.
-      layout: the layout the shards follow.
-      bucket: the bucket of ``layout`` whose shards to pack, in its order.
-      dtype: dtype of the row; default: the shards' own (promoted).
-      device: where the row goes; default the shards' device.
-      out: an ``(S,)`` buffer to write into (reused between steps by the facade); used
-        when a copy is needed on one device.
-      rank: whose row this is; needed when the bucket holds whole params.
-
-    Returns:
-      The ``(S,)`` row: ``out``, the lone shard itself, or a new tensor.
-
-    Collectives: none.
-    """
-    plan = _bucket_plan(layout, bucket)
-    if plan.split_width < bucket.shard_numel:
-        return _pack_whole_row(shards, plan, bucket, dtype=dtype, device=device, out=out, rank=rank)
-    lone = _flat_range(shards, bucket)
-    if lone is not None:  # flat shards: the bucket is one range of a flat buffer, read in place
-        device = torch.device(device) if device is not None else lone.device
-        if lone.device != device:
-            return _placement.cat_to([lone if dtype is None else lone.to(dtype)], device)
-        if out is not None and (dtype is not None and lone.dtype != dtype):
-            return out.copy_(lone)  # the cast, straight into the caller's buffer
-        return lone if dtype is None or lone.dtype == dtype else lone.to(dtype)
-    parts = [shards[name] if dtype is None else shards[name].to(dtype) for name in bucket.names]
-    device = torch.device(device) if device is not None else parts[0].device
-    if any(t.device != device for t in parts):  # CPU offload to an accelerator
-        return _placement.cat_to(parts, device)
-    if len(parts) == 1 and parts[0].is_contiguous():
-        return parts[0]
-    if out is not None:
-        return torch.cat(parts, out=out)
-    return torch.cat(parts)
-
-
-def _flat_range(shards: Mapping[str, torch.Tensor], bucket: Bucket) -> torch.Tensor | None:
-    """The range of a flat buffer that holds a split bucket's shards side by side, or ``None``
-    (``shards`` not flat, or the members not one run of one buffer)."""
-    if not isinstance(shards, FlatDict) or not shards.holds_all:
-        return None
-    runs = shards.flat_layout.runs(bucket.names)
-    if len(runs) != 1 or runs[0][0] < 0:
-        return None
-    return run_view(shards, runs[0])
-
-
-def _pack_whole_row(
-    shards: Mapping[str, torch.Tensor],
-    plan: BucketPlan,
-    bucket: Bucket,
-    *,
-    dtype: torch.dtype | None,
-    device: torch.device | None,
-    out: torch.Tensor | None,
-    rank: int | None,
-) -> torch.Tensor:
-    """:func:`pack_shards` for a bucket with whole members: zeros, then this rank's members."""
-    if rank is None:
-        raise ValueError("pack_shards: this bucket holds whole params; pass rank= (whose row to pack)")
-    mine = [m for m in plan.members if m.owner < 0 or m.owner == rank]
-    parts = [shards[m.name] if dtype is None else shards[m.name].to(dtype) for m in mine]
-    src_device = parts[0].device if parts else torch.device(device or "cpu")
-    row_dtype = dtype or (functools.reduce(torch.promote_types, (t.dtype for t in parts)) if parts else None)
-    if row_dtype is None:  # this rank holds none of the bucket: its row is padding
-        row_dtype = next(iter(shards.values())).dtype if shards else torch.float32
-    device = torch.device(device) if device is not None else src_device
-    if out is not None and out.device == src_device:
-        row = out.zero_()
-    else:
-        row = torch.zeros(bucket.shard_numel, dtype=row_dtype, device=src_device)
-    if parts:
-        torch._foreach_copy_([row[m.col : m.col + m.width] for m in mine], [t.reshape(-1) for t in parts])
-    return row if row.device == device else row.to(device)
-
-
-def launch_gather(
-    row: torch.Tensor, group: Group, how: str, *, async_op: bool = False, out: torch.Tensor | None = None
-) -> comm.Pending:
-    """Start gathering every rank's ``(S,)`` row of one bucket (from :func:`pack_shards`).
-
-    Args:
-      row: this rank's contiguous ``(S,)`` row; read, never written. With the broadcast
-        realisation it may be ``out[rank]`` (packed in place by ``pack_shards(out=)``).
-      group: the sharding process group.
-      how: ``"all_gather"`` or ``"broadcast"`` (the gather realisation of a
-        :class:`~zerofn.comm.CommPolicy`).
-      async_op: launch and return at once.
-      out: an ``(N, S)`` buffer to receive into (explicit reuse: the facade's staging
-        buffers, idle between ``step`` and the next ``backward``); default a new one.
-
-    Returns:
-      A :class:`~zerofn.comm.Pending` whose ``wait()`` is the ``(N, S)`` buffer (row
-      ``r`` from rank ``r``; ``out`` if given), for :func:`unpack_rows`.
-
-    Collectives: one ``all_gather`` of ``N * S`` elements, or ``N`` broadcasts of ``S``.
-    """
-    return comm.gather_rows(row, group, how, async_op=async_op, out=out)
-
-
-def cut_shard(
-    full: torch.Tensor,
-    spec: ParamSpec,
-    rank: int,
-    *,
-    dtype: torch.dtype | None = None,
-    device: torch.device | str | None = None,
-    round_to: torch.dtype | None = None,
-) -> torch.Tensor:
-    """Rank ``rank``'s zero-padded ``(shard_numel,)`` shard of a full tensor, as a new tensor.
-
-    For a whole param (placement ``"whole"``) the owner's "shard" is a full-shape copy;
-    other ranks hold nothing of it and get a ``ValueError`` (check ``spec.holds(rank)``).
-
-    Args:
-      full: the param-shaped tensor (any device); not changed.
-      spec: the param's :class:`~zerofn.layout.ParamSpec`.
-      rank: whose shard.
-      dtype: dtype of the shard; default ``full``'s (kept exactly).
-      device: where the shard lives; default ``full``'s device.
-      round_to: round the values to this dtype first (``shard_params`` rounds to the
-        working dtype, so forced dtypes give the values the model will see).
-
-    Collectives: none.
-    """
-    if spec.is_whole:
-        if rank != spec.owner:
-            raise ValueError(f"cut_shard: rank {rank} holds nothing of whole param {spec.name!r} (owner {spec.owner})")
-        src = full.detach().to(round_to) if round_to is not None else full.detach()
-        copy = torch.empty(spec.shape, dtype=dtype or full.dtype, device=device if device is not None else full.device)
-        return copy.copy_(src)
-    start, stop = spec.owned_range(rank)
-    shard = torch.zeros(
-        spec.shard_numel, dtype=dtype or full.dtype, device=device if device is not None else full.device
-    )
-    part = full.detach().reshape(-1)[start:stop]
-    shard[: stop - start].copy_(part.to(round_to) if round_to is not None else part)
-    return shard

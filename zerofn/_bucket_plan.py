@@ -1,0 +1,119 @@
+"""A bucket's static copy plan: where each member sits in the rank-major ``(N, S)`` rows.
+
+Every bucket piece (:mod:`zerofn.buckets`) reads member widths and positions from a
+:class:`BucketPlan`, computed once per (layout, bucket) and cached, never from a placement
+rule of its own. Public through :mod:`zerofn.buckets`.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from typing import NamedTuple
+
+import torch
+
+from zerofn.layout import Bucket, ShardLayout
+
+# Members of at least this many elements (N * width) are copied and scaled in one pass
+# (``torch.mul(..., out=)``); smaller ones in one batched ``_foreach_copy_`` +
+# ``_foreach_mul_`` per bucket (per-call overhead dominates for them).
+FUSED_MIN_NUMEL = 2**16
+
+
+class MemberPlan(NamedTuple):
+    """Where one member of a bucket sits in the ``(N, S)`` rows.
+
+    Attributes:
+      name: the param's name.
+      width: split: columns it takes in every row (its ``shard_numel``); whole: its
+        ``numel``, the columns it takes in its owner's row.
+      whole: split: rows its flat tensor fills completely (``numel // width``; 0 for an
+        empty param); 0 for a whole param.
+      rest: split: elements of its flat tensor in row ``whole`` (the rest of that row is
+        padding); 0 for a whole param.
+      col: its first column (``bucket.offsets``).
+      owner: the row that holds a whole param; -1 for a split one (every row).
+    """
+
+    name: str
+    width: int
+    whole: int
+    rest: int
+    col: int = 0
+    owner: int = -1
+
+
+class BucketPlan(NamedTuple):
+    """A bucket's static copy plan.
+
+    Attributes:
+      widths: the split members' widths, side by side from column 0 (one ``torch.split``
+        of the rows' first ``split_width`` columns into column blocks).
+      members: every member's :class:`MemberPlan`, in bucket order.
+      split_width: columns the split members take; the whole members' region follows.
+      chunked: every split member is small (``N * width < FUSED_MIN_NUMEL``), non-empty
+        and exactly ``ceil(numel / N)`` wide, so the split region of the rows is
+        ``torch._chunk_cat`` of the flattened gradients (each zero-padded, cut into ``N``
+        chunks, chunk ``r`` of each in row ``r``): one call for the whole bucket.
+    """
+
+    widths: tuple[int, ...]
+    members: tuple[MemberPlan, ...]
+    split_width: int = 0
+    chunked: bool = False
+
+    @property
+    def split_members(self) -> tuple[MemberPlan, ...]:
+        return tuple(m for m in self.members if m.owner < 0)
+
+    @property
+    def whole_members(self) -> tuple[MemberPlan, ...]:
+        return tuple(m for m in self.members if m.owner >= 0)
+
+
+@functools.lru_cache(maxsize=1024)
+def bucket_plan(layout: ShardLayout, bucket: Bucket) -> BucketPlan:
+    """The :class:`BucketPlan` of ``bucket`` in ``layout`` (cached per pair; pure).
+
+    Raises ``AssertionError`` if the bucket's offsets do not describe such rows: split
+    members side by side from column 0 in bucket order, whole members after them, no two
+    members of one row overlapping, everything within ``bucket.shard_numel``.
+    """
+    split = [(n, o) for n, o in zip(bucket.names, bucket.offsets, strict=True) if not layout[n].is_whole]
+    widths = tuple(layout[n].shard_numel for n, _ in split)
+    starts = (0, *itertools.accumulate(widths))
+    if tuple(o for _, o in split) != starts[:-1]:  # split members side by side
+        raise AssertionError(f"zerofn: bucket members are not packed side by side: {bucket}")
+    split_width = starts[-1]
+    used: dict[int, list[tuple[int, int]]] = {}
+    members = []
+    for name, col in zip(bucket.names, bucket.offsets, strict=True):
+        spec = layout[name]
+        if spec.is_whole:
+            members.append(MemberPlan(name, spec.numel, 0, 0, col, spec.owner))
+            used.setdefault(spec.owner, []).append((col, col + spec.numel))
+        else:
+            s = spec.shard_numel
+            whole = spec.numel // s if s else 0
+            members.append(MemberPlan(name, s, whole, spec.numel - whole * s, col))
+    ends = [split_width]
+    for spans in used.values():
+        spans.sort()
+        if spans[0][0] < split_width or any(a[1] > b[0] for a, b in itertools.pairwise(spans)):
+            raise AssertionError(f"zerofn: whole members of a bucket overlap: {bucket}")
+        ends.append(spans[-1][1])
+    if max(ends) != bucket.shard_numel:
+        raise AssertionError(f"zerofn: bucket members do not fill a row of {bucket.shard_numel}: {bucket}")
+    n = layout.world_size
+    chunked = bool(widths) and all(
+        m.owner < 0 and 0 < m.width * n < FUSED_MIN_NUMEL and -(-(m.whole * m.width + m.rest) // n) == m.width
+        for m in members
+        if m.owner < 0
+    )
+    return BucketPlan(widths, tuple(members), split_width, chunked)
+
+
+def _bucket_plan(layout: ShardLayout, bucket: Bucket) -> BucketPlan:
+    """:func:`bucket_plan`; under torch.compile its pure body, traced once per graph."""
+    return (bucket_plan.__wrapped__ if torch.compiler.is_compiling() else bucket_plan)(layout, bucket)
