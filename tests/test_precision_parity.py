@@ -858,6 +858,7 @@ def test_stage_functions_stay_pure_under_fp16_loss_scaling(world, donate):
 
 
 def _master_weights_off() -> dict[str, Any]:
+    torch.manual_seed(seeded(0))  # the same weights on every rank, whatever the pool ran before
     params = {k: p.detach() for k, p in Net().named_parameters()}
     policy = PrecisionPolicy.for_dtype(torch.bfloat16, master_weights=False)
     state = zf.shard_params(params, zf.optim.sgd(lr=0.1), precision=policy)
