@@ -24,7 +24,7 @@ or a predicate ``name -> bool``); names no group lists use the factory's hyperpa
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.optim.adam as _torch_adam
@@ -32,8 +32,11 @@ import torch.optim.sgd as _torch_sgd
 
 from zerofn import _traced, flat
 
-# The Optimizer value and its helpers live in zerofn._optimizer (shared with zerofn.lowbit
-# without an import cycle); users find them here.
+# The states live in zerofn._optim_state (every update path builds them), the Optimizer
+# value and its helpers in zerofn._optimizer (shared with zerofn.lowbit without an import
+# cycle); users find them here.
+from zerofn._optim_state import AdamState as AdamState
+from zerofn._optim_state import SGDState as SGDState
 from zerofn._optimizer import NameSelector as NameSelector
 from zerofn._optimizer import (
     Optimizer,
@@ -44,6 +47,7 @@ from zerofn._optimizer import (
     _grads_in_order,
     _make_groups,
     _own,
+    _scalar_lr,
     partition,
 )
 from zerofn._optimizer import ParamGroup as ParamGroup
@@ -60,33 +64,6 @@ __all__ = [
     "partition",
     "sgd",
 ]
-
-
-class SGDState(NamedTuple):
-    """State of :func:`sgd`.
-
-    Attributes:
-      momentum_buffer: name -> buffer shaped like the param (fp32 master dtype), or
-        ``None`` until the first step with ``momentum != 0`` (torch.optim's rule).
-    """
-
-    momentum_buffer: FrozenDict[torch.Tensor | None]
-
-
-class AdamState(NamedTuple):
-    """State of :func:`adam` and :func:`adamw`.
-
-    Attributes:
-      step: name -> 0-d float32 CPU tensor, steps taken by that param (as torch.optim).
-      exp_avg: name -> first moment, shaped like the param.
-      exp_avg_sq: name -> second moment, shaped like the param.
-      max_exp_avg_sq: name -> running max of ``exp_avg_sq``; empty unless ``amsgrad``.
-    """
-
-    step: FrozenDict[torch.Tensor]
-    exp_avg: FrozenDict[torch.Tensor]
-    exp_avg_sq: FrozenDict[torch.Tensor]
-    max_exp_avg_sq: FrozenDict[torch.Tensor]
 
 
 _LOWBIT = ("adamw8bit", "adamw4bit", "adamwfp8", "adam8bit", "adam4bit", "adamfp8")
@@ -530,17 +507,6 @@ _NOT_TRACEABLE = (
     "the graph here. Build the optimizer with foreach=None and fused=None (the CPU default) to compile the step "
     "into one graph"
 )
-
-
-def _scalar_lr(hp: dict[str, Any]) -> dict[str, Any]:
-    """``hp`` with a tensor lr read as a Python float when running eagerly (bitwise what a float gives).
-
-    Under ``torch.compile`` the tensor stays: the graph reads its value on every call.
-    """
-    lr = hp["lr"]
-    if isinstance(lr, torch.Tensor) and not torch.compiler.is_compiling():
-        return {**hp, "lr": lr.item()}
-    return hp
 
 
 def _adam_group_traced(
