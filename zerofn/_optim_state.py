@@ -1,0 +1,44 @@
+"""The states of :mod:`zerofn.optim`'s optimizers: :class:`SGDState` and :class:`AdamState`.
+
+They live apart from ``optim.py`` so that every update path builds them without an import
+cycle: the per-name eager updates in ``optim.py``, the flat-buffer ones in
+``_optim_flat.py`` and the traced (``torch.compile``) ones in ``_optim_traced.py``. Import
+them from :mod:`zerofn.optim`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from zerofn._tree import FrozenDict
+
+__all__ = ["AdamState", "SGDState"]
+
+
+class SGDState(NamedTuple):
+    """State of :func:`sgd`.
+
+    Attributes:
+      momentum_buffer: name -> buffer shaped like the param (fp32 master dtype), or
+        ``None`` until the first step with ``momentum != 0`` (torch.optim's rule).
+    """
+
+    momentum_buffer: FrozenDict[torch.Tensor | None]
+
+
+class AdamState(NamedTuple):
+    """State of :func:`adam` and :func:`adamw`.
+
+    Attributes:
+      step: name -> 0-d float32 CPU tensor, steps taken by that param (as torch.optim).
+      exp_avg: name -> first moment, shaped like the param.
+      exp_avg_sq: name -> second moment, shaped like the param.
+      max_exp_avg_sq: name -> running max of ``exp_avg_sq``; empty unless ``amsgrad``.
+    """
+
+    step: FrozenDict[torch.Tensor]
+    exp_avg: FrozenDict[torch.Tensor]
+    exp_avg_sq: FrozenDict[torch.Tensor]
+    max_exp_avg_sq: FrozenDict[torch.Tensor]
