@@ -199,3 +199,19 @@ def test_fingerprint_changes_with_names_shapes_dtypes_and_order(other):
 def test_fingerprint_changes_with_world_size():
     params = {"w": torch.zeros(3, 4)}
     assert len({_fingerprint(params, n) for n in (1, 2, 3, 4)}) == 4
+
+
+def test_a_layout_is_found_by_its_fingerprint_also_after_a_pickle_round_trip():
+    import pickle
+
+    from zerofn.layout import _traced_plan, layout_by_fingerprint
+
+    params = {"a": torch.zeros(5, 3), "b": torch.zeros(7)}
+    layout = zf.make_layout(params, 3)
+    assert layout_by_fingerprint(layout.fingerprint) is layout
+    back = pickle.loads(pickle.dumps(layout))
+    assert back == layout and back.names == layout.names
+    assert layout_by_fingerprint(layout.fingerprint) in (layout, back)
+    # What a compiled step reads at trace time is the eager plan.
+    assert _traced_plan(layout.fingerprint, None, 8) == layout.buckets(8)
+    assert _traced_plan(layout.fingerprint, ("b",), 64) == layout.buckets(64, ["b"])

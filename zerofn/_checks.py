@@ -16,7 +16,7 @@ import torch
 
 from zerofn import _comm as comm
 from zerofn import _traced
-from zerofn.layout import ShardLayout
+from zerofn.layout import ShardLayout, layout_by_fingerprint
 
 __all__ = ["RankMismatchError", "check_ranks_agree", "validate_grads", "validate_params"]
 
@@ -191,12 +191,13 @@ def check_ranks_agree(
     if not comm.tracing() and failure is None and bool((table == table[0]).all()):
         return  # the common case, without building the description below
     # Eagerly settled now; in a compiled step, every time the graph runs (zerofn._traced).
+    # Strings, not a tuple per param: a compiled step traces this once, at a cost per element.
     desc = (
         where,
         comm.group_name(group),
-        tuple((p.name, p.shape, str(p.dtype)) for p in layout.params),
+        layout.fingerprint,
         layout.world_size,
-        tuple(present) if present is not None else None,
+        "\0".join(present) if present is not None else None,
         tuple(settings.items()),
         failure if not comm.tracing() else _traced.failure_desc(failure),
     )
@@ -209,23 +210,29 @@ def _settle_agreement(
     tensors: list[torch.Tensor],
     where: str,
     group_name: str | None,
-    params: tuple[tuple[str, tuple[int, ...], str], ...],
+    fingerprint: str,
     world_size: int,
-    present: tuple[str, ...] | None,
+    present: str | None,
     settings: tuple[tuple[str, int], ...],
     failure: Exception | tuple[str, str] | None,
 ) -> None:
-    """:func:`check_ranks_agree`'s verdict on the all-gathered ``table``: return, or raise on every rank."""
+    """:func:`check_ranks_agree`'s verdict on the all-gathered ``table``: return, or raise on every rank.
+
+    ``fingerprint`` names this rank's layout (:func:`~zerofn.layout.layout_by_fingerprint`);
+    ``present`` is the names with a gradient joined by NUL characters.
+    """
     del tensors
     if bool((table == table[0]).all()) and failure is None:
         return
     if failure is not None and not isinstance(failure, Exception):
         failure = _traced.rebuild_failure(failure)
     group = comm.group_from_name(group_name)
+    layout = layout_by_fingerprint(fingerprint)
+    params = [] if layout is None else [(p.name, p.shape, str(p.dtype)) for p in layout.params]
     mine: dict[str, Any] = {
-        "params": list(params),
+        "params": params,
         "world_size": world_size,
-        "present": None if present is None else list(present),
+        "present": None if present is None else (present.split("\0") if present else []),
         "settings": dict(settings),
         "failure": None if failure is None else f"{type(failure).__name__}: {failure}",
     }

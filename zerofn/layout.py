@@ -55,11 +55,15 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import operator
+import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
 import torch
+
+from zerofn import _traced
 
 __all__ = ["PLACEMENTS", "Bucket", "ParamSpec", "ShardLayout", "block_of", "blocked", "make_layout", "plan_owners"]
 
@@ -147,6 +151,16 @@ class Bucket:
     shard_numel: int
 
 
+def layout_by_fingerprint(fingerprint: str) -> ShardLayout | None:
+    """A layout of this process with ``fingerprint`` (any: equal fingerprints, equal layouts), or ``None``.
+
+    A compiled step's checks carry the fingerprint, one string, instead of a description of
+    every param (tracing such a tuple costs per param); their error messages look the
+    layout up here when they need the params.
+    """
+    return _BY_FINGERPRINT.get(fingerprint)
+
+
 @dataclass(frozen=True, eq=False)
 class ShardLayout:
     """For each named parameter its shape, dtype and per-rank slice; a pure value.
@@ -164,6 +178,12 @@ class ShardLayout:
     params: tuple[ParamSpec, ...]
     fingerprint: str = field(repr=False)
     _index: Mapping[str, int] = field(repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        _BY_FINGERPRINT[self.fingerprint] = self
+
+    def __reduce__(self) -> tuple[object, ...]:  # through __init__, so an unpickled layout is registered too
+        return (ShardLayout, (self.world_size, self.params, self.fingerprint, dict(self._index)))
 
     def __hash__(self) -> int:
         return hash(self.fingerprint)
@@ -234,14 +254,31 @@ class ShardLayout:
         """
         if bucket_numel <= 0:
             raise ValueError(f"bucket_numel must be a positive number of elements, got {bucket_numel}")
-        if names is None:
-            wanted = self.names
-        else:
-            chosen = set(names)  # once: `names` may be a one-shot iterator
-            wanted = tuple(n for n in self.names if n in chosen)
-        # torch.compile traces the pure planner itself (it warns about lru_cache wrappers).
-        plan = _plan_buckets.__wrapped__ if torch.compiler.is_compiling() else _plan_buckets
-        return plan(self, wanted, bucket_numel)
+        chosen = None if names is None else tuple(names)  # once: `names` may be a one-shot iterator
+        if torch.compiler.is_compiling():
+            # A compiled step takes the plan as a constant, computed for real (tracing the
+            # planner costs per param); the layout travels as its fingerprint, one string.
+            return _traced_plan(self.fingerprint, chosen, operator.index(bucket_numel))
+        return _plan_buckets(self, _wanted(self, chosen), bucket_numel)
+
+
+#: Every live layout of this process by fingerprint (see :func:`layout_by_fingerprint`).
+_BY_FINGERPRINT: weakref.WeakValueDictionary[str, ShardLayout] = weakref.WeakValueDictionary()
+
+
+def _wanted(layout: ShardLayout, names: tuple[str, ...] | None) -> tuple[str, ...]:
+    """``names`` (default: all) in layout order."""
+    if names is None:
+        return layout.names
+    chosen = set(names)
+    return tuple(n for n in layout.names if n in chosen)
+
+
+@_traced.constant_result
+def _traced_plan(fingerprint: str, names: tuple[str, ...] | None, bucket_numel: int) -> tuple[Bucket, ...]:
+    """:meth:`ShardLayout.buckets` for a compiled step: run at trace time, its result a constant."""
+    layout = _BY_FINGERPRINT[fingerprint]
+    return _plan_buckets(layout, _wanted(layout, names), bucket_numel)
 
 
 @functools.lru_cache(maxsize=256)
