@@ -267,13 +267,16 @@ def _errors_compiled_and_eager() -> dict[str, tuple[str, str] | None]:
     other = dict(params, **({"2.bias": torch.zeros(2)} if rank == 1 else {}))
     desynced = zf.make_layout(other, dist.get_world_size())
     shards = dict(zf.reduce_grads(good, state.layout))
+    flat_shards = zf.reduce_grads(good, state.layout)  # a FlatDict: the handler cuts its runs by name
     if rank == 1:
         shards["0.bias"] = torch.full_like(shards["0.bias"], float("nan"))
+        flat_shards["0.bias"].fill_(float("nan"))  # a view of its flat buffer
     out: dict[str, tuple[str, str] | None] = {"works": caught(compiled_reduce, good, state.layout)}
     for name, fn, eager, args in [
         ("wrong_shape", compiled_reduce, reduce, (wrong, state.layout)),
         ("desynced", compiled_reduce, reduce, ({n: torch.ones_like(t) for n, t in other.items()}, desynced)),
         ("nonfinite", compiled_step, step, (state, shards)),
+        ("nonfinite_flat", compiled_step, step, (state, flat_shards)),
     ]:
         out[name] = caught(fn, *args)
         out[name + "_eager"] = caught(eager, *args)
@@ -284,16 +287,14 @@ def _errors_compiled_and_eager() -> dict[str, tuple[str, str] | None]:
 def test_validation_errors_fire_under_compile_on_every_rank_with_the_eager_messages():
     for rank, out in enumerate(get_world(2).run(_errors_compiled_and_eager)):
         assert out["works"] is None
-        for name in ("wrong_shape", "desynced", "nonfinite"):
+        for name in ("wrong_shape", "desynced", "nonfinite", "nonfinite_flat"):
             assert out[name] is not None, (rank, name)
             assert out[name] == out[name + "_eager"], (rank, name, out[name], out[name + "_eager"])
         assert out["wrong_shape"][0] == ("ValueError" if rank == 1 else "RankMismatchError")
         assert "gradient of '0.weight' has shape (3, 3)" in out["wrong_shape"][1]
         assert out["desynced"][0] == "RankMismatchError" and "'2.bias'" in out["desynced"][1]
-        assert (
-            out["nonfinite"][0] == "NonFiniteGradError"
-            and "'0.bias' (in the shards of ranks [1])" in (out["nonfinite"][1])
-        )
+        for name in ("nonfinite", "nonfinite_flat"):
+            assert out[name][0] == "NonFiniteGradError" and "'0.bias' (in the shards of ranks [1])" in out[name][1]
 
 
 # --------------------------------------------------------------------------- coverage: a mix of features per world size

@@ -79,7 +79,7 @@ def _adam_flat_ready(opt: Optimizer, names: list[str], grads: Params, state: Ada
         return False
     if not (state.exp_avg.holds_all and state.exp_avg_sq.holds_all):  # type: ignore[attr-defined]
         return False
-    if any(opt.hyperparams(n)["amsgrad"] for n in names):
+    if any(opt.hyperparams(ns[0])["amsgrad"] for ns in _by_group(opt, names).values()):
         max_sq = state.max_exp_avg_sq
         return flat.same_layout(fl, max_sq) and max_sq.holds_all  # type: ignore[attr-defined]
     return True

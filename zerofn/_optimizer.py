@@ -245,6 +245,8 @@ def _grads_in_order(opt: Optimizer, grads: Params, params: Params) -> list[str]:
     if unknown:
         raise KeyError(f"zerofn.optim.{opt.name}.update: gradients for unknown params {unknown}")
     if isinstance(grads, FlatDict):  # its values are tensors: no view per name to look at
+        if grads.holds_all and isinstance(params, FlatDict) and params.names == grads.names:
+            return list(grads.names)  # every name (a compiled step traces no loop over them)
         return [n for n in params if n in grads]
     return [n for n in params if n in grads and grads[n] is not None]
 

@@ -94,6 +94,8 @@ class FlatLayout:
     names: tuple[str, ...]
     where: Mapping[str, tuple[int, int, int]] = dataclasses.field(repr=False)
     shapes: Mapping[str, tuple[int, ...]] = dataclasses.field(repr=False)
+    #: :meth:`runs` of every name, computed with the layout (a compiled step reads it, not a loop).
+    all_runs: tuple[tuple[int, int, int, tuple[str, ...]], ...] = dataclasses.field(repr=False, default=())
 
     def __hash__(self) -> int:
         return hash((self.world_size, self.rank, self.fingerprint))
@@ -113,16 +115,24 @@ class FlatLayout:
         ``buf[start:stop]`` of group ``group`` exactly; a loose name is a run of its own
         with group ``-1``. Cached.
         """
+        if len(names) == len(self.names) and (self.all_runs or not names):  # such a subsequence is the names
+            return self.all_runs
         fn = _runs.__wrapped__ if torch.compiler.is_compiling() else _runs
         return fn(self, names)
 
 
 @functools.lru_cache(maxsize=512)
 def _runs(flat: FlatLayout, names: tuple[str, ...]) -> tuple[tuple[int, int, int, tuple[str, ...]], ...]:
+    return _runs_in(flat.where, names)
+
+
+def _runs_in(
+    where: Mapping[str, tuple[int, int, int]], names: tuple[str, ...]
+) -> tuple[tuple[int, int, int, tuple[str, ...]], ...]:
     out: list[tuple[int, int, int, tuple[str, ...]]] = []
     cur: list[Any] | None = None
     for name in names:
-        g, off, n = flat.where[name]
+        g, off, n = where[name]
         if g >= 0 and cur is not None and cur[0] == g and cur[2] == off:
             cur[2] = off + n
             cur[3].append(name)
@@ -169,8 +179,17 @@ def _flat_layout(layout: ShardLayout, rank: int) -> FlatLayout:
             where[n] = (gi, off, k)
     for n in loose:
         where[n] = (-1, 0, 0)
+    held = tuple(names)
     return FlatLayout(
-        layout.world_size, rank, layout.fingerprint, tuple(groups), tuple(loose), tuple(names), where, shapes
+        layout.world_size,
+        rank,
+        layout.fingerprint,
+        tuple(groups),
+        tuple(loose),
+        held,
+        where,
+        shapes,
+        _runs_in(where, held),
     )
 
 

@@ -19,6 +19,7 @@ from zerofn import _placement, _traced, flat
 from zerofn._comm import Group
 from zerofn._norm import exact_sqrt, local_norm_term
 from zerofn._tree import FrozenDict
+from zerofn.layout import layout_by_fingerprint
 from zerofn.precision import (
     LossScaleState,
     NonFiniteGradError,
@@ -254,7 +255,7 @@ def _validate_step(
             raise ValueError(f"step_shards: norm_type must be 2.0 or math.inf, got {norm_type!r}")
         if max_norm is not None and not (max_norm > 0 and math.isfinite(max_norm)):
             raise ValueError(f"step_shards: max_norm must be a positive finite number or None, got {max_norm!r}")
-        for name, shape, dtype in _shard_metadata(grad_shards):
+        for name, shape, dtype in _metadata_to_check(state, grad_shards):
             if name not in state.layout:
                 raise KeyError(f"step_shards on rank {state.rank}: gradient shard for unknown param {name!r}")
             spec = state.layout[name]
@@ -276,6 +277,30 @@ def _validate_step(
     except (TypeError, ValueError, KeyError) as e:
         return e
     return None
+
+
+def _metadata_to_check(
+    state: ZeroState, grad_shards: Mapping[str, torch.Tensor]
+) -> Iterator[tuple[str, tuple[int, ...], torch.dtype]]:
+    """What :func:`_validate_step` checks per name. Shards on the master's own flat layout
+    (what ``reduce_grads`` returns) are right in names and shapes by construction: only each
+    buffer (as its first name) and the loose tensors are checked, so a compiled step traces
+    no loop over the names."""
+    master = state.master
+    if not (
+        isinstance(grad_shards, flat.FlatDict)
+        and isinstance(master, flat.FlatDict)
+        and grad_shards.flat_layout is master.flat_layout
+    ):
+        yield from _shard_metadata(grad_shards)
+        return
+    fl = grad_shards.flat_layout
+    for group, buf in zip(fl.groups, grad_shards.buffers, strict=True):
+        if buf is not None:
+            name = group.names[0]
+            yield name, fl.shapes[name] if buf.numel() == group.numel else tuple(buf.shape), buf.dtype
+    for name, t in grad_shards.loose.items():
+        yield name, tuple(t.shape), t.dtype
 
 
 def _shard_metadata(grad_shards: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, tuple[int, ...], torch.dtype]]:
@@ -323,15 +348,14 @@ def _traced_scalars(
     # The shards the handler names non-finite ones from: flat, one tensor per run of the
     # buffers (and the members' sizes to cut it by), so the graph does not grow with the
     # tensor count; per name otherwise.
-    cuts: tuple[tuple[int, ...] | None, ...] | None = None
-    if isinstance(grad_shards, flat.FlatDict):
-        fl = grad_shards.flat_layout
-        runs = fl.runs(grad_shards.names)
+    # (The names travel as strings and the layout as its fingerprint: a tuple per name
+    # would cost a compiled step's trace per name.)
+    is_flat = isinstance(grad_shards, flat.FlatDict)
+    if is_flat:
+        names = grad_shards.names
         tensors = grad_shards.pieces()
-        names = [m for run in runs for m in run[3]]
-        cuts = tuple(None if run[0] < 0 else tuple(fl.where[m][2] for m in run[3]) for run in runs)
     else:
-        names = list(grad_shards)
+        names = tuple(grad_shards)
         tensors = [grad_shards[n] for n in names]
     desc = (
         comm.group_name(group),
@@ -339,9 +363,9 @@ def _traced_scalars(
         None if veto is None else repr(veto),
         policy.nonfinite,
         state.rank,
-        state.layout.names,
-        tuple(names),
-        cuts,
+        state.layout.fingerprint,
+        "\0".join(names),
+        is_flat,
     )
     _traced.verdict(total, "step_shards", desc, tensors)
     found = total[1] > 0
@@ -444,26 +468,31 @@ def _settle_step(
     veto: str | None,
     nonfinite: str,
     rank: int,
-    layout_names: tuple[str, ...],
-    names: tuple[str, ...],
-    cuts: tuple[tuple[int, ...] | None, ...] | None,
+    fingerprint: str,
+    joined_names: str,
+    is_flat: bool,
 ) -> None:
     """A compiled ``step_shards``' verdict on the all-reduced scalars: return, or raise the eager error everywhere.
 
-    ``shards``: one per name, or with ``cuts`` one per run of a flat buffer (cut into its
-    members' shards by the sizes in ``cuts``; ``None``: a loose tensor, one name).
+    ``shards``: one per name (``joined_names``, NUL-separated), or when ``is_flat`` one per
+    run of the rank's flat layout under the layout with ``fingerprint`` (cut into its
+    members' shards; a loose tensor is one name).
     """
     group = comm.group_from_name(group_name)
     if total[2] > 0:
         _raise_rejected(None if failure is None else _traced.rebuild_failure(failure), group, veto)
     if total[1] > 0 and nonfinite == "raise":
-        if cuts is not None:
+        layout = layout_by_fingerprint(fingerprint)
+        assert layout is not None, "zerofn: a compiled step's layout is alive while it runs"
+        names = tuple(joined_names.split("\0")) if joined_names else ()
+        if is_flat:
+            fl = flat.flat_layout(layout, rank)
             shards = [
                 t
-                for piece, cut in zip(shards, cuts, strict=True)
-                for t in ([piece] if cut is None else piece.split(cut))
+                for piece, (g, _, _, members) in zip(shards, fl.runs(names), strict=True)
+                for t in ([piece] if g < 0 else piece.split([fl.where[m][2] for m in members]))
             ]
-        _raise_nonfinite_names(rank, layout_names, dict(zip(names, shards, strict=True)), group)
+        _raise_nonfinite_names(rank, layout.names, dict(zip(names, shards, strict=True)), group)
 
 
 class StepVetoed(RuntimeError):
