@@ -228,3 +228,16 @@ def test_gathers_into_a_given_buffer_and_from_a_row_packed_in_place_are_bitwise_
             assert_bitwise_equal(res["fresh"][key.replace("broadcast", "all_gather")], res["fresh"][key], key)
         assert res["refused"] and any("out must be" in r for r in res["refused"])
         assert any("only the broadcast realisation" in r for r in res["refused"])
+
+
+def test_the_plan_a_compiled_step_reads_is_the_eager_plan_for_split_and_whole_members():
+    from zerofn._bucket_plan import BucketPlan, MemberPlan, _traced_bucket_plan
+
+    params = {"w": torch.zeros(4, 4), "a": torch.zeros(5, 3), "b": torch.zeros(7), "e": torch.zeros(0)}
+    layout = zf.make_layout(params, 3, placement={"w": "whole"})
+    for bucket in layout.buckets(16):
+        widths, members, split_width, chunked = _traced_bucket_plan(
+            layout.fingerprint, bucket.names, bucket.offsets, bucket.shard_numel
+        )
+        rebuilt = BucketPlan(widths, tuple(MemberPlan(*m) for m in members), split_width, chunked)
+        assert rebuilt == buckets.bucket_plan(layout, bucket)

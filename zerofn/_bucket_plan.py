@@ -13,7 +13,8 @@ from typing import NamedTuple
 
 import torch
 
-from zerofn.layout import Bucket, ShardLayout
+from zerofn import _traced
+from zerofn.layout import Bucket, ShardLayout, layout_by_fingerprint
 
 # Members of at least this many elements (N * width) are copied and scaled in one pass
 # (``torch.mul(..., out=)``); smaller ones in one batched ``_foreach_copy_`` +
@@ -115,5 +116,20 @@ def bucket_plan(layout: ShardLayout, bucket: Bucket) -> BucketPlan:
 
 
 def _bucket_plan(layout: ShardLayout, bucket: Bucket) -> BucketPlan:
-    """:func:`bucket_plan`; under torch.compile its pure body, traced once per graph."""
-    return (bucket_plan.__wrapped__ if torch.compiler.is_compiling() else bucket_plan)(layout, bucket)
+    """:func:`bucket_plan`; in a compiled step computed at trace time and read as constants
+    (tracing the planner costs per member), the layout passed as its fingerprint."""
+    if not torch.compiler.is_compiling():
+        return bucket_plan(layout, bucket)
+    widths, members, split_width, chunked = _traced_bucket_plan(
+        layout.fingerprint, bucket.names, bucket.offsets, bucket.shard_numel
+    )
+    return BucketPlan(widths, tuple(MemberPlan(*m) for m in members), split_width, chunked)
+
+
+@_traced.constant_result
+def _traced_bucket_plan(fingerprint: str, names: tuple[str, ...], offsets: tuple[int, ...], shard_numel: int) -> tuple:
+    """The plan as plain tuples (what a trace takes as constants)."""
+    layout = layout_by_fingerprint(fingerprint)
+    assert layout is not None, "zerofn: a compiled step's layout is alive while it traces"
+    plan = bucket_plan(layout, Bucket(names, offsets, shard_numel))
+    return plan.widths, tuple(tuple(m) for m in plan.members), plan.split_width, plan.chunked
