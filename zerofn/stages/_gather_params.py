@@ -75,7 +75,7 @@ def gather_params(
     if check:
         checks.check_ranks_agree(layout, group, "gather_params", settings={"bucket_numel": bucket_numel}, device=device)
     how = (comm_policy or CommPolicy()).resolve(group)[1]
-    result = dict(out) if out is not None else _fresh_params(layout, device)
+    result = dict(out) if out is not None else _fresh_params(layout, device, separate=comm.tracing())
     # Without the caller's pool, one for this call: bucket k + 2 reuses bucket k's pages.
     # (Under torch.compile the compiler plans buffers: a caller's pool is left alone.)
     pool = staging if staging is not None and not comm.tracing() else StagingPool(keep=PIPELINE_DEPTH + 1)
@@ -108,9 +108,16 @@ def gather_params(
 _ALIGN = 16
 
 
-def _fresh_params(layout: ShardLayout, device: torch.device) -> dict[str, torch.Tensor]:
+def _fresh_params(layout: ShardLayout, device: torch.device, *, separate: bool = False) -> dict[str, torch.Tensor]:
     """New full params (layout order): views of one new buffer per dtype, each param at an
-    aligned offset, so a gather allocates once per dtype, not once per param."""
+    aligned offset, so a gather allocates once per dtype, not once per param.
+
+    ``separate``: one tensor per param instead, for a compiled graph (it plans its own
+    buffers, and graph outputs that are views of one buffer are rebuilt view by view on
+    every call).
+    """
+    if separate:
+        return {s.name: torch.empty(s.shape, dtype=s.dtype, device=device) for s in layout.params}
     offsets: dict[str, int] = {}
     sizes: dict[torch.dtype, int] = {}
     for s in layout.params:
