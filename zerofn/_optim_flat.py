@@ -13,6 +13,7 @@ path; the traced flat updates are in ``_optim_traced.py``.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.optim.adam as _torch_adam
@@ -145,25 +146,50 @@ def _adam_update_flat(
         for r in runs:
             s = state.step[r[3][0]]
             run_steps.append(s if donate and refs[id(s)] == len(r[3]) else s.clone())
-        _torch_adam.adam(
+        _adam_kernel(
+            opt,
+            hp,
             [flat.run_view(new_params, r) for r in runs],
             [flat.run_view(grads, r) for r in runs],
             [flat.run_view(exp_avg, r) for r in runs],
             [flat.run_view(exp_avg_sq, r) for r in runs],
             [flat.run_view(max_sq, r) for r in runs] if hp["amsgrad"] else [],  # type: ignore[arg-type]
             run_steps,
-            foreach=hp["foreach"],
-            fused=hp["fused"],
-            decoupled_weight_decay=opt.name == "adamw",
-            amsgrad=hp["amsgrad"],
-            beta1=hp["betas"][0],
-            beta2=hp["betas"][1],
-            lr=hp["lr"],
-            weight_decay=hp["weight_decay"],
-            eps=hp["eps"],
-            maximize=hp["maximize"],
         )
         for r, s in zip(runs, run_steps, strict=True):
             for n in r[3]:
                 steps[n] = s
     return new_params, AdamState(FrozenDict(steps), exp_avg, exp_avg_sq, max_sq)
+
+
+def _adam_kernel(
+    opt: Optimizer,
+    hp: Mapping[str, Any],
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    max_exp_avg_sqs: list[torch.Tensor],
+    steps: list[torch.Tensor],
+) -> None:
+    """torch's functional Adam/AdamW (``torch.optim.adam.adam``) on equal-length lists, in
+    place, with one param group's hyperparameters ``hp`` (a float ``lr``): the call the
+    per-name and the flat eager updates share. ``max_exp_avg_sqs`` is empty without amsgrad."""
+    _torch_adam.adam(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        max_exp_avg_sqs,
+        steps,
+        foreach=hp["foreach"],
+        fused=hp["fused"],
+        decoupled_weight_decay=opt.name == "adamw",
+        amsgrad=hp["amsgrad"],
+        beta1=hp["betas"][0],
+        beta2=hp["betas"][1],
+        lr=hp["lr"],
+        weight_decay=hp["weight_decay"],
+        eps=hp["eps"],
+        maximize=hp["maximize"],
+    )

@@ -25,13 +25,6 @@ from zerofn._optimizer import Optimizer, Params, _by_group
 from zerofn._tree import FrozenDict
 from zerofn.flat import FlatDict
 
-_NOT_TRACEABLE_SGD = (
-    "zerofn.optim.sgd: a compiled step runs SGD's single-tensor kernel; foreach=True or fused=True break the "
-    "graph here. Build the optimizer with foreach=None and fused=None (the CPU default) to compile the step into "
-    "one graph"
-)
-
-
 _FIRST_STEP_SGD = (
     "zerofn.optim.sgd with momentum under torch.compile: the momentum buffers of {names} do not exist yet "
     "(torch.optim.SGD creates them from the first gradient, and a skipped first step must leave them unset), so "
@@ -106,7 +99,7 @@ def _sgd_update_flat_traced(
 
 
 _NOT_TRACEABLE = (
-    "zerofn.optim.{name}: a compiled step runs Adam's single-tensor kernel; foreach=True or fused=True break "
+    "zerofn.optim.{name}: a compiled step runs {kernel}'s single-tensor kernel; foreach=True or fused=True break "
     "the graph here. Build the optimizer with foreach=None and fused=None (the CPU default) to compile the step "
     "into one graph"
 )

@@ -27,7 +27,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.optim.adam as _torch_adam
 import torch.optim.sgd as _torch_sgd
 
 from zerofn import flat
@@ -36,12 +35,18 @@ from zerofn import flat
 # torch.compile in zerofn._optim_traced, the states (which every path builds) in
 # zerofn._optim_state, the Optimizer value and its helpers in zerofn._optimizer (shared with
 # zerofn.lowbit without an import cycle); users find the public names here.
-from zerofn._optim_flat import _adam_flat_ready, _adam_update_flat, _refs, _sgd_flat_ready, _sgd_update_flat
+from zerofn._optim_flat import (
+    _adam_flat_ready,
+    _adam_kernel,
+    _adam_update_flat,
+    _refs,
+    _sgd_flat_ready,
+    _sgd_update_flat,
+)
 from zerofn._optim_state import AdamState as AdamState
 from zerofn._optim_state import SGDState as SGDState
 from zerofn._optim_traced import (
     _NOT_TRACEABLE,
-    _NOT_TRACEABLE_SGD,
     _adam_group_traced,
     _adam_update_flat_traced,
     _sgd_group_traced,
@@ -112,7 +117,7 @@ def _sgd_update(
         if torch.compiler.is_compiling():
             if hp["fused"] or hp["foreach"]:
                 # As Adam's: break the graph here, saying so (with fullgraph=True the error).
-                torch._dynamo.graph_break(msg=_NOT_TRACEABLE_SGD)
+                torch._dynamo.graph_break(msg=_NOT_TRACEABLE.format(name="sgd", kernel="SGD"))
             else:
                 _sgd_group_traced(hp, group_names, grads, state, params, new_params, new_bufs)
                 continue
@@ -250,7 +255,7 @@ def _adam_update(
             if hp["fused"] or hp["foreach"]:
                 # torch's foreach/fused kernels are not what the eager step runs bit for bit:
                 # break the graph here, saying so (with fullgraph=True this is the error).
-                torch._dynamo.graph_break(msg=_NOT_TRACEABLE.format(name=opt.name))
+                torch._dynamo.graph_break(msg=_NOT_TRACEABLE.format(name=opt.name, kernel="Adam"))
             else:
                 _adam_group_traced(opt, hp, group_names, grads, state, params, new_params, fields)
                 continue
@@ -264,23 +269,15 @@ def _adam_update(
         if donate and any(refs[id(state.step[n])] > 1 for n in group_names):
             owned["step"] = [state.step[n].clone() for n in group_names]
         ps = [_own(params[n], donate) for n in group_names]
-        _torch_adam.adam(
+        _adam_kernel(
+            opt,
+            hp,
             ps,
             [grads[n] for n in group_names],
             owned["exp_avg"],
             owned["exp_avg_sq"],
             owned.get("max_exp_avg_sq", []),
             owned["step"],
-            foreach=hp["foreach"],
-            fused=hp["fused"],
-            decoupled_weight_decay=opt.name == "adamw",
-            amsgrad=hp["amsgrad"],
-            beta1=hp["betas"][0],
-            beta2=hp["betas"][1],
-            lr=hp["lr"],
-            weight_decay=hp["weight_decay"],
-            eps=hp["eps"],
-            maximize=hp["maximize"],
         )
         for i, n in enumerate(group_names):
             new_params[n] = ps[i]
