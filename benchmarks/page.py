@@ -30,10 +30,18 @@ if __package__ in (None, ""):  # `python benchmarks/page.py`
 
 from benchmarks import report
 
-__all__ = ["SUMMARY_SYSTEMS", "merge", "summary"]
+__all__ = ["COMPILED_SYSTEMS", "SUMMARY_SYSTEMS", "compiled", "merge", "summary"]
 
 SUMMARY_SYSTEMS = report.SUMMARY_SYSTEMS
 REFERENCE = "ddp-fused"
+# What the jit page compares: each compiled step beside the eager step it compiles.
+COMPILED_SYSTEMS = (
+    ("zerofn-fn-donated", "functional, eager"),
+    ("zerofn-fn-compiled", "functional, aot_eager"),
+    ("zerofn-fn-compiled-inductor", "functional, inductor"),
+    ("zerofn-s2", "facade, eager"),
+    ("zerofn-s2-compiled", "facade, inductor"),
+)
 
 
 def _ok(run: dict[str, Any], name: str) -> dict[str, Any] | None:
@@ -126,6 +134,41 @@ def summary(results: dict[str, Any]) -> str:
     for src in meta.get("sources", [])[1:]:
         when = src["date"].replace("T", " ")
         lines += ["", f"Merged with `{src['file']}` ({when} UTC, zerofn {src['commit']}, load average {src['load']})."]
+    return "\n".join(lines) + "\n"
+
+
+def compiled(results: dict[str, Any]) -> str:
+    """The compiled steps beside the eager ones (``<!-- benchmarks-compiled: PATH.json -->`` on
+    the jit page), as Markdown: step time as a multiple of DDP + fused AdamW's per model and
+    world size, then each compiled step's first call cold / again after a reset, in seconds.
+    Systems the file does not hold are left out."""
+    runs = [r for r in results.get("runs", []) if _ok(r, REFERENCE)]
+    shown = [(name, label) for name, label in COMPILED_SYSTEMS if any(_ok(r, name) for r in runs)]
+    if not runs or not shown:
+        return "*(no compiled step in this results file)*\n"
+    heads = [f"{r['model']}<br>N={r['world_size']}" for r in runs]
+    time_rows = ["| zerofn step | " + " | ".join(heads) + " |", "|---|" + "---:|" * len(heads)]
+    compile_rows = ["| compiled step | " + " | ".join(heads) + " |", "|---|" + "---:|" * len(heads)]
+    for name, label in shown:
+        ok = [_ok(r, name) for r in runs]
+        ratios = [(s or {}).get("ratio_ddp_fused") for s in ok]
+        time_rows.append(f"| {label} | " + " | ".join("–" if x is None else f"{x:.2f}×" for x in ratios) + " |")
+        if "-compiled" in name:
+            compile_rows.append(f"| {label} | " + " | ".join((s and _compile(s)) or "–" for s in ok) + " |")
+    meta = results.get("meta", {})
+    args = meta.get("args") if isinstance(meta.get("args"), dict) else {}
+    lines = [
+        "**Step time**, the median step as a multiple of DDP + fused AdamW's in the same run; lower is faster:",
+        "",
+        *time_rows,
+        "",
+        "**Compile time**, seconds: the first call in a fresh process / again after `torch._dynamo.reset()`, "
+        "slowest rank:",
+        "",
+        *compile_rows,
+        "",
+        _machine(meta, args),
+    ]
     return "\n".join(lines) + "\n"
 
 

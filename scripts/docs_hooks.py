@@ -10,7 +10,9 @@
   never a copy that could drift. A missing file fails the build.
 * ``on_page_markdown`` also replaces ``<!-- benchmarks-summary: PATH.json -->`` with the
   table that ``benchmarks.page.summary`` makes of that results file: the benchmarks page's
-  answer is generated from one run (``python -m benchmarks.run --out benchmarks/results/latest``).
+  answer is generated from one run (``python -m benchmarks.run --out benchmarks/results/latest``);
+  ``<!-- benchmarks-compiled: PATH.json -->`` (the jit page) with ``benchmarks.page.compiled``'s
+  tables of the compiled steps from the same file.
 * ``on_page_markdown`` replaces ``<!-- count: WHAT -->`` with a number counted from the
   repository when the site is built (``notebooks``: the executed notebooks), so a page
   never states a count that has drifted.
@@ -29,7 +31,7 @@ from mkdocs.structure.files import File, Files
 
 ROOT = Path(__file__).resolve().parents[1]
 _INCLUDE = re.compile(r"^<!-- include: (?P<path>[\w./-]+\.md) -->$", re.MULTILINE)
-_SUMMARY = re.compile(r"^<!-- benchmarks-summary: (?P<path>[\w./-]+\.json) -->$", re.MULTILINE)
+_SUMMARY = re.compile(r"^<!-- benchmarks-(?P<what>summary|compiled): (?P<path>[\w./-]+\.json) -->$", re.MULTILINE)
 _COUNT = re.compile(r"<!-- count: (?P<what>[\w-]+) -->")
 _NUMBERS = "zero one two three four five six seven eight nine ten eleven twelve".split()
 
@@ -46,15 +48,16 @@ def _count_words(m: re.Match[str]) -> str:
     return _NUMBERS[n] if n < len(_NUMBERS) else str(n)
 
 
-def _summary(relative: str) -> str:
+def _summary(what: str, relative: str) -> str:
     path = ROOT / relative
     if not path.is_file():
-        raise FileNotFoundError(f"docs: <!-- benchmarks-summary: {relative} --> names {path}, which does not exist")
+        raise FileNotFoundError(f"docs: <!-- benchmarks-{what}: {relative} --> names {path}, which does not exist")
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
     from benchmarks import page
 
-    return page.summary(json.loads(path.read_text(encoding="utf-8")))
+    make = page.summary if what == "summary" else page.compiled
+    return make(json.loads(path.read_text(encoding="utf-8")))
 
 
 # Repository files the site serves beside docs/: (folder, glob).
@@ -96,5 +99,5 @@ def _included(relative: str) -> str:
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str:
     markdown = _INCLUDE.sub(lambda m: _included(m.group("path")), markdown)
-    markdown = _SUMMARY.sub(lambda m: _summary(m.group("path")), markdown)
+    markdown = _SUMMARY.sub(lambda m: _summary(m.group("what"), m.group("path")), markdown)
     return _COUNT.sub(_count_words, markdown)

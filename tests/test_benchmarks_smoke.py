@@ -190,3 +190,37 @@ def test_device_cuda_picks_nccl_on_a_world_with_device_cuda(monkeypatch: pytest.
     assert world.init is not None  # every rank installs the byte counter before any system is built
     cpu = bench._world(2, "gloo", args)
     assert (cpu.backend, cpu.device) == ("gloo", "cpu")
+
+
+def test_the_jit_pages_compiled_table_shows_each_compiled_step_beside_its_eager_one() -> None:
+    """``<!-- benchmarks-compiled: ... -->``: ratios from the file, compile times of the compiled
+    steps only, a dash where a model lacks a system, and nothing made up for absent systems."""
+
+    def system(ratio: float, cold: float | None = None, warm: float | None = None) -> dict:
+        s = {"status": "ok", "median_ms": 100.0 * ratio, "ratio_ddp_fused": ratio}
+        return s if cold is None else {**s, "compile_cold_s": cold, "compile_warm_s": warm}
+
+    runs = [
+        {
+            "model": "transformer",
+            "world_size": 2,
+            "systems": {
+                "ddp-fused": system(1.0),
+                "zerofn-fn-donated": system(1.24),
+                "zerofn-fn-compiled": system(2.14, 29.6, 30.6),
+            },
+        },
+        {
+            "model": "mlp-large",
+            "world_size": 2,
+            "systems": {"ddp-fused": system(1.0), "zerofn-fn-donated": system(1.53)},
+        },
+    ]
+    table = page.compiled({"meta": {"zerofn_commit": "abc1234", "cpus": 2}, "runs": runs})
+    assert "| functional, eager | 1.24× | 1.53× |" in table
+    assert "| functional, aot_eager | 2.14× | – |" in table
+    assert "| functional, aot_eager | 30 / 31 | – |" in table  # the compile table: cold / warm
+    assert "functional, eager | 1" not in table.split("**Compile time**")[1]  # eager steps compile nothing
+    assert "inductor" not in table.replace("torch._dynamo", "")  # no row for a system the file lacks
+    assert "zerofn abc1234" in table
+    assert page.compiled({"runs": []}).startswith("*(no compiled step")
