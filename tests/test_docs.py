@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import os
 import pkgutil
 import re
+import shlex
 import subprocess
 import sys
 import types
@@ -127,6 +129,19 @@ def _visible_text(page: Path) -> str:
 def test_the_readme_states_the_notebook_count_of_the_repository() -> None:
     stated = _NOTEBOOK_COUNT.findall((ROOT / "README.md").read_text(encoding="utf-8"))
     assert stated and all(_number(s.split()[0]) == NOTEBOOKS for s in stated), (stated, NOTEBOOKS)
+
+
+def test_the_benchmarks_page_states_the_command_of_the_run_it_shows() -> None:
+    """The "Reproduce" command of docs/benchmarks.md is the one ``latest.json`` records:
+    the same systems, world sizes, timeout and note."""
+    text = (DOCS / "benchmarks.md").read_text(encoding="utf-8")
+    block = re.search(r'^SYSTEMS="(?P<systems>.*?)"\nmake benchmarks ARGS="(?P<args>[^"]*)"$', text, re.M | re.S)
+    assert block, "docs/benchmarks.md: no SYSTEMS=... make benchmarks ARGS=... block"
+    recorded = json.loads((ROOT / "benchmarks/results/latest.json").read_text(encoding="utf-8"))["meta"]
+    systems = block.group("systems").replace("\\\n", " ").split()
+    assert systems == recorded["args"]["systems"]
+    args = block.group("args").replace("\\\n", " ").replace("$SYSTEMS", " ".join(systems))
+    assert shlex.split(args) == recorded["argv"][2:], (args, recorded["argv"])
 
 
 # --------------------------------------------------------------------------- API reference coverage
