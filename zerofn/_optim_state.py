@@ -42,3 +42,7 @@ class AdamState(NamedTuple):
     exp_avg: FrozenDict[torch.Tensor]
     exp_avg_sq: FrozenDict[torch.Tensor]
     max_exp_avg_sq: FrozenDict[torch.Tensor]
+
+    # Names with equal counts may share one count tensor (zerofn.flat's flatten_state makes
+    # them so): the updates copy a count before adding to it unless no other name holds it.
+    shares_step_counts = True

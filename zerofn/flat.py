@@ -461,14 +461,16 @@ def flatten_state(state: Any) -> Any:
 def _share_steps(tree: Any) -> Any:
     """An optimizer state whose per-name 0-d ``step`` counts of equal value are one tensor (as
     ``init`` over a FlatDict makes them), so a flat update runs once per group, not per name.
-    Reads every count (host): for states built per name (a checkpoint load), once."""
+
+    Only states whose class says ``shares_step_counts = True`` (an update that never adds
+    to a shared count in place) are changed: the container knows that protocol, not the
+    optimizers. Reads every count (host): for states built per name (a checkpoint load), once.
+    """
     if isinstance(tree, tuple) and hasattr(tree, "_fields"):
         fields = {f: _share_steps(v) for f, v in zip(tree._fields, tree, strict=True)}
-        from zerofn.optim import AdamState  # (zerofn.optim imports this module)
-
         step = fields.get("step")
         counts = isinstance(step, Mapping) and all(isinstance(t, torch.Tensor) and t.dim() == 0 for t in step.values())
-        if isinstance(tree, AdamState) and step and counts:
+        if getattr(type(tree), "shares_step_counts", False) and step and counts:
             shared: dict[tuple[Any, ...], torch.Tensor] = {}
             fields["step"] = FrozenDict(
                 {n: shared.setdefault((t.item(), t.dtype, t.device), t) for n, t in step.items()}
