@@ -88,6 +88,11 @@ class StagingPool:
         self._min_numel = min_numel
         self._free: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
 
+    @property
+    def keep(self) -> int:
+        """Idle buffers kept per (dtype, device)."""
+        return self._keep
+
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         if torch.compiler.is_compiling():  # a compiled graph plans its own buffers: never reuse in a trace
             return torch.empty(max(numel, self._min_numel), dtype=dtype, device=device)

@@ -71,12 +71,9 @@ from zerofn.facade._step_grads import StepGrads
 from zerofn.layout import Bucket, ShardLayout
 from zerofn.precision import PrecisionPolicy, mul_grads_
 from zerofn.stages import reduce_realisation, sum_over_replicas
+from zerofn.stages._pipeline import MAX_IN_FLIGHT, InFlight
 
 __all__ = ["GradReducer", "ShardedGrad", "ShardedGradError"]
-
-# Buckets whose reduction may be in flight at once when overlapping: enough to keep the
-# network busy while backward computes, few enough to bound the buffers held.
-MAX_INFLIGHT = 2
 
 CARRY_MESSAGE = (
     "ZeroOptimizer: backward after step() without zero_grad(): the gradients of the last step are still in "
@@ -103,18 +100,17 @@ class _InFlight:
     is the staging buffer to give back once settled (None: not a staging buffer).
     """
 
-    __slots__ = ("bucket", "buf", "dtype", "outs", "pending", "present", "rows")
+    __slots__ = ("bucket", "buf", "dtype", "outs", "present", "rows")
 
     def __init__(
         self,
         bucket: Bucket,
-        pending: comm.Pending,
         present: set[str],
         dtype: torch.dtype,
         buf: torch.Tensor,
         outs: dict[str, torch.Tensor],
     ) -> None:
-        self.bucket, self.pending, self.present, self.dtype = bucket, pending, present, dtype
+        self.bucket, self.present, self.dtype = bucket, present, dtype
         self.buf: torch.Tensor | None = buf
         self.outs = outs
         self.rows: torch.Tensor | None = None  # hybrid: what waits for the replicas' sum
@@ -207,8 +203,10 @@ class GradReducer(StepGrads):
         self._ready: list[set[str]] = [set() for _ in self._buckets]
         self._sent: list[set[str]] = [set() for _ in self._buckets]
         self._ready_empty: set[str] = set()
-        self._inflight: list[_InFlight] = []
-        self.staging = StagingPool(keep=MAX_INFLIGHT + 1 if overlap else 1, min_numel=bucket_numel)
+        # One staging buffer without overlap: every reduction (and the facade's gathers, which
+        # borrow this pool) is settled as it is launched.
+        self.staging = StagingPool(keep=MAX_IN_FLIGHT + 1 if overlap else 1, min_numel=bucket_numel)
+        self._inflight: InFlight[_InFlight] = InFlight(self._harvest, self.staging)
         self._replica_rows: list[_InFlight] = []
         self._callback_queued = False
         # Accumulation in another dtype than the working one (float32 under fp16/bf16):
@@ -471,34 +469,30 @@ class GradReducer(StepGrads):
             for name, g in grads.items():
                 if name in fresh and g is not None and g.dtype == self._layout[name].dtype and g.is_contiguous():
                     outs[name] = g
-        self._inflight.append(_InFlight(bucket, pending, present, first.dtype, buf, outs))
-        self._harvest(MAX_INFLIGHT if self._overlap else 0)
+        # Each bucket in flight holds an (N, S) buffer; settling finished ones early is what
+        # keeps a rank's gradient memory at its shards plus a few buckets (stage 2).
+        self._inflight.push(_InFlight(bucket, present, first.dtype, buf, outs), pending)
+        self._inflight.settle_finished()
 
-    def _harvest(self, keep: int) -> None:
-        """Turn finished buckets into gradients, oldest first, leaving at most ``keep`` in flight.
-
-        Each bucket in flight holds an ``(N, S)`` buffer; harvesting early is what keeps a
-        rank's gradient memory at its shards plus a few buckets (stage 2).
-        """
-        while self._inflight and (len(self._inflight) > keep or self._inflight[0].pending.done()):
-            f = self._inflight.pop(0)
-            row = f.pending.wait()
-            if self._replicate is not None:
-                # Hybrid: the replicas' sum waits for the end of backward. Harvesting happens
-                # at timing-dependent moments; a blocking all-reduce over the replicate group
-                # here could interleave with another rank's shard-group collective and
-                # deadlock. Keep just what this rank needs until then: its row (stage 2,
-                # 1/N of the bucket), or the whole sum (stage 1, in its staging buffer).
-                if self._stage == 2:
-                    kept = row.clone() if row._base is not None else row
-                    if f.buf is not None:
-                        self.staging.give_unless_aliased(f.buf, [kept])
-                    f.buf = None
-                    row = kept
-                f.rows = row
-                self._replica_rows.append(f)
-                continue
-            self._settle_bucket(f, row)
+    def _harvest(self, f: _InFlight, pending: comm.Pending) -> None:
+        """Turn one reduced bucket into gradients (hybrid: keep what the replicas' sum needs)."""
+        row = pending.wait()
+        if self._replicate is not None:
+            # Hybrid: the replicas' sum waits for the end of backward. Harvesting happens
+            # at timing-dependent moments; a blocking all-reduce over the replicate group
+            # here could interleave with another rank's shard-group collective and
+            # deadlock. Keep just what this rank needs until then: its row (stage 2,
+            # 1/N of the bucket), or the whole sum (stage 1, in its staging buffer).
+            if self._stage == 2:
+                kept = row.clone() if row._base is not None else row
+                if f.buf is not None:
+                    self.staging.give_unless_aliased(f.buf, [kept])
+                f.buf = None
+                row = kept
+            f.rows = row
+            self._replica_rows.append(f)
+            return
+        self._settle_bucket(f, row)
 
     def _settle_bucket(self, f: _InFlight, summed: torch.Tensor) -> None:
         """A reduced bucket (this rank's row, or the whole ``(N, S)`` sum at stage 1) into gradients."""
@@ -614,7 +608,7 @@ class GradReducer(StepGrads):
         for b in range(len(self._buckets)):
             if self._ready[b] - self._sent[b]:
                 self._launch(b)
-        self._harvest(0)
+        self._inflight.settle()
         self._sum_replica_rows()
         for name in self._ready_empty:  # empty params travel in no bucket
             g = self._take_grad(name)
@@ -640,7 +634,6 @@ class GradReducer(StepGrads):
         self._ready = [set() for _ in self._buckets]
         self._sent = [set() for _ in self._buckets]
         self._ready_empty = set()
-        self._inflight = []
 
 
 def _grad_hook(me: weakref.ref[GradReducer], name: str) -> Any:

@@ -36,7 +36,6 @@ from __future__ import annotations
 from zerofn.stages._gather_params import gather_params
 from zerofn.stages._grad_norm import global_grad_norm
 from zerofn.stages._pipeline import DEFAULT_BUCKET_NUMEL as DEFAULT_BUCKET_NUMEL  # read as zf.stages.<NAME>
-from zerofn.stages._pipeline import PIPELINE_DEPTH as PIPELINE_DEPTH
 from zerofn.stages._reduce_grads import reduce_grads, reduce_realisation, sum_over_replicas
 from zerofn.stages._shard_params import resolve_placement, shard_params
 from zerofn.stages._step_shards import StepVetoed, step_shards

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Mapping
 from typing import Any
 
@@ -14,7 +13,7 @@ from zerofn._comm import CommPolicy, Group, Pending
 from zerofn._deprecation import UNSET, renamed
 from zerofn.buckets import StagingPool, launch_gather, pack_shards, unpack_rows
 from zerofn.layout import Bucket, ShardLayout
-from zerofn.stages._pipeline import DEFAULT_BUCKET_NUMEL, PIPELINE_DEPTH, _check_staging
+from zerofn.stages._pipeline import DEFAULT_BUCKET_NUMEL, MAX_IN_FLIGHT, InFlight, _check_staging, check_bucket_numel
 from zerofn.state import ZeroState
 
 
@@ -66,8 +65,7 @@ def gather_params(
     comm_policy = renamed("gather_params", "policy", "comm_policy", policy, comm_policy)
     layout = state.layout
     checks.validate_world(layout, group, "gather_params")
-    if not isinstance(bucket_numel, int) or bucket_numel <= 0:
-        raise ValueError(f"gather_params: bucket_numel must be a positive int (elements), got {bucket_numel!r}")
+    check_bucket_numel(bucket_numel, "gather_params")
     device = state.work_device
     _check_staging(staging, "gather_params")
     if out is not None:
@@ -78,29 +76,26 @@ def gather_params(
     result = dict(out) if out is not None else _fresh_params(layout, device, separate=comm.tracing())
     # Without the caller's pool, one for this call: bucket k + 2 reuses bucket k's pages.
     # (Under torch.compile the compiler plans buffers: a caller's pool is left alone.)
-    pool = staging if staging is not None and not comm.tracing() else StagingPool(keep=PIPELINE_DEPTH + 1)
-    in_flight: collections.deque[tuple[Bucket, Pending, torch.Tensor]] = collections.deque()
+    pool = staging if staging is not None and not comm.tracing() else StagingPool(keep=MAX_IN_FLIGHT + 1)
 
-    def write_oldest() -> None:
-        bucket, pending, borrowed = in_flight.popleft()
+    def write(item: tuple[Bucket, torch.Tensor], pending: Pending) -> None:
+        bucket, borrowed = item
         with torch.no_grad():  # `out` may be leaf params that require grad
             unpack_rows(pending.wait(), layout, bucket, result)  # copied out of the (N, S) buffer
         pool.give(borrowed)
 
+    # Pipelined: earlier buckets' rows are written into the params while this one is on
+    # the wire; at most MAX_IN_FLIGHT + 1 gathered buffers exist at once.
+    in_flight: InFlight[tuple[Bucket, torch.Tensor]] = InFlight(write, pool)
     n = layout.world_size
     for bucket in layout.buckets(bucket_numel):
-        # Pipelined: the previous bucket's rows are written into the params while this
-        # one is on the wire; at most PIPELINE_DEPTH gathered buffers exist at once.
         dtype, n_s = layout[bucket.names[0]].dtype, n * bucket.shard_numel
         borrowed = pool.take(n_s, dtype, device)
         recv = borrowed[:n_s].view(n, bucket.shard_numel)
         in_place = recv[state.rank] if how == "broadcast" else None
         row = pack_shards(state.master, layout, bucket, dtype=dtype, device=device, out=in_place, rank=state.rank)
-        in_flight.append((bucket, launch_gather(row, group, how, async_op=True, out=recv), borrowed))
-        if len(in_flight) > PIPELINE_DEPTH:
-            write_oldest()
-    while in_flight:
-        write_oldest()
+        in_flight.push((bucket, borrowed), launch_gather(row, group, how, async_op=True, out=recv))
+    in_flight.settle()
     return result
 
 

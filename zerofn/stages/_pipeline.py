@@ -1,20 +1,81 @@
-"""What the bucketed stages share: the bucket size, the pipeline depth, the option checks."""
+"""What every bucketed path shares: the bucket size, the one in-flight pipeline, the option checks.
+
+``reduce_grads``, ``gather_params``, ``value_and_reduced_grads`` and the facade's gradient
+hooks launch one collective per bucket and settle them through :class:`InFlight`, oldest
+first, with at most :data:`MAX_IN_FLIGHT` pending while the next bucket is packed.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import collections
+from collections.abc import Callable, Iterator
+from typing import Any, Generic, TypeVar
 
+from zerofn._comm import Pending
 from zerofn.buckets import StagingPool
 from zerofn.precision import PrecisionPolicy
 
-#: Padded elements per bucket (16 MiB in float32; DDP's buckets are 25 MiB). Measured on gloo,
-#: 2 ranks on 2 cores (benchmarks/README.md, "Current numbers"): every collective costs a fixed
-#: ~1 ms beside its bytes, so 2**22 against the seed's 2**20 cut the transformer's gradient
-#: all-reduce from 42 to 33 ms and its param broadcasts from 40 to 22 ms.
+#: Padded elements per bucket (16 MiB in float32; DDP's buckets are 25 MiB). Every collective
+#: has a fixed cost beside its bytes on gloo, so fewer, larger buckets move the same bytes in
+#: less time (benchmarks/README.md measures it).
 DEFAULT_BUCKET_NUMEL = 2**22
 
-#: Buckets the stage functions keep in flight while packing the next or writing the last.
-PIPELINE_DEPTH = 1
+#: Bucket collectives a path keeps pending while it packs the next bucket or settles the
+#: last: each holds an ``(N, S)`` staging buffer, so this bounds a pipeline's extra memory
+#: at ``MAX_IN_FLIGHT + 1`` buckets (the one being packed).
+MAX_IN_FLIGHT = 2
+
+T = TypeVar("T")
+
+
+class InFlight(Generic[T]):
+    """The launched bucket collectives of one pass, settled oldest first.
+
+    Every rank launches and settles in the same order, so a settle that runs a blocking
+    collective of its own (the replicas' sum of a hybrid layout) interleaves alike on
+    every rank. Settling a finished bucket early (:meth:`settle_finished`) depends on
+    timing, so only paths whose settle runs no collective use it.
+
+    Args:
+      settle: ``settle(item, pending)`` finishes one bucket (waits on ``pending``).
+      pool: the staging pool the buckets' buffers come from: at most ``MAX_IN_FLIGHT``
+        stay pending after :meth:`push`, fewer when the pool keeps fewer buffers than a
+        full pipeline takes (``keep - 1``: the one being packed is the last), so that
+        every buffer goes back into the pool and the next pass reuses it. A pool of one
+        buffer makes the pass synchronous.
+    """
+
+    def __init__(self, settle: Callable[[T, Pending], None], pool: StagingPool) -> None:
+        self._settle = settle
+        self._depth = max(0, min(MAX_IN_FLIGHT, pool.keep - 1))
+        self._queue: collections.deque[tuple[T, Pending]] = collections.deque()
+
+    def push(self, item: T, pending: Pending) -> None:
+        """One more launched bucket; settles the oldest while more than ``depth`` are pending."""
+        self._queue.append((item, pending))
+        self.settle(self._depth)
+
+    def settle(self, keep: int = 0) -> None:
+        """Settle the oldest buckets until at most ``keep`` are pending (``0``: all of them)."""
+        while len(self._queue) > keep:
+            self._settle(*self._queue.popleft())
+
+    def settle_finished(self) -> None:
+        """Settle the oldest buckets whose collective has finished, in order (timing decides how many)."""
+        while self._queue and self._queue[0][1].done():
+            self._settle(*self._queue.popleft())
+
+    def __iter__(self) -> Iterator[T]:
+        return (item for item, _ in self._queue)
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+
+def check_bucket_numel(bucket_numel: Any, where: str) -> None:
+    """A bucket size is a positive int of elements (not a bool); raises ``ValueError`` (no collective)."""
+    if not isinstance(bucket_numel, int) or isinstance(bucket_numel, bool) or bucket_numel <= 0:
+        raise ValueError(f"{where}: bucket_numel must be a positive int (elements), got {bucket_numel!r}")
 
 
 def _check_staging(staging: object, where: str) -> None:
@@ -26,8 +87,7 @@ def check_reduce_options(stage: Any, bucket_numel: Any, precision: Any, staging:
     """The options ``reduce_grads`` and ``value_and_reduced_grads`` share, checked alike (raises, no collective)."""
     if stage not in (1, 2):
         raise ValueError(f"{where}: stage must be 1 or 2, got {stage!r}")
-    if not isinstance(bucket_numel, int) or isinstance(bucket_numel, bool) or bucket_numel <= 0:
-        raise ValueError(f"{where}: bucket_numel must be a positive int (elements), got {bucket_numel!r}")
+    check_bucket_numel(bucket_numel, where)
     if precision is not None and not isinstance(precision, PrecisionPolicy):
         raise TypeError(
             f"{where}: precision must be a zerofn.PrecisionPolicy (state.precision) or None, "

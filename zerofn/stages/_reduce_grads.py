@@ -5,7 +5,6 @@ With the choice of reduce collective per stage and the replicas' sum of a hybrid
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,7 +19,7 @@ from zerofn.buckets import StagingPool, launch_reduce, pack_grads
 from zerofn.layout import Bucket, ShardLayout
 from zerofn.precision import PrecisionPolicy
 from zerofn.stages._grad_shards import GradShards
-from zerofn.stages._pipeline import DEFAULT_BUCKET_NUMEL, PIPELINE_DEPTH, check_reduce_options
+from zerofn.stages._pipeline import DEFAULT_BUCKET_NUMEL, MAX_IN_FLIGHT, InFlight, check_reduce_options
 from zerofn.state import DEFAULT_POLICY
 
 
@@ -148,30 +147,27 @@ def reduce_grads(
     shards = GradShards(layout, comm.group_rank(group), grad_dtypes, device)
     # Without the caller's pool, one for this call: bucket k + 2 reuses bucket k's pages.
     # (Under torch.compile the compiler plans buffers: a caller's pool is left alone.)
-    pool = staging if staging is not None and not comm.tracing() else StagingPool(keep=PIPELINE_DEPTH + 1)
-    in_flight: collections.deque[tuple[Bucket, torch.dtype, Pending, torch.Tensor]] = collections.deque()
+    pool = staging if staging is not None and not comm.tracing() else StagingPool(keep=MAX_IN_FLIGHT + 1)
 
-    def settle_oldest() -> None:
-        bucket, dtype, pending, borrowed = in_flight.popleft()
+    def settle(item: tuple[Bucket, torch.dtype, torch.Tensor], pending: Pending) -> None:
+        bucket, dtype, borrowed = item
         row = sum_over_replicas(pending.wait(), replicate_group)
         pool.give_unless_aliased(borrowed, shards.put(bucket, row, dtype))
 
+    # Pipelined: a bucket is packed while the previous ones are on the wire. Every rank
+    # settles in launch order after the same launches, so the replicas' blocking sums
+    # interleave alike everywhere.
+    in_flight: InFlight[tuple[Bucket, torch.dtype, torch.Tensor]] = InFlight(settle, pool)
     for bucket in buckets:
         members = [n for n in bucket.names if n in present_set]
         if not members:
             continue
-        # Pipelined: this bucket is packed while the previous one is on the wire. Every
-        # rank issues the same sequence of collectives (launch k, then settle k-1), so the
-        # replicas' blocking sums interleave alike everywhere.
         dtype, shape = grad_dtypes[members[0]], (layout.world_size, bucket.shard_numel)
         borrowed = pool.take(shape[0] * shape[1], dtype, device)
         rows = pack_grads(grads, layout, bucket, replicas=replicas, out=borrowed[: shape[0] * shape[1]].view(shape))
         pending = launch_reduce(rows, layout, bucket, group, how, comm_dtype=comm_dtype, async_op=True)
-        in_flight.append((bucket, dtype, pending, borrowed))
-        if len(in_flight) > PIPELINE_DEPTH:
-            settle_oldest()
-    while in_flight:
-        settle_oldest()
+        in_flight.push((bucket, dtype, borrowed), pending)
+    in_flight.settle()
     return shards.result()
 
 

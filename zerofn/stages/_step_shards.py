@@ -20,13 +20,7 @@ from zerofn._comm import Group
 from zerofn._norm import exact_sqrt, local_norm_term
 from zerofn._tree import FrozenDict
 from zerofn.layout import layout_by_fingerprint
-from zerofn.precision import (
-    LossScaleState,
-    NonFiniteGradError,
-    nonfinite_grad_names,
-    unscale_and_clip_coef,
-    unscaled_norm,
-)
+from zerofn.precision import NonFiniteGradError, nonfinite_grad_names
 from zerofn.state import StepInfo, ZeroState
 from zerofn.torch_optim import refuse_uncompiled
 
@@ -109,8 +103,9 @@ def step_shards(
     the loss-scale update and the coefficient are tensor math, a skipped step is a
     ``torch.where`` between the old and the updated state, and ``info``'s fields are 0-d
     tensors (float64, bool, float64). The checks above run once per trace; their verdict,
-    and the errors, on every call. Eagerly the step reads the all-reduced scalars on the
-    host once, runs no update when it skips, and multiplies by a Python float.
+    and the errors, on every call. The decision (overflow, coefficient, ``info``) is the
+    same tensor math eagerly (:func:`_decide`); eagerly the step reads it on the host once,
+    runs no update when it skips, and multiplies by the coefficient as a Python float.
     """
     comm.group_rank(group)  # a rank outside the group cannot take part: raise here, alone
     # Validate locally, then tell the other ranks through the norm all-reduce itself (a
@@ -137,35 +132,28 @@ def step_shards(
         ]
     )
     total = comm.all_reduce_scalars(packed, "max" if norm_type == math.inf else "sum", group)
-    coef: float | torch.Tensor
-    if not tracing:
-        # Eagerly every rank reads the all-reduced scalars once and branches on them: a
-        # skipped step runs no update, and the coefficient is a Python float.
-        norm_sq, flag, rejected = total.tolist()
+    if tracing:  # the verdict of every rank's checks, raised on every rank (eagerly: the host read below)
+        _traced_verdict(state, grad_shards, group, failure, veto, total)
+    found, coef, info = _decide(total, loss_scale.scale, max_norm, norm_type)
+    if tracing:
+        new_loss_scale = policy.loss_scaler.update(loss_scale, found)
+    else:
+        # Eagerly every rank reads the decision once and branches on it: a skipped step runs
+        # no update, and the coefficient is a Python float.
+        read = torch.stack([total[2], found.to(torch.float64), coef, info.grad_norm, info.clip_coef]).tolist()
+        rejected, skip, coef, grad_norm, clip_coef = read
         if rejected > 0:
             _raise_rejected(failure, group, veto)
-        if flag > 0:
-            new_loss_scale = policy.loss_scaler.update(loss_scale, True)
+        new_loss_scale = policy.loss_scaler.update(loss_scale, skip > 0)
+        if skip > 0:
             if policy.nonfinite == "raise":
                 _raise_nonfinite(state, grad_shards, group)
             skipped = state if new_loss_scale is loss_scale else state.replace(loss_scale=new_loss_scale)
             return skipped, StepInfo(math.inf, True, 1.0)
-        new_loss_scale = policy.loss_scaler.update(loss_scale, False)
-        scale = float(loss_scale.scale)
-        norm = math.sqrt(norm_sq) if norm_type == 2.0 else norm_sq
-        coef = unscale_and_clip_coef(norm, scale, max_norm)
-        true_norm = unscaled_norm(norm, scale)
-        clipped = max_norm is not None and (true_norm + 1e-6) / max_norm > 1
-        info = StepInfo(true_norm, False, max_norm / (true_norm + 1e-6) if clipped else 1.0)
-        found = None
-    else:
-        coef, found, new_loss_scale, info = _traced_scalars(
-            state, grad_shards, group, max_norm, norm_type, total, failure, veto
-        )
+        info, found = StepInfo(grad_norm, False, clip_coef), None
     flat_grads = _as_flat(state, grad_shards)
     if flat_grads is not None:
-        owned = donate or flat_grads is not grad_shards
-        grads: Mapping[str, torch.Tensor] = _scaled_flat(state, flat_grads, coef, owned)
+        grads = _scaled(state, flat_grads, coef, donate or flat_grads is not grad_shards)
     else:
         grads = _scaled(state, grad_shards, coef, donate)
     new_master, new_opt_state = state.optimizer.update(
@@ -195,11 +183,13 @@ def _as_flat(state: ZeroState, grad_shards: Mapping[str, torch.Tensor]) -> flat.
     return flat.pack(fl, grad_shards)
 
 
-def _scaled_flat(state: ZeroState, grads: flat.FlatDict, coef: float | torch.Tensor, owned: bool) -> flat.FlatDict:
-    """:func:`_scaled` once per flat buffer (and loose tensor): moved to the state device, times
-    ``coef`` in the wider dtype, cast to the master's dtype. Zero ranges stay zero."""
-    master = state.master
-    assert isinstance(master, flat.FlatDict)
+def _scaled(
+    state: ZeroState, grads: Mapping[str, torch.Tensor], coef: float | torch.Tensor, owned: bool
+) -> Mapping[str, torch.Tensor]:
+    """The gradient shards on the state device (CPU offload), times ``coef`` in the wider of
+    their dtype and the master's, cast to the master's dtype: once per flat buffer (and loose
+    tensor) of a FlatDict, else per name. ``owned``: the tensors are this call's to change
+    in place (donated, or packed here). Zero ranges stay zero."""
     device = state.state_device
 
     def scale(g: torch.Tensor, target: torch.dtype) -> torch.Tensor:
@@ -212,32 +202,17 @@ def _scaled_flat(state: ZeroState, grads: flat.FlatDict, coef: float | torch.Ten
             moved = moved.mul_(coef) if mine and moved.dtype == wide else moved.to(wide) * coef
         return moved.to(target)
 
-    buffers = [None if g is None else scale(g, _buffer_dtype(master, i, g)) for i, g in enumerate(grads.buffers)]
-    loose = {n: scale(g, master[n].dtype) for n, g in grads.loose.items()}
-    return grads.with_buffers(buffers, loose)
+    master = state.master
+    if isinstance(grads, flat.FlatDict):
+        buffers = [None if g is None else scale(g, _buffer_dtype(master, i, g)) for i, g in enumerate(grads.buffers)]
+        loose = {n: scale(g, master[n].dtype) for n, g in grads.loose.items()}
+        return grads.with_buffers(buffers, loose)
+    return {name: scale(g, master[name].dtype) for name, g in grads.items()}
 
 
-def _buffer_dtype(master: flat.FlatDict, i: int, g: torch.Tensor) -> torch.dtype:
-    b = master.buffers[i]
+def _buffer_dtype(master: Mapping[str, torch.Tensor], i: int, g: torch.Tensor) -> torch.dtype:
+    b = master.buffers[i] if isinstance(master, flat.FlatDict) else None
     return g.dtype if b is None else b.dtype
-
-
-def _scaled(
-    state: ZeroState, grad_shards: Mapping[str, torch.Tensor], coef: float | torch.Tensor, donate: bool
-) -> dict[str, torch.Tensor]:
-    """Per name: the gradient shard on the state device, times ``coef``, in the master's dtype."""
-    moved = _placement.to_device(grad_shards, state.state_device)  # CPU offload: grads go to the state
-    grads = {}
-    for name, g in moved.items():
-        target = state.master[name].dtype
-        wide = torch.promote_types(g.dtype, target)
-        if isinstance(coef, torch.Tensor):
-            g = g.to(wide) * coef.to(state.state_device, wide)  # x * 1.0 == x: no branch
-        elif coef != 1.0:
-            owned = donate or g is not grad_shards[name]
-            g = g.mul_(coef) if owned and g.dtype == wide else g.to(wide) * coef
-        grads[name] = g.to(target)
-    return grads
 
 
 def _validate_step(
@@ -324,32 +299,24 @@ _NOT_TENSORS = (
 )
 
 
-def _traced_scalars(
+def _traced_verdict(
     state: ZeroState,
     grad_shards: Mapping[str, torch.Tensor],
     group: Group,
-    max_norm: float | None,
-    norm_type: float,
-    total: torch.Tensor,
     failure: Exception | None,
     veto: object,
-) -> tuple[torch.Tensor, torch.Tensor, LossScaleState, StepInfo]:
-    """A compiled step's decisions from the all-reduced scalars, as tensor math (no host sync).
+    total: torch.Tensor,
+) -> None:
+    """A compiled step's verdict on the all-reduced scalars, without a host sync.
 
     The local checks ran once, at trace time (shapes and dtypes are static); their
     verdict rides in the scalar all-reduce as eagerly, and :func:`zerofn._traced.verdict`
     raises the eager errors on every rank when a rank rejected its input, or, with
-    ``nonfinite="raise"``, when a gradient is not finite. Otherwise the overflow flag is a
-    tensor every rank got from the same all-reduce, the loss scaler advances by tensor
-    math, and the unscale-and-clip coefficient is a float64 tensor computed as
-    :func:`unscale_and_clip_coef` computes it. Returns ``(coef, found, new loss scale, info)``.
+    ``nonfinite="raise"``, when a gradient is not finite. The shards the handler names
+    non-finite ones from are flat, one tensor per run of the buffers (so the graph does not
+    grow with the tensor count), or per name; the names travel as one string and the layout
+    as its fingerprint (a tuple per name would cost a compiled step's trace per name).
     """
-    policy, loss_scale = state.precision, state.loss_scale
-    # The shards the handler names non-finite ones from: flat, one tensor per run of the
-    # buffers (and the members' sizes to cut it by), so the graph does not grow with the
-    # tensor count; per name otherwise.
-    # (The names travel as strings and the layout as its fingerprint: a tuple per name
-    # would cost a compiled step's trace per name.)
     is_flat = isinstance(grad_shards, flat.FlatDict)
     if is_flat:
         names = grad_shards.names
@@ -361,19 +328,32 @@ def _traced_scalars(
         comm.group_name(group),
         _traced.failure_desc(failure),
         None if veto is None else repr(veto),
-        policy.nonfinite,
+        state.precision.nonfinite,
         state.rank,
         state.layout.fingerprint,
         "\0".join(names),
         is_flat,
     )
     _traced.verdict(total, "step_shards", desc, tensors)
+
+
+def _decide(
+    total: torch.Tensor, scale: float | torch.Tensor, max_norm: float | None, norm_type: float
+) -> tuple[torch.Tensor, torch.Tensor, StepInfo]:
+    r"""The step's decision from the all-reduced scalars ``(norm term, non-finite flag, rejected)``,
+    as tensor math: the one copy, eager and compiled.
+
+    Returns ``(found, coef, info)``: ``found`` a 0-d bool (some element on some rank was
+    not finite); ``coef`` the float64 unscale-and-clip coefficient
+    :func:`~zerofn.precision.unscale_and_clip_coef` defines, :math:`1 / (s \max(1, c))`
+    with :math:`c = (n/s + 10^{-6}) / m`; ``info`` of 0-d float64 / bool tensors (the
+    true norm :math:`n/s`, ``found``, the clip factor; ``inf``, True, 1.0 when ``found``).
+    The norm is :func:`~zerofn._norm.exact_sqrt` of the sum of squares, ``math.sqrt``'s bits.
+    """
     found = total[1] > 0
     norm = torch.where(
         found, torch.full_like(total[0], math.inf), exact_sqrt(total[0]) if norm_type == 2.0 else total[0]
     )
-    new_loss_scale = policy.loss_scaler.update(loss_scale, found)
-    scale = loss_scale.scale
     finite_norm = torch.where(found, torch.zeros_like(norm), norm)
     true_norm = finite_norm / scale
     div = scale if isinstance(scale, torch.Tensor) else torch.full_like(norm, scale)
@@ -382,9 +362,9 @@ def _traced_scalars(
         clip = (true_norm + 1e-6) / max_norm
         div = torch.where(clip > 1, clip * scale, div)
         clip_info = torch.where(clip > 1, max_norm / (true_norm + 1e-6), clip_info)
-    coef = 1.0 / div  # unscale_and_clip_coef, in float64 as eagerly
+    coef = 1.0 / div
     info = StepInfo(torch.where(found, norm, true_norm), found, torch.where(found, 1.0, clip_info))
-    return coef, found, new_loss_scale, info
+    return found, coef, info
 
 
 def _select_unless(

@@ -27,7 +27,6 @@ the collectives.
 
 from __future__ import annotations
 
-import collections
 import functools
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -43,17 +42,11 @@ from zerofn.buckets import StagingPool, launch_reduce, pack_grads
 from zerofn.layout import Bucket, ShardLayout
 from zerofn.precision import PrecisionPolicy
 from zerofn.stages._grad_shards import GradShards
-from zerofn.stages._pipeline import DEFAULT_BUCKET_NUMEL, check_reduce_options
+from zerofn.stages._pipeline import DEFAULT_BUCKET_NUMEL, MAX_IN_FLIGHT, InFlight, check_reduce_options
 from zerofn.stages._reduce_grads import reduce_realisation, sum_over_replicas
 from zerofn.state import DEFAULT_POLICY
 
-__all__ = ["MAX_IN_FLIGHT", "launch_order", "value_and_reduced_grads"]
-
-#: Buckets whose reduction may be on the wire at once during the backward (the facade's
-#: overlap keeps 2 too): enough to keep the network busy while the backward computes, few
-#: enough to bound the ``(N, S)`` rows held. A hook that would launch one more first waits
-#: for the oldest.
-MAX_IN_FLIGHT = 2
+__all__ = ["launch_order", "value_and_reduced_grads"]
 
 _WHERE = "value_and_reduced_grads"
 
@@ -201,7 +194,10 @@ class _Reduction:
         self.arrived_names: set[str] = set()
         self.sent = [False] * len(self.buckets)
         self.next = 0  # position in self.order of the next bucket to launch
-        self.in_flight: collections.deque[tuple[Bucket, Pending, torch.Tensor]] = collections.deque()
+        # During the backward a hook that would launch one more bucket than MAX_IN_FLIGHT first
+        # settles the oldest; finished ones are settled as they are found (their settle runs no
+        # collective: the replicas' sums wait for finish()).
+        self.in_flight: InFlight[tuple[Bucket, torch.Tensor]] = InFlight(self._harvest, pool)
         self.replica_rows: list[tuple[Bucket, torch.Tensor]] = []
         # Every param gets a gradient (zero where the loss does not reach it), in its own dtype.
         self.shards = GradShards(layout, self.rank, {spec.name: spec.dtype for spec in layout.params}, device)
@@ -241,23 +237,22 @@ class _Reduction:
         pending = launch_reduce(
             rows, self.layout, bucket, self.group, self.how, comm_dtype=self.comm_dtype, async_op=True
         )
-        self.in_flight.append((bucket, pending, borrowed))
-        self._harvest(MAX_IN_FLIGHT)
+        self.in_flight.push((bucket, borrowed), pending)
+        self.in_flight.settle_finished()
 
-    def _harvest(self, keep: int) -> None:
-        """Settle finished buckets, oldest first, leaving at most ``keep`` in flight."""
-        while self.in_flight and (len(self.in_flight) > keep or self.in_flight[0][1].done()):
-            bucket, pending, borrowed = self.in_flight.popleft()
-            row = pending.wait()
-            if self.replicate_group is not None:
-                # The replicas' (blocking) sum waits for the end of the backward, in launch
-                # order on every rank: here it could interleave with another rank's
-                # shard-group launches and deadlock. Keep this rank's row only.
-                kept = row.clone() if row._base is not None else row
-                self.pool.give_unless_aliased(borrowed, [kept])
-                self.replica_rows.append((bucket, kept))
-                continue
-            self._settle(bucket, row, borrowed)
+    def _harvest(self, item: tuple[Bucket, torch.Tensor], pending: Pending) -> None:
+        """One reduced bucket into the shards (or kept for the replicas' sum)."""
+        bucket, borrowed = item
+        row = pending.wait()
+        if self.replicate_group is not None:
+            # The replicas' (blocking) sum waits for the end of the backward, in launch
+            # order on every rank: here it could interleave with another rank's
+            # shard-group launches and deadlock. Keep this rank's row only.
+            kept = row.clone() if row._base is not None else row
+            self.pool.give_unless_aliased(borrowed, [kept])
+            self.replica_rows.append((bucket, kept))
+            return
+        self._settle(bucket, row, borrowed)
 
     def _settle(self, bucket: Bucket, row: torch.Tensor, borrowed: torch.Tensor | None) -> None:
         kept = self.shards.put(bucket, row, self.layout[bucket.names[0]].dtype)
@@ -268,7 +263,7 @@ class _Reduction:
         """After the backward: launch the buckets still waiting (in order), wait, add the replicas' sums."""
         while self.next < len(self.order):
             self._launch(self.order[self.next])
-        self._harvest(0)
+        self.in_flight.settle()
         for bucket, row in self.replica_rows:
             self._settle(bucket, sum_over_replicas(row, self.replicate_group), None)
         return self.shards.result()
