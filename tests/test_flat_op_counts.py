@@ -92,4 +92,6 @@ def test_a_step_costs_the_same_aten_calls_for_10_and_1000_tensors(worlds, n):
                 # padding (the 1,000 tensors of 11 elements have some at N = 2, the 10 of 1,100 none).
                 assert not a - b, what
                 assert set(b - a) <= {"aten.zero_"} and (b - a)["aten.zero_"] <= 1, what
-                assert sum(b.values()) < 40, what
+                # A small constant: Adam's written-out rule adds about twenty 0-d float64
+                # operations per run (bias corrections, step size), whatever the tensor count.
+                assert sum(b.values()) < 60, what

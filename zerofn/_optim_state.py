@@ -1,9 +1,6 @@
 """The states of :mod:`zerofn.optim`'s optimizers: :class:`SGDState` and :class:`AdamState`.
 
-They live apart from ``optim.py`` so that every update path builds them without an import
-cycle: the per-name eager updates in ``optim.py``, the flat-buffer ones in
-``_optim_flat.py`` and the traced (``torch.compile``) ones in ``_optim_traced.py``. Import
-them from :mod:`zerofn.optim`.
+Built by the updates of :mod:`zerofn._optim_update`; import them from :mod:`zerofn.optim`.
 """
 
 from __future__ import annotations

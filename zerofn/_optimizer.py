@@ -229,17 +229,6 @@ def _own(t: torch.Tensor, donate: bool) -> torch.Tensor:
     return t if donate else t.clone()
 
 
-def _scalar_lr(hp: dict[str, Any]) -> dict[str, Any]:
-    """``hp`` with a tensor lr read as a Python float when running eagerly (bitwise what a float gives).
-
-    Under ``torch.compile`` the tensor stays: the graph reads its value on every call.
-    """
-    lr = hp["lr"]
-    if isinstance(lr, torch.Tensor) and not torch.compiler.is_compiling():
-        return {**hp, "lr": lr.item()}
-    return hp
-
-
 def _grads_in_order(opt: Optimizer, grads: Params, params: Params) -> list[str]:
     unknown = [n for n in grads if n not in params]
     if unknown:

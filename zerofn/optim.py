@@ -5,12 +5,15 @@ pure functions. ``init(params)`` builds the state for a ``name -> tensor`` mappi
 ``update(grads, state, params)`` returns new params and new state and changes nothing it
 was given. zerofn calls them on 1-D shards, but they work on any tensors.
 
-The arithmetic is torch's own: ``update`` calls the functional kernels behind
-``torch.optim.SGD``, ``Adam`` and ``AdamW`` (``torch.optim.sgd.sgd``,
-``torch.optim.adam.adam``, ``torch.optim.adamw.adamw``) with the same ``foreach`` /
-``fused`` choice torch would make. Element-wise kernels give the same bits on a slice as
-on the whole tensor, so an update of shards is bitwise the update torch.optim makes on
-the full parameters, given bitwise-equal gradients.
+The arithmetic is torch.optim's, bit for bit: each optimizer has one update
+(:mod:`zerofn._optim_update`) that applies its rule (:mod:`zerofn._optim_rules`) once per
+run of consecutive params of a flat buffer, or per tensor of a plain mapping. With torch's
+default kernel choice on the CPU the rule is torch's single-tensor arithmetic written out,
+the same code eagerly and inside a ``torch.compile`` graph; ``foreach`` / ``fused`` (and,
+eagerly, bfloat16/float16 or non-CPU tensors) call torch's own functional kernels
+(``torch.optim.sgd.sgd``, ``torch.optim.adam.adam``). Element-wise updates give the same
+bits on a slice as on the whole tensor, so an update of shards is bitwise the update
+torch.optim makes on the full parameters, given bitwise-equal gradients.
 
 Parameter groups work as in torch, by name::
 
@@ -27,47 +30,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.optim.sgd as _torch_sgd
 
-from zerofn import flat
-
-# The eager updates over flat buffers live in zerofn._optim_flat, the updates under
-# torch.compile in zerofn._optim_traced, the states (which every path builds) in
-# zerofn._optim_state, the Optimizer value and its helpers in zerofn._optimizer (shared with
-# zerofn.lowbit without an import cycle); users find the public names here.
-from zerofn._optim_flat import (
-    _adam_flat_ready,
-    _adam_kernel,
-    _adam_update_flat,
-    _refs,
-    _sgd_flat_ready,
-    _sgd_update_flat,
-)
 from zerofn._optim_state import AdamState as AdamState
 from zerofn._optim_state import SGDState as SGDState
-from zerofn._optim_traced import (
-    _NOT_TRACEABLE,
-    _adam_group_traced,
-    _adam_update_flat_traced,
-    _sgd_group_traced,
-    _sgd_update_flat_traced,
-)
+from zerofn._optim_update import adam_init, adam_update, sgd_init, sgd_update
 from zerofn._optimizer import NameSelector as NameSelector
-from zerofn._optimizer import (
-    Optimizer,
-    Params,
-    PartitionState,
-    _by_group,
-    _check_hyperparams,
-    _grads_in_order,
-    _make_groups,
-    _own,
-    _scalar_lr,
-    partition,
-)
+from zerofn._optimizer import Optimizer, PartitionState, _check_hyperparams, _make_groups, partition
 from zerofn._optimizer import ParamGroup as ParamGroup
 from zerofn._tree import FrozenDict
-from zerofn.flat import FlatDict
 
 __all__ = [
     "AdamState",
@@ -95,57 +65,6 @@ def __getattr__(name: str) -> Any:
 
 
 # --------------------------------------------------------------------------- sgd
-
-
-def _sgd_init(opt: Optimizer, params: Params) -> SGDState:
-    del opt
-    return SGDState(FrozenDict(dict.fromkeys(params)))
-
-
-def _sgd_update(
-    opt: Optimizer, grads: Params, state: SGDState, params: Params, donate: bool
-) -> tuple[dict[str, torch.Tensor], SGDState]:
-    names = _grads_in_order(opt, grads, params)
-    if _sgd_flat_ready(opt, names, grads, state, params):
-        if torch.compiler.is_compiling():
-            return _sgd_update_flat_traced(opt, names, grads, state, params)  # type: ignore[arg-type]
-        return _sgd_update_flat(opt, names, grads, state, params, donate)  # type: ignore[arg-type]
-    new_params = dict(params)
-    new_bufs = dict(state.momentum_buffer)
-    for gi, group_names in _by_group(opt, names).items():
-        hp = _scalar_lr(opt.hyperparams(group_names[0]))
-        if torch.compiler.is_compiling():
-            if hp["fused"] or hp["foreach"]:
-                # As Adam's: break the graph here, saying so (with fullgraph=True the error).
-                torch._dynamo.graph_break(msg=_NOT_TRACEABLE.format(name="sgd", kernel="SGD"))
-            else:
-                _sgd_group_traced(hp, group_names, grads, state, params, new_params, new_bufs)
-                continue
-        ps = [_own(params[n], donate) for n in group_names]
-        bufs = [
-            None if state.momentum_buffer[n] is None else _own(state.momentum_buffer[n], donate) for n in group_names
-        ]
-        # torch's foreach SGD adds the momentum into the gradient list in place for nesterov
-        # when neither weight decay nor maximize made a copy first: hand it copies then.
-        grads_mutated = hp["nesterov"] and hp["weight_decay"] == 0 and not hp["maximize"]
-        _torch_sgd.sgd(
-            ps,
-            [_own(grads[n], donate) if grads_mutated else grads[n] for n in group_names],
-            bufs,
-            weight_decay=hp["weight_decay"],
-            momentum=hp["momentum"],
-            lr=hp["lr"],
-            dampening=hp["dampening"],
-            nesterov=hp["nesterov"],
-            maximize=hp["maximize"],
-            foreach=hp["foreach"],
-            fused=hp["fused"],
-        )
-        del gi
-        for n, p, b in zip(group_names, ps, bufs, strict=True):
-            new_params[n] = p
-            new_bufs[n] = b
-    return new_params, SGDState(FrozenDict(new_bufs))
 
 
 def sgd(
@@ -202,88 +121,10 @@ def sgd(
         )
     )
     _check_hyperparams("sgd", defaults)
-    return Optimizer("sgd", defaults, _make_groups("sgd", param_groups), _sgd_init, _sgd_update, torch.optim.SGD)
+    return Optimizer("sgd", defaults, _make_groups("sgd", param_groups), sgd_init, sgd_update, torch.optim.SGD)
 
 
 # --------------------------------------------------------------------------- adam / adamw
-
-
-def _adam_init(opt: Optimizer, params: Params) -> AdamState:
-    # torch keeps `step` as a 0-d float32 CPU tensor unless fused/capturable, where it
-    # lives on the param's device; mirror that so the kernels take the same path.
-    def step_for(name: str, p: torch.Tensor) -> torch.Tensor:
-        if opt.hyperparams(name)["fused"]:
-            return torch.zeros((), dtype=torch.float32, device=p.device)
-        return torch.tensor(0.0, dtype=torch.float32)
-
-    amsgrad = {n for n in params if opt.hyperparams(n)["amsgrad"]}
-    if isinstance(params, FlatDict):
-        # Flat: one step count per param group, shared by its names (a step updates them
-        # together; a param that misses a step gets its own count from then on).
-        first: dict[int, torch.Tensor] = {}
-        steps = {}
-        for n, p in params.items():
-            gi = opt.group_index(n)
-            steps[n] = first[gi] if gi in first else first.setdefault(gi, step_for(n, p))
-        if len(amsgrad) == len(params):
-            max_sq: Any = flat.zeros_like(params)
-        else:
-            max_sq = FrozenDict({n: torch.zeros_like(p) for n, p in params.items() if n in amsgrad})
-        return AdamState(FrozenDict(steps), flat.zeros_like(params), flat.zeros_like(params), max_sq)
-    return AdamState(
-        step=FrozenDict({n: step_for(n, p) for n, p in params.items()}),
-        exp_avg=FrozenDict({n: torch.zeros_like(p) for n, p in params.items()}),
-        exp_avg_sq=FrozenDict({n: torch.zeros_like(p) for n, p in params.items()}),
-        max_exp_avg_sq=FrozenDict({n: torch.zeros_like(p) for n, p in params.items() if n in amsgrad}),
-    )
-
-
-def _adam_update(
-    opt: Optimizer, grads: Params, state: AdamState, params: Params, donate: bool
-) -> tuple[dict[str, torch.Tensor], AdamState]:
-    names = _grads_in_order(opt, grads, params)
-    if _adam_flat_ready(opt, names, grads, state, params):
-        if torch.compiler.is_compiling():
-            return _adam_update_flat_traced(opt, names, grads, state, params)  # type: ignore[arg-type]
-        return _adam_update_flat(opt, names, grads, state, params, donate)  # type: ignore[arg-type]
-    new_params = dict(params)
-    fields = {f: dict(getattr(state, f)) for f in AdamState._fields}
-    refs = _refs(state.step) if donate else {}
-    for group_names in _by_group(opt, names).values():
-        hp = _scalar_lr(opt.hyperparams(group_names[0]))
-        if torch.compiler.is_compiling():
-            if hp["fused"] or hp["foreach"]:
-                # torch's foreach/fused kernels are not what the eager step runs bit for bit:
-                # break the graph here, saying so (with fullgraph=True this is the error).
-                torch._dynamo.graph_break(msg=_NOT_TRACEABLE.format(name=opt.name, kernel="Adam"))
-            else:
-                _adam_group_traced(opt, hp, group_names, grads, state, params, new_params, fields)
-                continue
-        owned = {
-            f: [_own(getattr(state, f)[n], donate) for n in group_names]
-            for f in AdamState._fields
-            if f != "max_exp_avg_sq" or hp["amsgrad"]
-        }
-        # A flat state shares one step count among a group's names: torch adds 1 to each
-        # count in place, so a shared one is copied per name even when donated.
-        if donate and any(refs[id(state.step[n])] > 1 for n in group_names):
-            owned["step"] = [state.step[n].clone() for n in group_names]
-        ps = [_own(params[n], donate) for n in group_names]
-        _adam_kernel(
-            opt,
-            hp,
-            ps,
-            [grads[n] for n in group_names],
-            owned["exp_avg"],
-            owned["exp_avg_sq"],
-            owned.get("max_exp_avg_sq", []),
-            owned["step"],
-        )
-        for i, n in enumerate(group_names):
-            new_params[n] = ps[i]
-            for f, tensors in owned.items():
-                fields[f][n] = tensors[i]
-    return new_params, AdamState(**{f: FrozenDict(v) for f, v in fields.items()})
 
 
 def _adam_factory(
@@ -312,7 +153,7 @@ def _adam_factory(
         )
     )
     _check_hyperparams(name, defaults)
-    return Optimizer(name, defaults, _make_groups(name, param_groups), _adam_init, _adam_update, torch_class)
+    return Optimizer(name, defaults, _make_groups(name, param_groups), adam_init, adam_update, torch_class)
 
 
 def adam(

@@ -134,23 +134,23 @@ def step_shards(
     total = comm.all_reduce_scalars(packed, "max" if norm_type == math.inf else "sum", group)
     if tracing:  # the verdict of every rank's checks, raised on every rank (eagerly: the host read below)
         _traced_verdict(state, grad_shards, group, failure, veto, total)
-    found, coef, info = _decide(total, loss_scale.scale, max_norm, norm_type)
     if tracing:
+        found, coef, info = _decide(total[0], total[1], loss_scale.scale, max_norm, norm_type, _TensorMath(total[0]))
         new_loss_scale = policy.loss_scaler.update(loss_scale, found)
     else:
-        # Eagerly every rank reads the decision once and branches on it: a skipped step runs
-        # no update, and the coefficient is a Python float.
-        read = torch.stack([total[2], found.to(torch.float64), coef, info.grad_norm, info.clip_coef]).tolist()
-        rejected, skip, coef, grad_norm, clip_coef = read
+        # Eagerly every rank reads the all-reduced scalars (and the scale) once and decides on
+        # the host, with the same formula: a skipped step runs no update.
+        norm_sq, flag, rejected, scale = torch.cat([total, loss_scale.scale.reshape(1).to(total)]).tolist()
         if rejected > 0:
             _raise_rejected(failure, group, veto)
-        new_loss_scale = policy.loss_scaler.update(loss_scale, skip > 0)
-        if skip > 0:
+        skip, coef, info = _decide(norm_sq, flag, scale, max_norm, norm_type, _FloatMath())
+        new_loss_scale = policy.loss_scaler.update(loss_scale, skip)
+        if skip:
             if policy.nonfinite == "raise":
                 _raise_nonfinite(state, grad_shards, group)
             skipped = state if new_loss_scale is loss_scale else state.replace(loss_scale=new_loss_scale)
-            return skipped, StepInfo(math.inf, True, 1.0)
-        info, found = StepInfo(grad_norm, False, clip_coef), None
+            return skipped, info
+        found = None
     flat_grads = _as_flat(state, grad_shards)
     if flat_grads is not None:
         grads = _scaled(state, flat_grads, coef, donate or flat_grads is not grad_shards)
@@ -337,34 +337,55 @@ def _traced_verdict(
     _traced.verdict(total, "step_shards", desc, tensors)
 
 
-def _decide(
-    total: torch.Tensor, scale: float | torch.Tensor, max_norm: float | None, norm_type: float
-) -> tuple[torch.Tensor, torch.Tensor, StepInfo]:
-    r"""The step's decision from the all-reduced scalars ``(norm term, non-finite flag, rejected)``,
-    as tensor math: the one copy, eager and compiled.
+class _TensorMath:
+    """:func:`_decide`'s arithmetic on 0-d float64 tensors (a compiled step: no host sync)."""
 
-    Returns ``(found, coef, info)``: ``found`` a 0-d bool (some element on some rank was
-    not finite); ``coef`` the float64 unscale-and-clip coefficient
-    :func:`~zerofn.precision.unscale_and_clip_coef` defines, :math:`1 / (s \max(1, c))`
-    with :math:`c = (n/s + 10^{-6}) / m`; ``info`` of 0-d float64 / bool tensors (the
-    true norm :math:`n/s`, ``found``, the clip factor; ``inf``, True, 1.0 when ``found``).
-    The norm is :func:`~zerofn._norm.exact_sqrt` of the sum of squares, ``math.sqrt``'s bits.
+    def __init__(self, like: torch.Tensor) -> None:
+        self._like = like
+
+    def where(self, cond: Any, a: Any, b: Any) -> torch.Tensor:
+        return torch.where(cond, self._tensor(a), self._tensor(b))
+
+    def _tensor(self, x: Any) -> torch.Tensor:
+        return x if isinstance(x, torch.Tensor) else torch.full_like(self._like, x)
+
+    @staticmethod
+    def sqrt(x: torch.Tensor) -> torch.Tensor:
+        return exact_sqrt(x)  # math.sqrt's bits
+
+
+class _FloatMath:
+    """:func:`_decide`'s arithmetic on Python floats (IEEE float64, as the tensors'), eagerly."""
+
+    @staticmethod
+    def where(cond: Any, a: Any, b: Any) -> Any:
+        return a if cond else b
+
+    sqrt = staticmethod(math.sqrt)
+
+
+def _decide(
+    norm_sq: Any, flag: Any, scale: Any, max_norm: float | None, norm_type: float, xp: _TensorMath | _FloatMath
+) -> tuple[Any, Any, StepInfo]:
+    r"""The step's decision from the all-reduced norm term and non-finite flag, and the loss scale
+    :math:`s` the gradients carry: one formula, on 0-d float64 tensors (``xp`` a
+    :class:`_TensorMath`, compiled) or Python floats (:class:`_FloatMath`, eagerly).
+
+    Returns ``(found, coef, info)``: ``found``, some element on some rank was not finite;
+    ``coef``, the unscale-and-clip coefficient :func:`~zerofn.precision.unscale_and_clip_coef`
+    defines, :math:`1 / (s \max(1, c))` with :math:`c = (n/s + 10^{-6}) / m`; ``info``, the
+    true norm :math:`n/s`, ``found`` and the clip factor (``inf``, True, 1.0 when ``found``).
     """
-    found = total[1] > 0
-    norm = torch.where(
-        found, torch.full_like(total[0], math.inf), exact_sqrt(total[0]) if norm_type == 2.0 else total[0]
-    )
-    finite_norm = torch.where(found, torch.zeros_like(norm), norm)
-    true_norm = finite_norm / scale
-    div = scale if isinstance(scale, torch.Tensor) else torch.full_like(norm, scale)
-    clip_info = torch.ones_like(norm)
+    found = flag > 0
+    norm = xp.where(found, math.inf, xp.sqrt(norm_sq) if norm_type == 2.0 else norm_sq)
+    true_norm = xp.where(found, 0.0, norm) / scale
+    div, clip_info = scale, 1.0
     if max_norm is not None:
         clip = (true_norm + 1e-6) / max_norm
-        div = torch.where(clip > 1, clip * scale, div)
-        clip_info = torch.where(clip > 1, max_norm / (true_norm + 1e-6), clip_info)
+        div = xp.where(clip > 1, clip * scale, div)
+        clip_info = xp.where(clip > 1, max_norm / (true_norm + 1e-6), clip_info)
     coef = 1.0 / div
-    info = StepInfo(torch.where(found, norm, true_norm), found, torch.where(found, 1.0, clip_info))
-    return found, coef, info
+    return found, coef, StepInfo(xp.where(found, norm, true_norm), found, xp.where(found, 1.0, clip_info))
 
 
 def _select_unless(

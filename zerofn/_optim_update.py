@@ -1,0 +1,256 @@
+"""SGD and Adam/AdamW over a rank's shards: the one ``init`` and ``update`` of each optimizer.
+
+The params are a :class:`~zerofn.flat.FlatDict` (what the stages hand an optimizer) or
+any ``name -> tensor`` mapping (a user's own call, a part of a
+:func:`~zerofn.optim.partition`). An update takes the names that have a gradient, groups
+them by param group, and applies the rule of :mod:`zerofn._optim_rules` once per *run*
+of each group: a range of consecutive params of one flat buffer (one run per buffer when
+every param has a gradient), or one tensor (a loose whole param, or a param of a plain
+mapping). The same code runs eagerly and inside a ``torch.compile`` graph.
+
+The state takes the params' form: over flat params every state tensor is a FlatDict on
+the same layout (a state held per name, as a checkpoint load builds it, is packed here
+once); over a plain mapping it is per name. Unless ``donate``, nothing given changes: the
+rules write into copies (the whole buffers of a FlatDict, the updated entries of a
+mapping). No collectives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from zerofn import _traced, flat
+from zerofn._optim_rules import adam_, one_tensor_at_a_time, sgd_
+from zerofn._optim_state import AdamState, SGDState
+from zerofn._optimizer import Optimizer, Params, _by_group, _grads_in_order
+from zerofn._tree import FrozenDict
+from zerofn.flat import FlatDict
+
+__all__ = ["adam_init", "adam_update", "sgd_init", "sgd_update"]
+
+Run = tuple[int, int, int, tuple[str, ...]]
+
+FIRST_STEP_SGD = (
+    "zerofn.optim.sgd with momentum under torch.compile: the momentum buffers of {names} do not exist yet "
+    "(torch.optim.SGD creates them from the first gradient, and a skipped first step must leave them unset), so "
+    "the state would change its structure inside the graph. Run the first step eagerly, then compile the step"
+)
+
+
+# --------------------------------------------------------------------------- forms
+
+
+def _runs(params: Params, names: list[str], cut: Callable[[str], object] | None = None) -> list[Run]:
+    """``names`` of one group as runs ``(group, start, stop, members)``: ranges of a flat buffer
+    (group ``>= 0``) or single tensors (group ``-1``); cut where ``cut(member)`` changes.
+    Each name is its own run where the rules need that (:func:`one_tensor_at_a_time`)."""
+    if not isinstance(params, FlatDict):
+        runs: list[Run] = [(-1, 0, 0, (n,)) for n in names]
+    elif names and one_tensor_at_a_time(params[names[0]].dtype):
+        where = params.flat_layout.where
+        runs = [(where[n][0], where[n][1], where[n][1] + where[n][2], (n,)) for n in names]
+    else:
+        runs = list(params.flat_layout.runs(tuple(names)))
+    if cut is None:
+        return runs
+    where = params.flat_layout.where if isinstance(params, FlatDict) else {}
+    out = []
+    for g, start, stop, members in runs:
+        first, at = 0, start
+        for i in range(1, len(members) + 1):
+            if i == len(members) or cut(members[i]) is not cut(members[first]):
+                end = stop if i == len(members) else at + sum(where[m][2] for m in members[first:i])
+                out.append((g, at, end, members[first:i]))
+                first, at = i, end
+    return out
+
+
+def _view(d: Mapping[str, torch.Tensor], run: Run) -> torch.Tensor:
+    """The tensor of ``run`` in ``d``: a range of a flat buffer, or one entry."""
+    g, start, stop, members = run
+    return d.buffers[g][start:stop] if g >= 0 else d[members[0]]  # type: ignore[attr-defined,index]
+
+
+def _like(params: Params, kind: Any) -> Any:
+    """A state tensor mapping in ``params``' form: a FlatDict on their layout (``None`` entries
+    dropped), or a plain mapping of per-name views."""
+    if isinstance(params, FlatDict):
+        fl = params.flat_layout
+        if isinstance(kind, FlatDict) and kind.flat_layout == fl:
+            return kind
+        entries = {n: t for n, t in kind.items() if t is not None}
+        if entries and not flat.packable(fl, entries):
+            raise ValueError(
+                "zerofn.optim: the optimizer state does not fit the params' flat layout (names, shapes, one "
+                "dtype and device per buffer); pass the state init or a checkpoint load made for these params"
+            )
+        return flat.pack(fl, entries)
+    if isinstance(kind, FlatDict):
+        return FrozenDict(dict(kind.items()))
+    return kind
+
+
+def _owned(d: Any, names: list[str], donate: bool) -> Any:
+    """What a rule may write into: ``d`` itself when donated; else copies of a FlatDict's buffers,
+    or of the entries of ``names`` in a plain mapping (the others stay the same objects)."""
+    if isinstance(d, FlatDict):
+        return flat.owned(d, donate)
+    if donate:
+        return dict(d)
+    copied = set(names)
+    return {n: t.clone() if n in copied and t is not None else t for n, t in d.items()}
+
+
+def _refs(steps: Mapping[str, torch.Tensor]) -> dict[int, int]:
+    """How many names share each step count tensor (by identity)."""
+    out: dict[int, int] = {}
+    for t in steps.values():
+        out[id(t)] = out.get(id(t), 0) + 1
+    return out
+
+
+# --------------------------------------------------------------------------- sgd
+
+
+def sgd_init(opt: Optimizer, params: Params) -> SGDState:
+    """No momentum buffer yet (torch.optim creates each from its param's first gradient)."""
+    del opt
+    if isinstance(params, FlatDict):
+        return SGDState(flat.pack(params.flat_layout, {}))
+    return SGDState(FrozenDict(dict.fromkeys(params)))
+
+
+def sgd_update(
+    opt: Optimizer, grads: Params, state: SGDState, params: Params, donate: bool
+) -> tuple[Mapping[str, torch.Tensor], SGDState]:
+    """``torch.optim.SGD``'s step of the names in ``grads``; the others keep params and buffers."""
+    names = _grads_in_order(opt, grads, params)
+    bufs = _like(params, state.momentum_buffer)
+    new_params = _owned(params, names, donate)
+    new_bufs = _owned(bufs, names, donate)
+    is_flat = isinstance(params, FlatDict)
+    created: list[tuple[Run, torch.Tensor]] = []
+    for group_names in _by_group(opt, names).values():
+        hp = opt.hyperparams(group_names[0])
+        momentum = hp["momentum"] != 0
+        if momentum and torch.compiler.is_compiling():
+            missing = [n for n in group_names if not _has(bufs, n)]
+            if missing:
+                _traced.refuse(FIRST_STEP_SGD.format(names=missing))
+        runs = _runs(params, group_names, (lambda n: _has(bufs, n)) if momentum else None)
+        fresh = [momentum and not _has(bufs, r[3][0]) for r in runs]
+        run_bufs = [_view(new_bufs, r) if momentum and not f else None for r, f in zip(runs, fresh, strict=True)]
+        sgd_(hp, [_view(new_params, r) for r in runs], [_view(grads, r) for r in runs], run_bufs)
+        created += [(r, b) for r, b, f in zip(runs, run_bufs, fresh, strict=True) if f]  # type: ignore[misc]
+    if not created:
+        return new_params, SGDState(new_bufs if is_flat else FrozenDict(new_bufs))
+    if not is_flat:
+        for run, b in created:
+            new_bufs[run[3][0]] = b
+        return new_params, SGDState(FrozenDict(new_bufs))
+    return new_params, SGDState(_with_created(new_bufs, created))
+
+
+def _has(bufs: Mapping[str, torch.Tensor | None], name: str) -> bool:
+    return name in bufs and bufs[name] is not None
+
+
+def _with_created(bufs: FlatDict, created: list[tuple[Run, torch.Tensor]]) -> FlatDict:
+    """``bufs`` also holding the momentum buffers a first step created (written into their ranges)."""
+    fl = bufs.flat_layout
+    buffers = list(bufs.buffers)
+    loose = dict(bufs.loose)
+    for (g, start, stop, members), b in created:
+        if g < 0:
+            loose[members[0]] = b
+            continue
+        if buffers[g] is None:
+            if start == 0 and stop == fl.groups[g].numel:
+                buffers[g] = b
+                continue
+            buffers[g] = torch.zeros(fl.groups[g].numel, dtype=b.dtype, device=b.device)
+        buffers[g][start:stop].copy_(b)  # type: ignore[index]
+    held = set(bufs.names).union(*(members for (_, _, _, members), _ in created))
+    return FlatDict.from_buffers(fl, buffers, loose, tuple(n for n in fl.names if n in held))
+
+
+# --------------------------------------------------------------------------- adam / adamw
+
+
+def adam_init(opt: Optimizer, params: Params) -> AdamState:
+    """Zero moments and step counts (a 0-d float32 CPU tensor per name, as torch keeps them; on
+    the param's device under ``fused``). Over flat params the names of a param group share
+    one count (a step updates them together; a param that misses a step gets its own count
+    from then on), and ``max_exp_avg_sq`` holds the ``amsgrad`` names."""
+
+    def count(name: str, p: torch.Tensor) -> torch.Tensor:
+        if opt.hyperparams(name)["fused"]:
+            return torch.zeros((), dtype=torch.float32, device=p.device)
+        return torch.tensor(0.0, dtype=torch.float32)
+
+    amsgrad = tuple(n for n in params if opt.hyperparams(n)["amsgrad"])
+    if not isinstance(params, FlatDict):
+        return AdamState(
+            step=FrozenDict({n: count(n, p) for n, p in params.items()}),
+            exp_avg=FrozenDict({n: torch.zeros_like(p) for n, p in params.items()}),
+            exp_avg_sq=FrozenDict({n: torch.zeros_like(p) for n, p in params.items()}),
+            max_exp_avg_sq=FrozenDict({n: torch.zeros_like(params[n]) for n in amsgrad}),
+        )
+    first: dict[int, torch.Tensor] = {}
+    steps = {}
+    for n, p in params.items():
+        gi = opt.group_index(n)
+        steps[n] = first[gi] if gi in first else first.setdefault(gi, count(n, p))
+    zeros = flat.zeros_like(params)
+    if len(amsgrad) == len(params):
+        max_sq = flat.zeros_like(params)
+    else:
+        max_sq = flat.pack(params.flat_layout, {n: zeros[n] for n in amsgrad})
+    return AdamState(FrozenDict(steps), zeros, flat.zeros_like(params), max_sq)
+
+
+def adam_update(
+    opt: Optimizer, grads: Params, state: AdamState, params: Params, donate: bool
+) -> tuple[Mapping[str, torch.Tensor], AdamState]:
+    """``torch.optim.Adam`` / ``AdamW``'s step of the names in ``grads``; the others keep params,
+    moments and step counts."""
+    names = _grads_in_order(opt, grads, params)
+    groups = _by_group(opt, names)
+    amsgrad = any(opt.hyperparams(ns[0])["amsgrad"] for ns in groups.values())
+    new_params = _owned(params, names, donate)
+    exp_avg = _owned(_like(params, state.exp_avg), names, donate)
+    exp_avg_sq = _owned(_like(params, state.exp_avg_sq), names, donate)
+    max_sq = _like(params, state.max_exp_avg_sq)
+    if amsgrad:
+        max_sq = _owned(max_sq, names, donate)
+    steps = dict(state.step)
+    refs = _refs(state.step) if donate else {}
+    for group_names in groups.values():
+        hp = opt.hyperparams(group_names[0])
+        runs = _runs(params, group_names, lambda n: state.step[n])
+        # A rule adds 1 to each count in place: a donated count is reused only when no name
+        # outside the run shares it (a param without a gradient keeps its count).
+        run_steps = []
+        for r in runs:
+            s = state.step[r[3][0]]
+            run_steps.append(s if donate and refs[id(s)] == len(r[3]) else s.clone())
+        adam_(
+            opt.name == "adamw",
+            hp,
+            [_view(new_params, r) for r in runs],
+            [_view(grads, r) for r in runs],
+            [_view(exp_avg, r) for r in runs],
+            [_view(exp_avg_sq, r) for r in runs],
+            [_view(max_sq, r) for r in runs] if hp["amsgrad"] else [],
+            run_steps,
+        )
+        for r, s in zip(runs, run_steps, strict=True):
+            for n in r[3]:
+                steps[n] = s
+    if not isinstance(params, FlatDict):
+        exp_avg, exp_avg_sq = FrozenDict(exp_avg), FrozenDict(exp_avg_sq)
+        max_sq = FrozenDict(max_sq)
+    return new_params, AdamState(FrozenDict(steps), exp_avg, exp_avg_sq, max_sq)
