@@ -10,6 +10,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from zerofn._deprecation import renamed
+from zerofn._torch_driver import state_for_compile
 from zerofn._tree import FrozenDict
 from zerofn.layout import ShardLayout
 from zerofn.lowbit import state_nbytes
@@ -139,8 +140,6 @@ class ZeroState:
         momentum buffers, through :func:`~zerofn.torch_optim.from_torch`) is created here,
         as the same zeros, so that the compiled step's state keeps one structure. Tensors are shared, nothing is copied.
         """
-        from zerofn.torch_optim import state_for_compile
-
         state = self._with_tensor_numbers()
         opt_state = state_for_compile(state.optimizer, state.opt_state, state.master)
         return state if opt_state is state.opt_state else state.replace(opt_state=opt_state)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from zerofn import lowbit, optim, torch_optim
+from zerofn._torch_driver import generic_init
 from zerofn._tree import FrozenDict
 from zerofn.checkpoint._errors import CheckpointError
 from zerofn.layout import ShardLayout
@@ -197,7 +198,7 @@ def _hyperparam_keys(optimizer: optim.Optimizer) -> set[str]:
     of its torch class.
     """
     keys = set(optimizer.defaults).union(*(g.hyperparams for g in optimizer.groups))
-    if optimizer._init is torch_optim._generic_init:
+    if optimizer._init is generic_init:
         try:
             torch_keys = set(torch_defaults(optimizer.torch_class, ()))
         except (TypeError, ValueError):  # a user's class with required arguments: what the optimizer names

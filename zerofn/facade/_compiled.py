@@ -39,8 +39,9 @@ from typing import Any
 import torch
 
 from zerofn import _comm as comm
-from zerofn import optim, torch_optim
+from zerofn import optim
 from zerofn._comm import CommPolicy
+from zerofn._torch_driver import generic_update
 from zerofn._tree import FrozenDict
 from zerofn.optim import ParamGroup
 from zerofn.stages import gather_params, step_shards
@@ -96,7 +97,7 @@ def check_compilable(opt: optim.Optimizer, *, overlap_allgather: bool) -> None:
 def _uncompilable(opt: optim.Optimizer) -> str | None:
     """Why ``opt`` (not a partition) cannot be traced, or ``None``."""
     if opt.name not in _COMPILABLE:
-        if opt._update is torch_optim._generic_update:
+        if opt._update is generic_update:
             return (
                 f"torch.optim.{opt.torch_class.__name__} runs on zerofn's generic path, which calls the torch "
                 "optimizer's own step() (a graph break)"

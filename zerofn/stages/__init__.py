@@ -38,7 +38,8 @@ from zerofn.stages._grad_norm import global_grad_norm
 from zerofn.stages._pipeline import DEFAULT_BUCKET_NUMEL as DEFAULT_BUCKET_NUMEL  # read as zf.stages.<NAME>
 from zerofn.stages._reduce_grads import reduce_grads, reduce_realisation, sum_over_replicas
 from zerofn.stages._shard_params import resolve_placement, shard_params
-from zerofn.stages._step_shards import StepVetoed, step_shards
+from zerofn.stages._step_errors import StepVetoed
+from zerofn.stages._step_shards import step_shards
 from zerofn.stages._value_and_reduced_grads import value_and_reduced_grads
 
 __all__ = [
