@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 
 from zerofn import _checks as checks
 from zerofn import _comm as comm
 from zerofn._comm import CommPolicy, Group, Pending
-from zerofn._deprecation import UNSET, renamed
 from zerofn._tree import FrozenDict
 from zerofn.buckets import StagingPool, launch_reduce, pack_grads
 from zerofn.layout import Bucket, ShardLayout
@@ -50,7 +48,6 @@ def reduce_grads(
     precision: PrecisionPolicy | None = None,
     replicate_group: Group = None,
     staging: StagingPool | None = None,
-    policy: Any = UNSET,
 ) -> FrozenDict[torch.Tensor]:
     """Average full local gradients over the group and keep this rank's shards.
 
@@ -87,7 +84,6 @@ def reduce_grads(
         ``(N, S)`` rows are taken from and given back to (the same pool every step saves
         faulting in fresh pages for Ψ elements per call); ``None``: fresh rows. The
         returned shards never alias its buffers.
-      policy: the old name of ``comm_policy`` (deprecated, warns).
 
     Returns:
       name -> ``(shard_numel,)`` mean-gradient shard in the dtype the gradient came in
@@ -105,7 +101,6 @@ def reduce_grads(
     ``all_reduce`` (stage 1, or stage 2 on gloo) of ``N*S`` elements, and with replicas
     one ``all_reduce`` of ``S`` elements over ``replicate_group``.
     """
-    comm_policy = renamed("reduce_grads", "policy", "comm_policy", policy, comm_policy)
     comm.group_rank(group)  # a rank outside the group cannot take part: raise here, alone
     # Local validation first; its verdict travels in the agreement all-gather, so a bad
     # input on one rank makes every rank raise instead of leaving the others waiting.
