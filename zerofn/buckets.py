@@ -20,7 +20,7 @@ Pure pieces (no communication)::
     pack_shards     per-param shards -> this rank's (S,) row (cast, offload aware)
     cut_shard       a full tensor -> rank r's (shard_numel,) shard
 
-Communicating pieces (through :mod:`zerofn.comm`, which owns every collective)::
+Communicating pieces (through the private ``zerofn._comm``, which owns every collective)::
 
     launch_reduce   (N, S) rows -> Pending (S,) row of the sum  (or the whole (N, S))
     launch_gather   (S,) row -> Pending (N, S) rows of every rank
@@ -324,7 +324,7 @@ def launch_reduce(
         the full mean gradients, for :func:`unpack_rows`.
 
     Returns:
-      A :class:`~zerofn.comm.Pending` whose ``wait()`` is this rank's ``(S,)`` row of the
+      A :class:`~zerofn._comm.Pending` whose ``wait()`` is this rank's ``(S,)`` row of the
       sum (with ``whole``, the ``(N, S)`` sum), in the wire dtype.
 
     Collectives: one ``reduce_scatter`` or ``all_reduce`` (``how``) of ``N * S`` elements.
