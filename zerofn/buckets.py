@@ -72,9 +72,8 @@ class StagingPool:
     Explicit reuse: the facade keeps one (its gradient staging, which its param gathers
     borrow between ``step`` and the next ``backward``), and a functional loop may pass
     one to :func:`~zerofn.reduce_grads` and :func:`~zerofn.gather_params` (``staging=``).
-    Fresh multi-MB buffers every step fault in new pages: measured, a 16 MiB fresh
-    buffer costs twice the copy into it, and a fresh-row pack of the benchmark
-    transformer's gradients 25 ms against 7 ms into a reused one. What comes out of the
+    Fresh multi-MB buffers every step fault in new pages, which costs more than the copy
+    into them; a reused buffer's pages are mapped already. What comes out of the
     stage functions never aliases a pool buffer: results are copied out first.
 
     ``take`` hands out the smallest free buffer with room (or a new one of at least

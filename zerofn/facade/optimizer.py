@@ -86,8 +86,8 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
       partition_grad: ZeRO stage 2 (gradients sharded, reduced from hooks) if True,
         else stage 1.
       reduce_bucket_size: padded elements per communication bucket (default
-        ``zf.stages.DEFAULT_BUCKET_NUMEL`` = 2**22, 16 MiB in float32, measured; the seed's
-        was 2**20). The param gathers use the same buckets.
+        ``zf.stages.DEFAULT_BUCKET_NUMEL`` = 2**22, 16 MiB in float32). The param gathers
+        use the same buckets.
       overlap_communication: launch each bucket's reduction asynchronously as soon as
         its gradients are ready during backward.
       overlap_allgather: hide the parameter gather behind the next forward (the seed's

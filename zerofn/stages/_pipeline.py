@@ -7,10 +7,9 @@ from typing import Any
 from zerofn.buckets import StagingPool
 from zerofn.precision import PrecisionPolicy
 
-#: Padded elements per bucket (16 MiB in float32; DDP's buckets are 25 MiB). Measured on gloo,
-#: 2 ranks on 2 cores (benchmarks/README.md, "Current numbers"): every collective costs a fixed
-#: ~1 ms beside its bytes, so 2**22 against the seed's 2**20 cut the transformer's gradient
-#: all-reduce from 42 to 33 ms and its param broadcasts from 40 to 22 ms.
+#: Padded elements per bucket (16 MiB in float32; DDP's buckets are 25 MiB). Every collective
+#: costs a fixed overhead beside its bytes (on gloo a large one), so fewer, larger buckets move
+#: the same bytes in less time; the figures are in docs/functional-loop.md.
 DEFAULT_BUCKET_NUMEL = 2**22
 
 #: Buckets the stage functions keep in flight while packing the next or writing the last.
