@@ -226,7 +226,7 @@ def test_whole_buckets_of_the_benchmark_transformer_pad_under_ten_percent_of_psi
     for bucket_numel in (2**20, 2**22):
         wire = sum(n * b.shard_numel for b in layout.buckets(bucket_numel))
         assert (wire - psi) / psi < 0.10, (bucket_numel, wire - psi)
-    # Measured: no more than 0.005 % padding (Adafactor at N=4, 512 elements, both sizes);
+    # At most 0.005 % padding (Adafactor at N=4, 512 elements, both sizes);
     # the state per rank is within one largest whole param of the balanced share Ψ/N.
     for bucket_numel in (2**20, zf.stages.DEFAULT_BUCKET_NUMEL):
         assert (sum(n * b.shard_numel for b in layout.buckets(bucket_numel)) - psi) / psi < 5e-5

@@ -581,7 +581,7 @@ def test_zero_state_holds_the_loss_scale_as_leaves_and_the_policy_as_static_meta
     assert rebuilt.precision is policy and rebuilt.loss_scale == state.loss_scale and rebuilt.layout == layout
     halved = pytree.tree_map(lambda x: x / 2 if isinstance(x, float) else x, state)
     assert halved.loss_scale.scale == 32768.0 and halved.precision is policy
-    # States built the old way (positional, no precision) still work, with the defaults.
+    # A state built positionally, without precision, gets the defaults.
     old = zf.ZeroState(layout, opt, 0, master, opt.init(master))
     assert old.loss_scale == LossScaleState(1.0, 0, 0) and old.precision is DEFAULT_POLICY
     assert old.param_device is None and old.work_device == old.state_device == torch.device("cpu")
