@@ -3,9 +3,9 @@
 The global norm (:func:`zerofn.stages.global_grad_norm`, and the first thing
 :func:`zerofn.stages.step_shards` computes) sums every rank's local term in one scalar
 all-reduce. The local term is the sum of squares (2-norm) or the largest absolute value
-(inf-norm) of this rank's gradient pieces. zerofn accumulates the squares in float64, as
-the seed does, so that the reported norm and the clipping coefficient do not depend on how
-the gradients are split into shards beyond float64 rounding.
+(inf-norm) of this rank's gradient pieces. zerofn accumulates the squares in float64, so
+that the reported norm and the clipping coefficient do not depend on how the gradients
+are split into shards beyond float64 rounding.
 
 ``torch.linalg.vector_norm(g, dtype=torch.float64)`` does that on the CPU by first
 converting all of ``g`` to a new float64 tensor: a copy of twice the gradient's size on

@@ -306,7 +306,7 @@ def launch_reduce(
     """Start summing one bucket's packed rows (from :func:`pack_grads`) over the group.
 
     The rows are cast to the wire dtype first (:func:`wire_dtype`: ``comm_dtype``, default
-    the params' working dtype; the seed's order: scale in the gradients' dtype, then cast).
+    the params' working dtype; scaled in the gradients' dtype first, then cast).
 
     Args:
       rows: ``(N, S)`` rows from :func:`pack_grads`; consumed (the all-reduce sums into them

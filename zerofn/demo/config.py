@@ -56,7 +56,7 @@ class DemoConfig:
       batch_per_rank: samples each rank sees per micro-batch.
       lr: AdamW learning rate (the same for zerofn and torch.optim).
       max_norm: global gradient-norm clip for both runs, or ``None`` for none. zerofn
-        computes the norm in float64 (as the seed), ``clip_grad_norm_`` in float32, so
+        computes the norm in float64, ``clip_grad_norm_`` in float32, so
         with clipping the two runs drift apart by an ulp now and then (about 1e-7
         relative after hundreds of steps in fp32); without it they are bitwise equal at
         1 and 2 ranks.

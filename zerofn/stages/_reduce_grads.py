@@ -72,7 +72,7 @@ def reduce_grads(
       bucket_numel: padded elements per bucket; a larger param travels alone.
       comm_policy: how collectives are realised; default :class:`CommPolicy` (per backend).
       comm_dtype: dtype on the wire; default ``precision.comm_dtype``, else the params'
-        working dtype (as the seed: the wire carries working precision, also for
+        working dtype (the wire carries working precision, also for
         float32-accumulated gradients, unless told otherwise).
       precision: the state's :class:`~zerofn.precision.PrecisionPolicy`
         (``state.precision``), for the wire and accumulation dtypes; ``None``: the default.
