@@ -238,7 +238,7 @@ def test_stage1_step_uses_what_the_user_left_in_p_grad(worlds):
 def _precision_accumulation(stage_overlap: tuple[int, bool]) -> dict[str, Any]:
     """bf16 params, float32 accumulation under no_sync: p.grad after the closing backward.
 
-    The reference is the seed's reduction of the float32 sums: ``acc * (1/N)`` rounded to
+    The reference is ColossalAI's reduction of the float32 sums: ``acc * (1/N)`` rounded to
     bf16 (the wire), all-reduced, the p.grad DDP would hold for such a wire.
     """
     _, overlap = stage_overlap

@@ -210,7 +210,7 @@ def _benchmark_transformer() -> dict[str, torch.Tensor]:
     return dict(build_model(model_config("transformer"), 0, torch.device("meta")).named_parameters())
 
 
-# Wire padding measured with the default bucket size (2**22 elements) and the seed's 2**20; see
+# Wire padding measured with the default bucket size (2**22 elements) and 2**20; see
 # docs/whole-tensor-optimizers.md.
 # Recipes: Adafactor (every param whole), Muon for the blocks' weight matrices + AdamW.
 @pytest.mark.parametrize("n", [2, 4])
