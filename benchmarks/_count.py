@@ -4,7 +4,7 @@
 ``torch.distributed.distributed_c10d``) with thin wrappers, once per process and before
 any library binds them. While a :func:`counting` block is active, every outermost call
 adds the bytes this rank sends under the textbook algorithm of that collective (the same
-convention as :mod:`zerofn.comm`'s own counter):
+convention as :func:`zerofn.count_bytes`'s own counter):
 
 ==========================================  ============================================
 collective                                   bytes this rank sends

@@ -155,7 +155,7 @@ def _inspect_and_clip_with_torch(overlap: bool, plain: bool, accumulate: int) ->
 @pytest.mark.parametrize("n", [2, 3])
 @pytest.mark.parametrize("overlap", [False, True])
 def test_stage1_p_grad_is_ddps_and_torch_clipping_trains_as_with_ddp(worlds, n, overlap):
-    """Report 2 at stage 1: clip_grad_norm_ on the model between backward and step clips, as with DDP.
+    """Stage 1: torch's clip_grad_norm_ on the model between backward and step clips, as with DDP.
 
     Bitwise at N = 2 and 3 (the exact wire): ``p.grad`` is DDP's bit for bit before and
     after torch's clipping (the same function on the same bits gives the same norm and
@@ -176,7 +176,7 @@ def test_stage1_p_grad_is_ddps_and_torch_clipping_trains_as_with_ddp(worlds, n, 
 
 
 def _torch_clipping_between_backward_and_step(stage: int, overlap: bool) -> dict[str, Any]:
-    """Report 2 verbatim: torch's clip_grad_norm_(model.parameters(), 0.1) between backward and step, 4 steps."""
+    """A DDP script's torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1) between backward and step, 4 steps."""
     model, zopt, topt, ddp = _pair(stage, overlap)
     for x, y in batches(dist.get_rank(), 4):
         zopt.backward(_loss(model(x), y))
@@ -196,7 +196,7 @@ def _torch_clipping_between_backward_and_step(stage: int, overlap: bool) -> dict
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_torch_clipping_between_backward_and_step_clips_or_says_how(worlds, n):
-    """Was: norm 0.0, nothing clipped, 3e-2 away from DDP after 4 steps, no warning.
+    """torch's clip_grad_norm_ on the model clips as with DDP at stage 1; at stage 2 it raises, naming the facade's.
 
     Stage 1 bitwise at N = 2 and 3 (the exact wire; torch's clipping on equal bits).
     """
@@ -238,7 +238,7 @@ def test_stage1_step_uses_what_the_user_left_in_p_grad(worlds):
 def _precision_accumulation(stage_overlap: tuple[int, bool]) -> dict[str, Any]:
     """bf16 params, float32 accumulation under no_sync: p.grad after the closing backward.
 
-    The reference is the seed's reduction of the float32 sums: ``acc * (1/N)`` rounded to
+    The reference is ColossalAI's reduction of the float32 sums: ``acc * (1/N)`` rounded to
     bf16 (the wire), all-reduced, the p.grad DDP would hold for such a wire.
     """
     _, overlap = stage_overlap
@@ -304,7 +304,7 @@ def _clip_with_the_facade(stage: int, overlap: bool) -> dict[str, Any]:
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_the_facades_clip_grad_norm_matches_torchs_at_both_stages(worlds, n):
-    """Report 2 at stage 2: opt.clip_grad_norm_ is the way, and it clips as torch's function does.
+    """opt.clip_grad_norm_ clips as torch's function does, at stage 1 and at stage 2.
 
     The norm within 1e-6 of torch's float32 one; the params bitwise DDP's clipped with the
     facade's float64 arithmetic (``clip_in_float64``), on the exact wire: the coefficient
@@ -502,7 +502,7 @@ def _torch_on_stage2_grads(overlap: bool) -> dict[str, Any]:
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_torch_gradient_idioms_at_stage2_raise_on_every_rank_and_change_nothing(worlds, n):
-    """Report 5 too: GradScaler at stage 2 says to use the facade's loss scaling, never torch's assertion."""
+    """Each idiom says what to write instead; GradScaler names the facade's loss scaling, not torch's assertion."""
     for overlap in (False, True):
         for res in worlds[n].run(_torch_on_stage2_grads, overlap):
             assert set(res["errors"]) == {"clip_grad_norm_", "clip_grad_value_", "norm", "print", "grad_scaler"}
@@ -520,7 +520,7 @@ def test_torch_gradient_idioms_at_stage2_raise_on_every_rank_and_change_nothing(
 
 
 def _grad_scaler_at_stage2() -> dict[str, Any]:
-    """Report 5 verbatim: GradScaler driving a stage-2 facade."""
+    """torch's GradScaler driving a stage-2 facade, as a DDP + AMP script writes it."""
     torch.manual_seed(seeded(0))
     model = Net()
     opt = zf.ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), partition_grad=True)

@@ -41,9 +41,6 @@ API = DOCS / "api"
 FENCE = re.compile(r"^```python\n(.*?)^```$", re.MULTILINE | re.DOTALL)
 DIRECTIVE = re.compile(r"^::: ([\w.]+)$", re.MULTILINE)
 NOT_RUN = "# not run:"
-# Kept importable for one release with a DeprecationWarning-free alias of a private module;
-# their names are the private modules' and are not documented (the top level has what users need).
-DEPRECATED_ALIASES = ("zerofn.checks", "zerofn.comm")
 # Pages whose scripts the tests at the end of this file run, checking what they leave.
 CHECKED_PAGES = ("checkpoints.md", "facade.md", "functional-loop.md")
 README = ROOT / "README.md"
@@ -148,11 +145,11 @@ def test_the_benchmarks_page_states_the_command_of_the_run_it_shows() -> None:
 
 
 def public_modules() -> list[types.ModuleType]:
-    """``zerofn`` and every module under it with no ``_``-prefixed part, the deprecated aliases aside."""
+    """``zerofn`` and every module under it with no ``_``-prefixed part."""
     names = ["zerofn"] + [
         m.name
         for m in pkgutil.walk_packages(zerofn.__path__, "zerofn.")
-        if not any(part.startswith("_") for part in m.name.split(".")[1:]) and m.name not in DEPRECATED_ALIASES
+        if not any(part.startswith("_") for part in m.name.split(".")[1:])
     ]
     return [importlib.import_module(name) for name in names]
 
@@ -197,8 +194,6 @@ def test_every_public_name_has_a_reference_entry() -> None:
     assert not missing, f"public names without an entry in docs/api/*.md (add a `::: path` line): {missing}"
     # The count the closing note reports; it grows with the surface.
     assert len(names) >= 150, len(names)
-    for alias in DEPRECATED_ALIASES:  # left out on purpose: they say so themselves
-        assert (importlib.import_module(alias).__doc__ or "").startswith("Deprecated alias"), alias
 
 
 def test_every_exception_zerofn_defines_has_a_section_on_the_errors_page() -> None:

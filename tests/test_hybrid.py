@@ -203,7 +203,7 @@ def _facade_hybrid_vs_ddp(how: str, overlap: bool) -> dict[str, Any]:
     """The facade in a hybrid layout and DDP over all four ranks (AdamW, clipping), on
     both wires: float64 (against ``ddp_reference(..., wire=torch.float64)``) and the
     default fp32 (against ``_ddp_two_level``, zerofn's grouping of the sum)."""
-    if how == "sub_dp_size":  # the seed's option: ranks {0,1} and {2,3} shard, {0,2} and {1,3} replicate
+    if how == "sub_dp_size":  # ZeroOptimizer's hybrid keyword: ranks {0,1} and {2,3} shard, {0,2} and {1,3} replicate
         groups: dict[str, Any] = {"sub_dp_size": 2}
         arrangement = "contiguous"
     else:

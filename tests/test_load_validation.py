@@ -243,7 +243,7 @@ def _another_models_state_dict() -> dict[str, Any]:
 
 
 def test_another_models_state_dict_names_the_param_and_both_shapes():
-    # Report: Linear(4, 2)'s AdamW state loaded into a Linear(3, 3) facade without error.
+    # Linear(4, 2)'s AdamW state, offered to a Linear(3, 3) layout.
     layout = make_layout(dict(torch.nn.Linear(3, 3).named_parameters()), 2)
     problem = state_dict_problem(_another_models_state_dict(), layout, layout.names, zf.optim.adamw(lr=1e-3))
     assert problem is not None

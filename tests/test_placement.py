@@ -210,7 +210,7 @@ def _benchmark_transformer() -> dict[str, torch.Tensor]:
     return dict(build_model(model_config("transformer"), 0, torch.device("meta")).named_parameters())
 
 
-# Wire padding measured with the default bucket size (2**22 elements) and the seed's 2**20; see
+# Wire padding measured with the default bucket size (2**22 elements) and 2**20; see
 # docs/whole-tensor-optimizers.md.
 # Recipes: Adafactor (every param whole), Muon for the blocks' weight matrices + AdamW.
 @pytest.mark.parametrize("n", [2, 4])
@@ -226,7 +226,7 @@ def test_whole_buckets_of_the_benchmark_transformer_pad_under_ten_percent_of_psi
     for bucket_numel in (2**20, 2**22):
         wire = sum(n * b.shard_numel for b in layout.buckets(bucket_numel))
         assert (wire - psi) / psi < 0.10, (bucket_numel, wire - psi)
-    # Measured: no more than 0.005 % padding (Adafactor at N=4, 512 elements, both sizes);
+    # At most 0.005 % padding (Adafactor at N=4, 512 elements, both sizes);
     # the state per rank is within one largest whole param of the balanced share Ψ/N.
     for bucket_numel in (2**20, zf.stages.DEFAULT_BUCKET_NUMEL):
         assert (sum(n * b.shard_numel for b in layout.buckets(bucket_numel)) - psi) / psi < 5e-5

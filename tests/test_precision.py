@@ -33,12 +33,12 @@ from zerofn.precision import (
 )
 
 # ---------------------------------------------------------------------------------------
-# A plain reference of the seed's scaler rules: counters counting up, as the seed writes it.
+# A plain reference of ColossalAI's scaler rules: counters counting up, as ColossalAI writes it.
 # ---------------------------------------------------------------------------------------
 
 
 class ReferenceScaler:
-    """Straight transliteration of the seed's dynamic scaler (growth_step, hysteresis_step)."""
+    """Straight transliteration of ColossalAI's dynamic scaler (growth_step, hysteresis_step)."""
 
     def __init__(
         self,
@@ -71,7 +71,7 @@ class ReferenceScaler:
                 self.scale = min(self.scale * self.growth_factor, self.max_scale)
 
     def as_state(self) -> LossScaleState:
-        # The countdown zerofn keeps is the seed's count-up seen from the other end.
+        # The countdown zerofn keeps is ColossalAI's count-up seen from the other end.
         left = max(self.hysteresis - self.hysteresis_step, 0)
         return LossScaleState(self.scale, self.growth_step, left)
 
@@ -129,7 +129,7 @@ def test_power_of_two_scales_equal_a_float32_tensor_implementation_bitwise(
     hysteresis: int,
     overflows: list[bool],
 ) -> None:
-    # The seed keeps the scale in a float32 tensor; zerofn keeps a Python float. With the
+    # ColossalAI keeps the scale in a float32 tensor; zerofn keeps a Python float. With the
     # default power-of-two factors both are exact, so they agree bit for bit.
     lo, hi = 2.0**log2_min, 2.0 ** (log2_min + log2_span)
     init = 2.0 ** (log2_min + min(log2_init, log2_span))
@@ -301,7 +301,7 @@ def test_scale_loss_scales_the_gradients_and_leaves_the_loss_alone() -> None:
 
 
 def seed_formula(norm: float, scale: float, max_norm: float | None) -> float:
-    """The seed's unscale-and-clip, written as it is there (clip_grad_norm 0 means off)."""
+    """ColossalAI's unscale-and-clip, written as it is there (clip_grad_norm 0 means off)."""
     div_scale = scale
     clip_grad_norm = 0.0 if max_norm is None else max_norm
     if clip_grad_norm > 0.0:
@@ -581,7 +581,7 @@ def test_zero_state_holds_the_loss_scale_as_leaves_and_the_policy_as_static_meta
     assert rebuilt.precision is policy and rebuilt.loss_scale == state.loss_scale and rebuilt.layout == layout
     halved = pytree.tree_map(lambda x: x / 2 if isinstance(x, float) else x, state)
     assert halved.loss_scale.scale == 32768.0 and halved.precision is policy
-    # States built the old way (positional, no precision) still work, with the defaults.
+    # A state built positionally, without precision, gets the defaults.
     old = zf.ZeroState(layout, opt, 0, master, opt.init(master))
     assert old.loss_scale == LossScaleState(1.0, 0, 0) and old.precision is DEFAULT_POLICY
     assert old.param_device is None and old.work_device == old.state_device == torch.device("cpu")

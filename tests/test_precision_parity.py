@@ -2,10 +2,10 @@
 
 The references
 --------------
-zerofn is checked against plain-torch training that follows the seed's definition of
+zerofn is checked against plain-torch training that follows ColossalAI's definition of
 mixed precision, built from independent parts (DDP, torch.optim, a few lines of loss
 scaling) and sharing nothing with zerofn but the scaler *rules* (``ReferenceScaler`` in
-``test_precision``: a transliteration of the seed, not zerofn's scaler):
+``test_precision``: a transliteration of ColossalAI's, not zerofn's scaler):
 
 * **working-dtype reference** (``master_weights=False``): a DDP model in the working
   dtype (``model.to(fp16)``) and a torch optimizer over those fp16/bf16 params: it
@@ -25,12 +25,12 @@ working-dtype forward makes the local gradients bit-identical on both sides, so 
 remaining difference comes from zerofn's own steps (reduce, scale, unscale, clip,
 update, round).
 
-Both references reduce through a DDP communication hook that does what the seed's
+Both references reduce through a DDP communication hook that does what ColossalAI's
 reduction does: multiply the bucket by ``1/N`` in the gradient dtype, cast it to the
 communication dtype, all-reduce, cast back. Loss scaling: ``(loss * S).backward()``; a
 step whose averaged gradients hold ``inf``/``nan`` (the same on every rank after the
 all-reduce) is skipped and fed to the scaler; otherwise gradients are multiplied by the
-seed's one coefficient ``1 / (S * c)``, ``c = (||g||/S + 1e-6) / max_norm`` when clipping
+one coefficient ``1 / (S * c)``, ``c = (||g||/S + 1e-6) / max_norm`` when clipping
 acts, else ``1 / S``, with the norm in float64.
 
 Why every comparison is bitwise
@@ -48,7 +48,7 @@ clipping, zerofn's params and masters are the reference's bits:
   low-precision wires at 3 and 4 ranks are checked on one reduction against the error
   bound of a sum (``test_low_precision_wires_sum_within_their_error_bound``);
 * ``1/N`` is the same fp32 factor on both sides and ``1/S`` a power of two;
-* clipping: both sides use the seed's formula on float64 norms, which may differ in the
+* clipping: both sides use ColossalAI's formula on float64 norms, which may differ in the
   last bit (another order of the sum of squares); that changes the coefficient's rounding
   to float32 (or fp16/bf16) only within one float64 ulp of a boundary, about 2**-29 a step;
 * the optimizers are torch's own. float32 kernels give the same bits on a shard as on the
@@ -138,7 +138,7 @@ def _prepare(base: nn.Module, cfg: dict) -> nn.Module:
 
 
 def cast_hook(comm_dtype, bucket):  # unannotated on purpose: DDP checks the annotations' objects
-    """DDP communication hook: the mean as the seed reduces (scale by 1/N, cast, sum, cast back)."""
+    """DDP communication hook: the mean as ColossalAI reduces (scale by 1/N, cast, sum, cast back)."""
     buf = bucket.buffer()
     wire = buf.mul(1.0 / dist.get_world_size())
     if comm_dtype is not None:
@@ -293,7 +293,7 @@ def _train_reference(base: nn.Module, cfg: dict) -> dict[str, Any]:
         else:
             norm = max(float(g.abs().max()) for g in grads.values())
         true = norm / s
-        # The seed's one multiplier that unscales and clips: 1 / (S * c) with c the true
+        # ColossalAI's one multiplier that unscales and clips: 1 / (S * c) with c the true
         # norm's excess over max_norm when clipping acts, else 1 / S.
         excess = (true + 1e-6) / MAX_NORM
         coef = 1.0 / (s * excess if cfg["clip"] and excess > 1 else s)
@@ -380,7 +380,7 @@ def test_facade_and_functional_loop_are_bitwise_equal_to_the_ddp_references(worl
     # Exact at every world size: the local gradients are the same bits (a working-dtype
     # forward of the same params); the mean is too (one or two addends in any order at
     # N <= 2, whatever the wire; float64 wires at N >= 3, see _configs); 1/S and 1/N are
-    # the same factors; the coefficient is the seed's formula on both sides from float64
+    # the same factors; the coefficient is ColossalAI's formula on both sides from float64
     # norms that differ at most in their last bit (which changes the float32 or
     # fp16/bf16 multiplier only within one float64 ulp of a rounding boundary: about
     # 2**-29 a step); float32 kernels give the same bits on a shard as on the whole
@@ -597,7 +597,7 @@ def _accumulate(stage: int, overlap: bool, accum_dtype: Any) -> dict[str, Any]:
 
     The reference accumulates the micro-batch gradients of a plain bf16 model in
     ``accum_dtype`` (float32: ``acc += p.grad`` in float32; None: p.grad in bf16 as autograd
-    sums it), then reduces each as the seed does (``acc * (1/N)``, bf16 on the wire, summed,
+    sums it), then reduces each as ColossalAI does (``acc * (1/N)``, bf16 on the wire, summed,
     cast back) and steps AdamW on fp32 masters. Layer drop inside the window: ``gate`` misses
     some micro-batches, the closing one included in step 2 (its accumulated gradient is then
     reduced by ``step()``). The wire is bf16 (the working dtype) up to 2 ranks, float64 from
@@ -739,7 +739,7 @@ def test_reduce_grads_takes_float32_accumulators_sends_the_wire_dtype_and_casts_
         assert all(t.dtype == torch.float32 for t in (*default.values(), *wide.values()))
         assert wide_bytes == 2 * default_bytes > 0  # bf16 (the working dtype) on the wire by default
         for k in ("w", "b"):
-            # The mean as the seed computes it: acc * (1/N) per rank, cast to the wire, summed.
+            # The mean as ColossalAI computes it: acc * (1/N) per rank, cast to the wire, summed.
             for shards, wire in ((default, torch.bfloat16), (wide, torch.float32)):
                 total = sum((res["acc"][k] * (1.0 / n)).to(wire) for res in results).to(torch.float32)
                 spec = layout[k]

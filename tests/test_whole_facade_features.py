@@ -6,7 +6,7 @@ through the facade's other features, on real gloo ranks:
   independent parts, as in ``tests/test_precision_parity.py``: a DDP model in the working
   dtype whose communication hook reduces as zerofn does (scale by 1/N in the gradient
   dtype, sum, cast back), the same torch optimizers over fp32 copies of the params
-  (masters), a step skipped when the averaged gradient is not finite, the seed's scaler
+  (masters), a step skipped when the averaged gradient is not finite, ColossalAI's scaler
   rules (``ReferenceScaler``), and the working params set to the rounded masters after
   each step. Bitwise is what the arithmetic allows there: a sum of two addends does not
   depend on the order, 1/N and 1/S are powers of two, and Muon / Adafactor run their

@@ -211,7 +211,7 @@ def test_bitwise_equal_to_ddp_at_three_and_four_ranks_on_the_float64_wire_stage_
 @pytest.mark.parametrize("recipe", WHOLE_RECIPES)
 @pytest.mark.parametrize("n", [1, 2], ids=["N1", "N2"])
 def test_clipping_is_bitwise_equal_to_ddp_clipping_in_float64_and_clips_every_step(n, recipe):
-    # torch's clip_grad_norm_ computes the coefficient in float32, zerofn (as the seed) in
+    # torch's clip_grad_norm_ computes the coefficient in float32, zerofn (as ColossalAI) in
     # float64: against DDP clipping with zerofn's arithmetic the result is bitwise; against
     # torch's clipping it differs by exactly what the two DDP clippings differ by.
     for r in _results(n, recipe, True):

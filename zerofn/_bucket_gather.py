@@ -135,13 +135,13 @@ def launch_gather(
         realisation it may be ``out[rank]`` (packed in place by ``pack_shards(out=)``).
       group: the sharding process group.
       how: ``"all_gather"`` or ``"broadcast"`` (the gather realisation of a
-        :class:`~zerofn.comm.CommPolicy`).
+        :class:`~zerofn.CommPolicy`).
       async_op: launch and return at once.
       out: an ``(N, S)`` buffer to receive into (explicit reuse: the facade's staging
         buffers, idle between ``step`` and the next ``backward``); default a new one.
 
     Returns:
-      A :class:`~zerofn.comm.Pending` whose ``wait()`` is the ``(N, S)`` buffer (row
+      A :class:`~zerofn._comm.Pending` whose ``wait()`` is the ``(N, S)`` buffer (row
       ``r`` from rank ``r``; ``out`` if given), for :func:`unpack_rows`.
 
     Collectives: one ``all_gather`` of ``N * S`` elements, or ``N`` broadcasts of ``S``.

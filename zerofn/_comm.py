@@ -20,10 +20,9 @@ gather of rows     ``broadcast`` (one per rank) (N-1) * S * b  (as root of its o
 =================  ==========================  =====================================
 
 NCCL implements reduce-scatter and all-gather natively and they are byte-optimal, so
-``CommPolicy()`` picks them there. gloo's reduce-scatter and all-gather are much slower
-than its all-reduce and broadcast (8.4M fp32 elements, 2 ranks: all_reduce 24 ms,
-reduce_scatter 52 ms, all_gather 41 ms, one broadcast per rank 10 ms), so on gloo the
-default policy trades 1.5x the reduce bytes for less than half the time. Pass
+``CommPolicy()`` picks them there. gloo's reduce-scatter and all-gather are slower than
+its all-reduce and broadcast (the figures: docs/functional-loop.md), so on gloo the
+default policy sends more bytes in less time. Pass
 ``CommPolicy.byte_optimal()`` to force the byte-optimal pair anywhere.
 
 Byte counting
@@ -553,7 +552,7 @@ def join(group: Group, timeout_s: float) -> None:
     group rank 0) or that rank 0 gave up (on the others).
 
     Collectives: one monitored barrier (each rank sends to rank 0, rank 0 answers each),
-    none for a group of one. Measured with gloo, 3 ranks on one CPU host: about 2.6 ms.
+    none for a group of one.
     """
     if group_size(group) == 1:
         return

@@ -91,7 +91,7 @@ class DynamicLossScaler:
     with :math:`\gamma` = ``growth_factor``, :math:`\beta` = ``backoff_factor``,
     :math:`G` = ``growth_interval``, :math:`H` = ``hysteresis``.
 
-    Things worth knowing about this rule (it is the seed's rule, kept exactly):
+    Things worth knowing about this rule:
 
     - hysteresis is refilled only when the scale *grows*, not after every good step, and
       not after a backoff: once ``hysteresis`` overflows have happened since the last

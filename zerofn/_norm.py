@@ -3,14 +3,13 @@
 The global norm (:func:`zerofn.stages.global_grad_norm`, and the first thing
 :func:`zerofn.stages.step_shards` computes) sums every rank's local term in one scalar
 all-reduce. The local term is the sum of squares (2-norm) or the largest absolute value
-(inf-norm) of this rank's gradient pieces. zerofn accumulates the squares in float64, as
-the seed does, so that the reported norm and the clipping coefficient do not depend on how
-the gradients are split into shards beyond float64 rounding.
+(inf-norm) of this rank's gradient pieces. zerofn accumulates the squares in float64, so
+that the reported norm and the clipping coefficient do not depend on how the gradients
+are split into shards beyond float64 rounding.
 
 ``torch.linalg.vector_norm(g, dtype=torch.float64)`` does that on the CPU by first
 converting all of ``g`` to a new float64 tensor: a copy of twice the gradient's size on
-every step (on the benchmark MLP at N=2, 6.8 ms of a 70 ms step; the shards are 2.1M
-elements). Here the pieces stream through one small float64 buffer instead: a chunk of
+every step. Here the pieces stream through one small float64 buffer instead: a chunk of
 elements is converted into it (cache resident), squared and summed with ``torch.dot``, and
 the next chunk overwrites it; small pieces share a chunk, so a model of hundreds of
 little tensors costs a few calls, not hundreds. Same float64 accumulation, a different
@@ -27,9 +26,8 @@ from collections.abc import Iterable
 
 import torch
 
-#: Elements per float64 chunk: 512 KiB, inside a core's L2 cache. Measured on the CPU over
-#: 2**12..2**18 (8 shards of 525,312 float32 elements): 2**16 was fastest (2.6 ms against
-#: 6.8 ms for vector_norm with dtype=float64; 3.4 ms at 2**14, 4.3 ms at 2**18).
+#: Elements per float64 chunk: 512 KiB, inside a core's L2 cache, so a chunk is still cached
+#: when ``torch.dot`` reads it back; a smaller chunk costs more calls per piece.
 CHUNK_NUMEL = 2**16
 
 
@@ -177,7 +175,7 @@ def exact_sqrt(x: torch.Tensor) -> torch.Tensor:
     """The correctly rounded square root of a finite float64 tensor ``x >= 0``: ``math.sqrt``'s bits.
 
     torch's CPU ``sqrt`` of float64 may be a vector-library routine, off by one ulp from
-    the IEEE square root in about 1% of cases; the eager step takes ``math.sqrt`` of the
+    the IEEE square root for some inputs; the eager step takes ``math.sqrt`` of the
     all-reduced sum, so a compiled step must too. From ``torch.sqrt``'s guess ``y``, the
     neighbour of ``y`` (one ulp down, ``y``, one up) whose square is nearest to ``x`` is
     the correctly rounded root; each square's residual ``x - c*c`` is computed exactly

@@ -20,7 +20,7 @@ Pure pieces (no communication)::
     pack_shards     per-param shards -> this rank's (S,) row (cast, offload aware)
     cut_shard       a full tensor -> rank r's (shard_numel,) shard
 
-Communicating pieces (through :mod:`zerofn.comm`, which owns every collective)::
+Communicating pieces (through the private ``zerofn._comm``, which owns every collective)::
 
     launch_reduce   (N, S) rows -> Pending (S,) row of the sum  (or the whole (N, S))
     launch_gather   (S,) row -> Pending (N, S) rows of every rank
@@ -72,9 +72,8 @@ class StagingPool:
     Explicit reuse: the facade keeps one (its gradient staging, which its param gathers
     borrow between ``step`` and the next ``backward``), and a functional loop may pass
     one to :func:`~zerofn.reduce_grads` and :func:`~zerofn.gather_params` (``staging=``).
-    Fresh multi-MB buffers every step fault in new pages: measured, a 16 MiB fresh
-    buffer costs twice the copy into it, and a fresh-row pack of the benchmark
-    transformer's gradients 25 ms against 7 ms into a reused one. What comes out of the
+    Fresh multi-MB buffers every step fault in new pages, which costs more than the copy
+    into them; a reused buffer's pages are mapped already. What comes out of the
     stage functions never aliases a pool buffer: results are copied out first.
 
     ``take`` hands out the smallest free buffer with room (or a new one of at least
@@ -312,7 +311,7 @@ def launch_reduce(
     """Start summing one bucket's packed rows (from :func:`pack_grads`) over the group.
 
     The rows are cast to the wire dtype first (:func:`wire_dtype`: ``comm_dtype``, default
-    the params' working dtype; the seed's order: scale in the gradients' dtype, then cast).
+    the params' working dtype; scaled in the gradients' dtype first, then cast).
 
     Args:
       rows: ``(N, S)`` rows from :func:`pack_grads`; consumed (the all-reduce sums into them
@@ -329,7 +328,7 @@ def launch_reduce(
         the full mean gradients, for :func:`unpack_rows`.
 
     Returns:
-      A :class:`~zerofn.comm.Pending` whose ``wait()`` is this rank's ``(S,)`` row of the
+      A :class:`~zerofn._comm.Pending` whose ``wait()`` is this rank's ``(S,)`` row of the
       sum (with ``whole``, the ``(N, S)`` sum), in the wire dtype.
 
     Collectives: one ``reduce_scatter`` or ``all_reduce`` (``how``) of ``N * S`` elements.

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Any, NamedTuple
 
 import torch
 import torch.utils._pytree as pytree
 
-from zerofn._deprecation import renamed
 from zerofn._torch_driver import state_for_compile
 from zerofn._tree import FrozenDict
 from zerofn.layout import ShardLayout
@@ -64,8 +62,6 @@ class ZeroState:
         by every ``step_shards``, skipped steps included (that is how the scaler backs off).
       precision: the :class:`~zerofn.precision.PrecisionPolicy` the state was built with
         (static): its loss scaler, ``nonfinite`` rule and dtypes drive ``step_shards``.
-        (``policy`` is its old name: reading it, or ``replace(policy=...)``, still works
-        with a ``DeprecationWarning``, for one release.)
       param_device: where the full (working) params live, as a string: gradients come
         from there and ``gather_params`` puts params there. ``None``: the master's device.
     """
@@ -81,19 +77,7 @@ class ZeroState:
     param_device: str | None = None
 
     def replace(self, **changes: Any) -> ZeroState:
-        if "policy" in changes:
-            changes["precision"] = renamed("ZeroState.replace", "policy", "precision", changes.pop("policy"), None)
         return dataclasses.replace(self, **changes)
-
-    @property
-    def policy(self) -> PrecisionPolicy:
-        """The old name of :attr:`precision` (deprecated, warns)."""
-        warnings.warn(
-            "ZeroState.policy is deprecated and will be removed in the next release; use ZeroState.precision",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return self.precision
 
     # A torch optimizer's ``state`` is a dict param -> {key: tensor}; code ported from one
     # (``opt.state[p]["exp_avg"]``, ``for s in opt.state.values()``) gets told where to look.

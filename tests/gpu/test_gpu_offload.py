@@ -8,7 +8,7 @@ overlap_allgather, fp32 and bf16, against the same training without offload:
 
 * where everything lives: params on the GPU, every master and optimizer-state tensor on
   the CPU (on the GPU without offload);
-* the result: the update now runs torch's CPU AdamW kernel instead of its CUDA kernel, and
+* the result: with offload the update runs torch's CPU AdamW kernel instead of its CUDA kernel, and
   the two need not agree in the last bit (FMA contraction, division and square-root
   rounding on the GPU), so the fp32 masters and params are compared with the CPU suite's
   fp32 bound, ``max_rel_diff <= 1e-6``; bf16 params are the masters rounded to bf16, where

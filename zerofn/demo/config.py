@@ -28,9 +28,8 @@ WIRES = ("working", "fp64")
 # where it sits in the bucket, and DDP's buckets differ from zerofn's rank-major ones: some
 # gradient elements differ by one rounding of the working dtype, AdamW turns that into
 # slightly different updates (a near-zero gradient sum can even change sign), and the
-# params drift apart slowly. Measured at 4 ranks, 100 to 500 steps: fp32 4e-7 to 8e-7,
-# bf16 8e-3 to 1.4e-2, fp16 6e-3 to 1.2e-2; after 1000 steps fp32 3e-6, bf16 6e-2, fp16
-# 8e-3. The bounds hold for runs of up to a few hundred steps.
+# params drift apart slowly. The bounds hold for runs of up to a few hundred steps (the
+# drift at 4 ranks: docs/getting-started.md).
 TOLERANCE = {"fp32": 1e-5, "bf16": 5e-2, "fp16": 3e-2}
 
 
@@ -57,7 +56,7 @@ class DemoConfig:
       batch_per_rank: samples each rank sees per micro-batch.
       lr: AdamW learning rate (the same for zerofn and torch.optim).
       max_norm: global gradient-norm clip for both runs, or ``None`` for none. zerofn
-        computes the norm in float64 (as the seed), ``clip_grad_norm_`` in float32, so
+        computes the norm in float64, ``clip_grad_norm_`` in float32, so
         with clipping the two runs drift apart by an ulp now and then (about 1e-7
         relative after hundreds of steps in fp32); without it they are bitwise equal at
         1 and 2 ranks.

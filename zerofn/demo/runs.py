@@ -48,9 +48,9 @@ __all__ = [
 ]
 
 WEIGHT_DECAY = 0.01
-# fp16's dynamic loss scaling, on both sides: start at torch's and the seed's 2^16, halve
+# fp16's dynamic loss scaling, on both sides: start at 2^16 (torch's and zerofn's default), halve
 # on an overflow (skipping that step), double after GROWTH_INTERVAL good steps in a row
-# (torch and the seed wait 2000; shorter here so that a short run shows the dynamics).
+# (torch and ZeroOptimizer wait 2000; shorter here so that a short run shows the dynamics).
 INITIAL_SCALE = 2.0**16
 GROWTH_INTERVAL = 50
 
@@ -142,8 +142,8 @@ def precision_policy(cfg: DemoConfig) -> zf.PrecisionPolicy:
     if cfg.wire == "fp64":  # DDPRun reduces through float64_wire_hook to match
         changes["comm_dtype"] = torch.float64
     if dtype == torch.float16:
-        # hysteresis=1: back off at every overflow, as torch.amp.GradScaler does (the
-        # seed's default, 2, lets one overflow pass before backing off).
+        # hysteresis=1: back off at every overflow, as torch.amp.GradScaler does (zerofn's
+        # default, 2, lets one overflow pass before backing off).
         changes["loss_scaler"] = zf.DynamicLossScaler(
             initial_scale=INITIAL_SCALE, growth_interval=GROWTH_INTERVAL, hysteresis=1
         )

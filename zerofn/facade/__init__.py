@@ -5,7 +5,7 @@ One file per concern (as FSDP2's ``_fully_shard/``):
 =====================  ======================================================================
 ``optimizer.py``       ``ZeroOptimizer``: construction, backward/step/zero_grad/no_sync,
                        state dicts and checkpoints, the ``torch.optim.Optimizer`` bridge
-``_options.py``        the seed's keywords -> PrecisionPolicy, hybrid groups, named params
+``_options.py``        the precision keywords -> PrecisionPolicy, hybrid groups, named params
 ``_reducer.py``        gradient hooks: which bucket is ready, when its reduction launches,
                        which staging buffer it uses, accumulation, replica sums
 ``_step_grads.py``     the reducer's gradients handed to ``step`` as shards, given back,

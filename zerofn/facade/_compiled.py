@@ -165,7 +165,8 @@ class CompiledStep:
         """
         traced = state.replace(optimizer=self._with_lr_tensors(state.optimizer))
         config = torch._dynamo.config
-        limit_raises, config.fail_on_recompile_limit_hit = config.fail_on_recompile_limit_hit, True  # 20 µs
+        # Set and restored by hand around the call: config.patch costs more on every step.
+        limit_raises, config.fail_on_recompile_limit_hit = config.fail_on_recompile_limit_hit, True
         try:
             new_state, info, gathered = self._fn(traced, shards)
         finally:

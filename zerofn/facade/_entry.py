@@ -11,9 +11,8 @@ barrier, on a gloo group over the same ranks when the group is NCCL), and otherw
 :class:`~zerofn._comm.NotJoinedError` naming the call, the ranks that did not join (group
 rank 0 learns them; the others learn that rank 0 gave up) and what to write instead.
 
-Cost: one monitored barrier per call (per group of a hybrid layout), about 2.6 ms with
-gloo at 3 ranks on one CPU host (measured: docs/coming-from-ddp.md); nothing on the
-per-step path. ``entry_timeout=None`` turns it off.
+Cost: one monitored barrier per call (per group of a hybrid layout; its time on gloo:
+docs/coming-from-ddp.md); nothing on the per-step path. ``entry_timeout=None`` turns it off.
 """
 
 from __future__ import annotations

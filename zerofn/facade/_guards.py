@@ -12,7 +12,7 @@ in-place write (``copy_``, ``mul_``, ``load_state_dict``'s copies). The guard re
 param's version and storage pointer after every write the facade makes itself
 (construction, the gather at the end of ``step``, each bucket ``overlap_allgather``'s
 forward pre-hooks write, ``load_checkpoint``) and compares them at the start of ``step``:
-two list comprehensions over the params (about 0.2 µs per param). A new storage with the
+two list comprehensions over the params (``benchmarks/guard_cost.py`` times them). A new storage with the
 same shape, dtype and device (``p.data = tensor``) counts as a write too.
 
 The gap: writes *through* ``p.data`` (``p.data.copy_(x)``, ``p.data.clamp_(...)``) go to

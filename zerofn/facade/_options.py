@@ -1,10 +1,10 @@
-"""The facade's options: the seed's keywords turned into what the stage functions take.
+"""The facade's options: its keywords turned into what the stage functions take.
 
 Everything here reads the user's arguments and the params' dtypes and either returns a
 value or raises before anything is changed (``cast_params`` excepted: it applies a
 validated ``forced_dtype``). Collectives: only :func:`hybrid_groups` (group creation).
 
-The seed's precision keywords of ``ZeroOptimizer`` (:func:`precision_policy` turns them
+The precision keywords of ``ZeroOptimizer`` (:func:`precision_policy` turns them
 into a :class:`~zerofn.precision.PrecisionPolicy`; with ``precision=`` they must stay at
 their defaults):
 
@@ -12,7 +12,7 @@ their defaults):
     working dtype).
   initial_scale, min_scale, growth_factor, backoff_factor, growth_interval,
   hysteresis, max_scale: the dynamic loss scaler used when the (working) params are
-    float16 (:class:`~zerofn.precision.DynamicLossScaler`, the seed's meanings);
+    float16 (their meanings: :class:`~zerofn.precision.DynamicLossScaler`);
     ``backward`` multiplies the loss (``backward_by_grad`` the given gradient) by the
     current scale. bfloat16 and float32 params train without loss scaling.
   nonfinite: what a step with an ``inf``/``nan`` gradient does when there is no
@@ -59,7 +59,7 @@ __all__ = [
     "update_rules",
 ]
 
-# The seed's precision keywords and their defaults (ZeroOptimizer's signature); with
+# The precision keywords and their defaults (ZeroOptimizer's signature); with
 # precision=PrecisionPolicy(...) they must stay at these values.
 PRECISION_DEFAULTS: dict[str, Any] = {
     "communication_dtype": None,
@@ -98,7 +98,7 @@ def check_settings(reduce_bucket_size: Any, norm_type: Any, clip_grad_norm: Any)
 
 
 def cast_params(named: Mapping[str, torch.Tensor], policy: PrecisionPolicy) -> None:
-    """Cast every param to the policy's forced dtype (``p.data``), as the seed does; drops stale ``p.grad``."""
+    """Cast every param to the policy's forced dtype (``p.data``), in place; drops stale ``p.grad``."""
     for p in named.values():
         if policy.param_dtype is not None and p.dtype != policy.param_dtype:
             p.grad = None
@@ -126,7 +126,7 @@ def check_gather_module(named: Mapping[str, torch.Tensor], module: torch.nn.Modu
 def precision_policy(
     named: Mapping[str, torch.Tensor], precision: PrecisionPolicy | None, options: Mapping[str, Any]
 ) -> PrecisionPolicy:
-    """The facade's precision policy: ``precision`` itself, or one built from the seed-style options.
+    """The facade's precision policy: ``precision`` itself, or one built from the precision keywords.
 
     Reads only dtypes; raises before anything is changed.
     """
@@ -175,11 +175,11 @@ def precision_policy(
 def hybrid_groups(
     dp_group: dist.ProcessGroup | None, sub_dp_size: int, replicate_group: dist.ProcessGroup | None
 ) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
-    """(shard group, replicate group) from the seed's ``sub_dp_size`` or an explicit pair.
+    """(shard group, replicate group) from ``sub_dp_size`` or an explicit pair.
 
     With ``sub_dp_size = k`` the data-parallel ranks, in order, are read as a
     ``(k, N / k)`` grid: row ``i`` is a shard group, column ``j`` the replicas of shard
-    position ``j`` (built by :func:`zerofn.comm.grid_groups`, collectively).
+    position ``j`` (built by :func:`zerofn._comm.grid_groups`, collectively).
     """
     if not isinstance(sub_dp_size, int) or sub_dp_size < 1:
         raise ValueError(f"ZeroOptimizer: sub_dp_size must be an int >= 1, got {sub_dp_size!r}")

@@ -46,7 +46,7 @@ class _Host(Protocol):
 
 class ParamMethods:
     """``check_params`` / ``update_master_params``, the step's veto when params were written, and
-    the seed's maps between model params and master shards."""
+    the maps between model params and master shards."""
 
     def _step_shards(self: _Host, veto: dict[str, Any] | None) -> tuple[ZeroState, StepInfo]:
         """``step_shards`` on the reduced shards, with this rank's report of changed params as its veto.

@@ -78,7 +78,7 @@ class ParamPrefetcher:
         recorded, and a param the user wrote while pending is left alone and reported.
       staging: the pool the receive buffers are borrowed from and given back to once
         written (the reducer's: a fresh multi-MB buffer per bucket and step would fault in
-        new pages, about 10 ms a step on the benchmark transformer); ``None``: fresh ones.
+        new pages every step); ``None``: fresh ones.
 
     Memory: the gathered ``(N, S)`` buckets, Ψ·b bytes, from ``step`` until the forward
     writes them (the pool keeps a few of them idle afterwards, as it does after

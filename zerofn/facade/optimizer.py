@@ -86,12 +86,12 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
       partition_grad: ZeRO stage 2 (gradients sharded, reduced from hooks) if True,
         else stage 1.
       reduce_bucket_size: padded elements per communication bucket (default
-        ``zf.stages.DEFAULT_BUCKET_NUMEL`` = 2**22, 16 MiB in float32, measured; the seed's
-        was 2**20). The param gathers use the same buckets.
+        ``zf.stages.DEFAULT_BUCKET_NUMEL`` = 2**22, 16 MiB in float32). The param gathers
+        use the same buckets.
       overlap_communication: launch each bucket's reduction asynchronously as soon as
         its gradients are ready during backward.
-      overlap_allgather: hide the parameter gather behind the next forward (the seed's
-        option; needs ``module=``, which must own every param). ``step`` launches the
+      overlap_allgather: hide the parameter gather behind the next forward (needs
+        ``module=``, which must own every param). ``step`` launches the
         gathers; each module's forward pre-hook writes its params (the same bits). Any
         other read or write of a param before then (an EMA, logging, clamping,
         ``state_dict()``, an evaluation, a checkpoint) first waits for that param's
@@ -103,7 +103,7 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
       norm_type: 2.0 or ``math.inf`` for clipping and ``get_grad_norm``.
       dp_process_group: the data-parallel group; ``None`` for the default. Shards live
         across all of it unless ``sub_dp_size`` or ``replicate_group`` make it hybrid.
-      sub_dp_size: the seed's hybrid option: split ``dp_process_group`` (ranks in order)
+      sub_dp_size: a hybrid layout: split ``dp_process_group`` (ranks in order)
         into ``sub_dp_size`` shard groups of ``N / sub_dp_size`` consecutive ranks; a
         rank's replicas are the ranks at its position in the other shard groups. Every
         rank of ``dp_process_group`` must construct the optimizer (it creates groups).
@@ -139,8 +139,8 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
         See :mod:`zerofn.facade._compiled` and the docs' "jit the step" page.
       verbose: log skipped steps.
       communication_dtype: dtype gradients are cast to on the wire (``None``: the params'
-        working dtype). This and the precision keywords below are the seed's, turned into
-        a :class:`~zerofn.precision.PrecisionPolicy` (meanings: :mod:`zerofn.facade._options`).
+        working dtype). This and the precision keywords below are turned into a
+        :class:`~zerofn.precision.PrecisionPolicy` (meanings: :mod:`zerofn.facade._options`).
       cpu_offload: keep master shards and optimizer state on the CPU.
       forced_dtype: cast every param (``p.data``) to this dtype at construction.
       master_weights: keep float32 master shards (default); False: the optimizer updates
@@ -153,7 +153,7 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
       initial_scale: the dynamic loss scaler's first scale. float16 params train with a
         dynamic loss scaler (``backward`` multiplies the loss by its current scale);
         bfloat16 and float32 without. This and the next six are its settings
-        (:class:`~zerofn.precision.DynamicLossScaler`, the seed's meanings).
+        (their meanings: :class:`~zerofn.precision.DynamicLossScaler`).
       min_scale: the smallest scale a backoff may reach.
       growth_factor: the scale's factor after ``growth_interval`` good steps.
       backoff_factor: the scale's factor after ``hysteresis`` overflows.

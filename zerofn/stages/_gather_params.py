@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 
 from zerofn import _checks as checks
 from zerofn import _comm as comm
 from zerofn._comm import CommPolicy, Group, Pending
-from zerofn._deprecation import UNSET, renamed
 from zerofn.buckets import StagingPool, launch_gather, pack_shards, unpack_rows
 from zerofn.layout import Bucket, ShardLayout
 from zerofn.stages._pipeline import DEFAULT_BUCKET_NUMEL, MAX_IN_FLIGHT, InFlight, _check_staging, check_bucket_numel
@@ -26,7 +24,6 @@ def gather_params(
     out: Mapping[str, torch.Tensor] | None = None,
     check: bool = True,
     staging: StagingPool | None = None,
-    policy: Any = UNSET,
 ) -> dict[str, torch.Tensor]:
     """All ranks' master shards, gathered into full params in their working dtypes.
 
@@ -51,7 +48,6 @@ def gather_params(
         receive buffers are taken from and given back to (with the broadcast
         realisation this rank's row is packed straight into its slot); ``None``: fresh
         buffers. The returned params never alias its buffers.
-      policy: the old name of ``comm_policy`` (deprecated, warns).
     Returns:
       A new dict name -> full param (layout order, original shape, working dtype, on the
       params' device ``state.work_device``), equal on every rank. Without ``out`` the
@@ -62,7 +58,6 @@ def gather_params(
     per bucket one ``all_gather`` (NCCL) or one ``broadcast`` per rank (gloo) of ``S``
     elements each.
     """
-    comm_policy = renamed("gather_params", "policy", "comm_policy", policy, comm_policy)
     layout = state.layout
     checks.validate_world(layout, group, "gather_params")
     check_bucket_numel(bucket_numel, "gather_params")

@@ -16,8 +16,8 @@ from zerofn.buckets import StagingPool
 from zerofn.precision import PrecisionPolicy
 
 #: Padded elements per bucket (16 MiB in float32; DDP's buckets are 25 MiB). Every collective
-#: has a fixed cost beside its bytes on gloo, so fewer, larger buckets move the same bytes in
-#: less time (benchmarks/README.md measures it).
+#: costs a fixed overhead beside its bytes (on gloo a large one), so fewer, larger buckets move
+#: the same bytes in less time; the figures are in docs/functional-loop.md.
 DEFAULT_BUCKET_NUMEL = 2**22
 
 #: Bucket collectives a path keeps pending while it packs the next bucket or settles the

@@ -6,14 +6,12 @@ With the choice of reduce collective per stage and the replicas' sum of a hybrid
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 
 from zerofn import _checks as checks
 from zerofn import _comm as comm
 from zerofn._comm import CommPolicy, Group, Pending
-from zerofn._deprecation import UNSET, renamed
 from zerofn._tree import FrozenDict
 from zerofn.buckets import StagingPool, launch_reduce, pack_grads
 from zerofn.layout import Bucket, ShardLayout
@@ -49,7 +47,6 @@ def reduce_grads(
     precision: PrecisionPolicy | None = None,
     replicate_group: Group = None,
     staging: StagingPool | None = None,
-    policy: Any = UNSET,
 ) -> FrozenDict[torch.Tensor]:
     """Average full local gradients over the group and keep this rank's shards.
 
@@ -74,7 +71,7 @@ def reduce_grads(
       bucket_numel: padded elements per bucket; a larger param travels alone.
       comm_policy: how collectives are realised; default :class:`CommPolicy` (per backend).
       comm_dtype: dtype on the wire; default ``precision.comm_dtype``, else the params'
-        working dtype (as the seed: the wire carries working precision, also for
+        working dtype (the wire carries working precision, also for
         float32-accumulated gradients, unless told otherwise).
       precision: the state's :class:`~zerofn.precision.PrecisionPolicy`
         (``state.precision``), for the wire and accumulation dtypes; ``None``: the default.
@@ -86,7 +83,6 @@ def reduce_grads(
         ``(N, S)`` rows are taken from and given back to (the same pool every step saves
         faulting in fresh pages for Ψ elements per call); ``None``: fresh rows. The
         returned shards never alias its buffers.
-      policy: the old name of ``comm_policy`` (deprecated, warns).
 
     Returns:
       name -> ``(shard_numel,)`` mean-gradient shard in the dtype the gradient came in
@@ -104,7 +100,6 @@ def reduce_grads(
     ``all_reduce`` (stage 1, or stage 2 on gloo) of ``N*S`` elements, and with replicas
     one ``all_reduce`` of ``S`` elements over ``replicate_group``.
     """
-    comm_policy = renamed("reduce_grads", "policy", "comm_policy", policy, comm_policy)
     comm.group_rank(group)  # a rank outside the group cannot take part: raise here, alone
     # Local validation first; its verdict travels in the agreement all-gather, so a bad
     # input on one rank makes every rank raise instead of leaving the others waiting.

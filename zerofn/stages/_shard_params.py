@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
 
 import torch
 
@@ -11,7 +10,6 @@ from zerofn import _checks as checks
 from zerofn import _comm as comm
 from zerofn import _sync, flat
 from zerofn._comm import Group
-from zerofn._deprecation import UNSET, renamed
 from zerofn._tree import FrozenDict
 from zerofn.buckets import cut_shard
 from zerofn.layout import block_of, make_layout
@@ -44,7 +42,6 @@ def shard_params(
     placement: Mapping[str, str] | Callable[[str, torch.Tensor], str] | None = None,
     sync: bool = False,
     check: bool = True,
-    policy: Any = UNSET,
 ) -> ZeroState:
     """The first ZeroState: this rank's master shards of ``params`` and fresh optimizer state.
 
@@ -66,7 +63,7 @@ def shard_params(
         in the working dtype when ``master_weights=False`` (the optimizer then updates
         them directly); they and the optimizer state live on ``state_device`` (CPU
         offload) or else on the params' device. The loss scale starts at
-        ``policy.loss_scaler.init()``.
+        ``precision.loss_scaler.init()``.
       placement: an override of the optimizer's placements (:func:`resolve_placement`):
         name -> ``"split"`` / ``"whole"`` (names not listed keep the optimizer's choice),
         or a function ``(name, param) -> "split" | "whole"``. It may place whole what the
@@ -81,7 +78,6 @@ def shard_params(
         checksum per param, compared in one tiny all-gather), and raise
         :class:`~zerofn.RankMismatchError` naming the first param that differs and what
         to write instead. ``False`` skips it (no collective at all).
-      policy: the old name of ``precision`` (deprecated, warns).
 
     Returns:
       A :class:`ZeroState` whose ``master[name]`` is, for a split param, chunk ``rank`` of
@@ -97,7 +93,6 @@ def shard_params(
     ``check=False`` none. Ranks' layouts are compared by the first ``reduce_grads`` /
     ``gather_params`` (or call :func:`zerofn.check_ranks_agree` yourself).
     """
-    precision = renamed("shard_params", "policy", "precision", policy, precision)
     checks.validate_params(params, "shard_params")
     if sync:
         params = _sync.broadcast_params(params, group)

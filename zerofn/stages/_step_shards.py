@@ -50,7 +50,7 @@ def step_shards(
        :class:`~zerofn.precision.NonFiniteGradError` naming the params (collected from
        all ranks) and the state is unchanged;
     4. otherwise the gradients move to the state device (CPU offload) and are multiplied
-       once by the seed's unscale-and-clip coefficient
+       once by the unscale-and-clip coefficient
        (:func:`~zerofn.precision.unscale_and_clip_coef`, with the scale the gradients
        carry, i.e. the *old* one):
 
