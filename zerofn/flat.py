@@ -449,10 +449,10 @@ def flatten_state(state: Any) -> Any:
     """A :class:`~zerofn.state.ZeroState` with its master shards and optimizer state held flat
     (:func:`pack`, :func:`flatten_like`) where they can be; the state itself if they are already."""
     master = state.master
-    if isinstance(master, FlatDict) or not master:
+    if isinstance(master, FlatDict):
         return state
     fl = flat_layout(state.layout, state.rank)
-    if not packable(fl, master):
+    if master and not packable(fl, master):
         return state
     master = pack(fl, master)
     return state.replace(master=master, opt_state=_share_steps(flatten_like(master, state.opt_state)))

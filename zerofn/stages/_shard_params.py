@@ -10,7 +10,6 @@ from zerofn import _checks as checks
 from zerofn import _comm as comm
 from zerofn import _sync, flat
 from zerofn._comm import Group
-from zerofn._tree import FrozenDict
 from zerofn.buckets import cut_shard
 from zerofn.layout import block_of, make_layout
 from zerofn.optim import Optimizer
@@ -113,7 +112,7 @@ def shard_params(
         if s.holds(rank)
     }
     fl = flat.flat_layout(layout, rank)
-    master = flat.pack(fl, shards) if flat.packable(fl, shards) else FrozenDict(shards)
+    master = flat.pack(fl, shards)  # every shard this rank holds (none: an empty FlatDict)
     opt_state = optimizer.init(master, layout=layout)
     if isinstance(master, flat.FlatDict):
         opt_state = flat.flatten_like(master, opt_state)
