@@ -32,8 +32,8 @@ rank's RNG, restored all or nothing (see :func:`load` for what restores at which
 
 The package, one file per part: ``_format`` (the on-disk metadata, hashes and atomic
 commit), ``_manifest`` (what a sharded checkpoint says was saved), ``_dcp`` (the sharded
-save, and the load as one pipeline: read and verify the metadata, the manifest, check it
-against the live state, read the tensors, assemble), ``_torch_format`` (the torch-format
+save), ``_load`` (the sharded load as one pipeline: read and verify the metadata, the
+manifest, check it against the live state, read the tensors, assemble), ``_torch_format`` (the torch-format
 full state dict), ``_validate`` (what a load checks against the live state), ``_optimizer``
 (the optimizer state as torch keeps it, and the optimizer a checkpoint describes),
 ``_extras`` (``extra=`` objects and every rank's RNG), ``_async`` (saving in the
@@ -41,10 +41,11 @@ background: staging, the write on a side group, the commit when it completes), `
 """
 
 from zerofn.checkpoint._async import PendingCheckpoint
-from zerofn.checkpoint._dcp import load, save
+from zerofn.checkpoint._dcp import save
 from zerofn.checkpoint._errors import CheckpointError, raise_alike
 from zerofn.checkpoint._format import FORMAT_VERSION as FORMAT_VERSION
 from zerofn.checkpoint._format import META_FILE as META_FILE
+from zerofn.checkpoint._load import load
 from zerofn.checkpoint._torch_format import full_state_dict, shard_state_dict
 from zerofn.checkpoint._validate import check_buffers, persistent_buffers
 
