@@ -164,13 +164,16 @@ def load(
     # Every rank learns every rank's verdict before DCP's collectives start: a rank that
     # cannot load makes all raise, and nothing has changed anywhere.
     try:
-        saved = Manifest.from_json(read_meta(path, verify))
-        plan = _plan(saved, path, like, group, optimizer, params_out, buffers_out, extra, rng)
+        meta = read_meta(path, verify)
+        saved = Manifest.from_json(meta)
+        plan = _plan(saved, path, meta["files"], like, group, optimizer, params_out, buffers_out, extra, rng)
         failure: Exception | None = None
-    except (CheckpointError, KeyError, TypeError, ValueError) as e:
+    except (CheckpointError, AttributeError, KeyError, TypeError, ValueError) as e:
         failure = e if isinstance(e, CheckpointError) else CheckpointError(f"{path}: unreadable metadata ({e!r})")
     raise_alike(failure, (group,), "zerofn.checkpoint.load")
     # 4-5: read the tensors (into new tensors only) and assemble the state.
+    from torch.distributed.checkpoint.api import CheckpointException  # DCP's, a BaseException
+
     state: ZeroState | None = None
     try:
         master, entries, staged, staged_buffers = _read(path, saved, plan, group, params_out, buffers_out)
@@ -178,8 +181,10 @@ def load(
         failure = None
     except CheckpointError as e:
         failure = e
-    except Exception as e:  # DCP wraps per-rank failures; say which checkpoint and why
-        failure = CheckpointError(f"{path}: reading the shards failed: {e}")
+    except CheckpointException as e:  # DCP's report of every rank's failures, the same on every rank
+        failure = dcp_failure(path, e)
+    except Exception as e:
+        failure = CheckpointError(f"{path}: reading the shards failed: {type(e).__name__}: {e}")
         failure.__cause__ = e
     raise_alike(failure, (group,), "zerofn.checkpoint.load")
     assert state is not None
@@ -195,6 +200,25 @@ def load(
     return state
 
 
+def dcp_failure(path: str, error: BaseException) -> CheckpointError:
+    """DCP's ``CheckpointException`` (every rank's failures, gathered by DCP) as one
+    :class:`CheckpointError`, the same text on every rank: the first failing rank's error.
+
+    A ``KeyboardInterrupt`` or ``SystemExit`` never gets here: only DCP's exception is caught.
+    """
+    failures = getattr(error, "failures", None) or {}
+    if not failures:
+        return CheckpointError(f"{path}: reading the shards failed: {error}")
+    rank = min(failures)
+    first = failures[rank][0]
+    if isinstance(first, CheckpointError):
+        failure = CheckpointError(f"{path}: rank {rank}: {first}")
+    else:
+        failure = CheckpointError(f"{path}: reading the shards failed on rank {rank}: {type(first).__name__}: {first}")
+    failure.__cause__ = first
+    return failure
+
+
 class _Plan(NamedTuple):
     """How this rank loads a checkpoint: the layout here and the optimizer to continue with."""
 
@@ -203,11 +227,13 @@ class _Plan(NamedTuple):
     rank: int
     device: torch.device  # where the master shards and the state live
     restore: _extras.ToRestore  # the extras' states and the RNG this rank restores
+    metadata: Any  # DCP's Metadata, read as data and checked (zerofn.checkpoint._reader)
 
 
 def _plan(
     saved: Manifest,
     path: str,
+    files: Mapping[str, Any],
     like: ShardLayout | Mapping[str, torch.Tensor],
     group: Group,
     optimizer: optim.Optimizer | None,
@@ -220,8 +246,13 @@ def _plan(
 
     Raises :class:`CheckpointError` naming what does not fit: another optimizer, another
     model (names, shapes, dtypes), other placements, no weights or other buffers than the
-    model's, other extras than the saved ones. Reads this rank's extras file. No collectives.
+    model's, other extras than the saved ones, DCP metadata that is not data or names files
+    that ``files`` (``zerofn.json``'s list) does not. Reads DCP's metadata and this rank's
+    extras file, both as data. No collectives.
     """
+    from zerofn.checkpoint._reader import read_dcp_metadata  # imports DCP: only when loading
+
+    metadata = read_dcp_metadata(path, files)
     # The model and its placements first (the plainest causes), then the optimizer's kind and groups.
     layout, _ = layout_and_masters(like, group, torch.float32, optimizer or saved.saved_kind())
     check_fits(saved.params_meta(), layout)
@@ -234,7 +265,7 @@ def _plan(
     device = next(iter(like.values())).device if isinstance(like, Mapping) else torch.device("cpu")
     rank, n = comm.group_rank(group), comm.group_size(group)
     restore = _extras.read(path, saved.extras, saved.rng, saved.saved_world_size, extra, rng, rank, n)
-    return _Plan(layout, fopt, rank, device, restore)
+    return _Plan(layout, fopt, rank, device, restore, metadata)
 
 
 def _read(
@@ -265,7 +296,9 @@ def _read(
         for name in saved.buffers:
             staged_buffers[name] = torch.empty_like(buffers_out[name].detach())
             sd[f"buffer/{name}"] = staged_buffers[name]
-    comm.dcp_load(sd, path, group)
+    from zerofn.checkpoint._reader import DataPlanner, DataReader
+
+    comm.dcp_load(sd, group, storage_reader=DataReader(path, plan.metadata), planner=DataPlanner())
     for key, value in sd.items():  # scalars may be replaced rather than filled in place
         if key.startswith("optim/") and isinstance(value, torch.Tensor) and value.dim() == 0:
             _, name, field = key.split("/", 2)
