@@ -14,7 +14,7 @@ import functools
 import json
 import os
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -144,6 +144,7 @@ def save(
     extra: Mapping[str, Any] | None = None,
     rng: bool = True,
     async_save: bool = False,
+    safe_globals: Sequence[Any] = (),
 ) -> str | PendingCheckpoint:
     """Write a sharded, world-size-free checkpoint of ``state`` (and ``params``) to ``path``.
 
@@ -176,11 +177,18 @@ def save(
         (:mod:`zerofn.checkpoint._async`). ``extra`` and the RNG are captured at the call
         (deep copies of their ``state_dict()``), as without it. With a
         ``replicate_group``, the replicas' handles complete with the writers' commit.
+      safe_globals: the classes (and functions) beyond data that the extras'
+        ``state_dict()``s may pickle, admitted by name as ``torch.serialization.safe_globals``
+        admits them; the globals the files then name are recorded in ``zerofn.json``, and
+        a load needs its caller to admit them again. Without it an extra whose
+        ``state_dict()`` holds anything but data (tensors, numbers, strings, bools, ``None``,
+        dicts, lists, tuples, sets, dtypes, devices) is refused.
 
     Raises:
       CheckpointError: on every rank, before anything is written, when ``path`` is a plain
         directory or any rank's extras cannot be saved (no ``state_dict``, another set of
-        keys than the other ranks').
+        keys than the other ranks', a ``state_dict()`` that is not data and that
+        ``safe_globals`` does not admit: the message names the extra, the key path and the type).
 
     Returns:
       The committed directory the checkpoint was written to, on every rank (replicas
@@ -212,7 +220,7 @@ def save(
     path = os.path.abspath(os.fspath(path))
     if os.path.isdir(path) and not os.path.islink(path):
         raise CheckpointError(f"{path} is a plain directory; zerofn manages checkpoint paths as symlinks")
-    payload = _extras.capture(extra, rng, group, "zerofn.checkpoint.save")
+    payload = _extras.capture(extra, rng, group, "zerofn.checkpoint.save", safe_globals)
     layout = state.layout
     rank = comm.group_rank(group)
     token = comm.broadcast_object(uuid.uuid4().hex[:12] if rank == 0 else None, group)
@@ -231,9 +239,9 @@ def save(
             for n, (k, d) in theirs.items():  # type: ignore[union-attr]
                 kinds[n], master_dtypes[n] = k, d
     if async_save:  # the extras were captured (deep copies) above: written in the background as they were
-        extras, same_rng = _extras.manifest_entries(payload)
         model = sorted(params) if params is not None else None
-        manifest = Manifest.of(state, kinds, master_dtypes, model, buffer_meta(buffers), extras, same_rng)
+        entries = _extras.manifest_entries(payload)
+        manifest = Manifest.of(state, kinds, master_dtypes, model, buffer_meta(buffers), **entries)
         write_extras = None if payload is None else functools.partial(_extras.write, target, rank, payload)
         return _async.save(
             path,
@@ -250,8 +258,8 @@ def save(
     comm.dcp_save(sd, target, group)
     if rank == 0:
         model = sorted(params) if params is not None else None
-        extras, same_rng = _extras.manifest_entries(payload)
-        manifest = Manifest.of(state, kinds, master_dtypes, model, buffer_meta(buffers), extras, same_rng)
+        entries = _extras.manifest_entries(payload)
+        manifest = Manifest.of(state, kinds, master_dtypes, model, buffer_meta(buffers), **entries)
         write_meta(target, manifest.to_json())
     comm.barrier(group)
     _before_commit()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -120,6 +120,7 @@ def load(
     precision: PrecisionPolicy | None = None,
     extra: Mapping[str, Any] | None = None,
     rng: bool = True,
+    safe_globals: Sequence[Any] = (),
 ) -> ZeroState:
     """Read a checkpoint written by :func:`save` at any world size into this group's shards.
 
@@ -143,6 +144,15 @@ def load(
       rng: restore this rank's RNG states, if saved: at the saved world size each rank's
         own; at another world size only if they were the same on every rank (else every
         rank keeps the generators it has, as at a fresh start).
+      safe_globals: the classes (and functions) beyond data that the saved extras may
+        unpickle, admitted by name as ``torch.serialization.safe_globals`` admits them. A
+        checkpoint whose ``zerofn.json`` says its extras pickle some (saved with
+        ``safe_globals=``) loads its extras only when this covers them all; the record
+        itself admits nothing. Pass it only for a checkpoint whose author you trust.
+
+    Every file is read as data, never as code: DCP's metadata through an allowlist of its
+    own types, the shards and the extras with ``torch.load(weights_only=True)`` (see
+    :mod:`zerofn.checkpoint._reader`, the trust model in the checkpoints guide).
 
     Returns:
       This rank's ZeroState at ``comm.group_size(group)`` ranks.
@@ -152,7 +162,9 @@ def load(
         and RNG are as they were): the files are missing, truncated or corrupt; the
         checkpoint does not fit the model, the optimizer or its placements; ``extra``
         names other keys than the saved ones, or a per-rank extra at another world size;
-        reading failed; an extra's ``load_state_dict`` raised on any rank.
+        reading failed; an extra's ``load_state_dict`` raised on any rank; a file names
+        a global that is not data (the message names the file and the global), before
+        anything it names has run.
 
     Collectives: one object all-gather of every rank's verdict before reading; DCP's plan
     exchange (each rank reads the pieces its shards overlap); one verdict all-gather after
@@ -166,7 +178,9 @@ def load(
     try:
         meta = read_meta(path, verify)
         saved = Manifest.from_json(meta)
-        plan = _plan(saved, path, meta["files"], like, group, optimizer, params_out, buffers_out, extra, rng)
+        plan = _plan(
+            saved, path, meta["files"], like, group, optimizer, params_out, buffers_out, extra, rng, safe_globals
+        )
         failure: Exception | None = None
     except (CheckpointError, AttributeError, KeyError, TypeError, ValueError) as e:
         failure = e if isinstance(e, CheckpointError) else CheckpointError(f"{path}: unreadable metadata ({e!r})")
@@ -241,6 +255,7 @@ def _plan(
     buffers_out: Mapping[str, torch.Tensor] | None,
     extra: Mapping[str, Any] | None,
     rng: bool,
+    safe_globals: Sequence[Any],
 ) -> _Plan:
     """Everything :func:`load` checks before reading a tensor, and what it then reads into.
 
@@ -264,7 +279,7 @@ def _plan(
     fopt = saved.saved_optimizer(optimizer)
     device = next(iter(like.values())).device if isinstance(like, Mapping) else torch.device("cpu")
     rank, n = comm.group_rank(group), comm.group_size(group)
-    restore = _extras.read(path, saved.extras, saved.rng, saved.saved_world_size, extra, rng, rank, n)
+    restore = _extras.read(path, saved, files, extra, rng, rank, n, safe_globals)
     return _Plan(layout, fopt, rank, device, restore, metadata)
 
 
