@@ -21,17 +21,18 @@ No collectives.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import pickle
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator
 from typing import IO, Any
 
 import torch
 
 from zerofn.checkpoint._errors import CheckpointError
 
-__all__ = ["DCP_METADATA_GLOBALS", "global_name", "load_dcp_metadata", "load_torch_file"]
+__all__ = ["DCP_METADATA_GLOBALS", "data_only", "global_name", "load_dcp_metadata", "load_torch_file"]
 
 _DCP = "torch.distributed.checkpoint.metadata"
 
@@ -123,21 +124,33 @@ def load_torch_file(
     the file's bytes. Loads on the CPU. Raises :class:`CheckpointError` naming ``where``
     and, when the file names one that is not admitted, the global.
     """
-    safe = list(safe)
     try:
-        with torch.serialization.safe_globals(safe):
+        with data_only(where, safe):
             if isinstance(source, bytes):
                 return torch.load(io.BytesIO(source), map_location="cpu", weights_only=True)
             return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
-    except pickle.UnpicklingError as e:
-        found = _UNSUPPORTED_GLOBAL.search(str(e))
-        if found:
-            raise _forbidden(where, found.group(1)) from None
-        raise CheckpointError(f"{where}: not data a zerofn load reads ({_reason(e)})") from None
+    except CheckpointError:
+        raise
     except FileNotFoundError:
         raise CheckpointError(f"{where}: missing") from None
     except Exception as e:  # not a torch file, truncated, a tensor type that is gone
         raise CheckpointError(f"{where}: cannot be read ({type(e).__name__}: {_reason(e)})") from None
+
+
+@contextlib.contextmanager
+def data_only(where: str, safe: Iterable[Any | tuple[Any, str]] = ()) -> Iterator[None]:
+    """Inside: every ``torch.load(weights_only=True)`` admits exactly ``safe`` beyond torch's data
+    set, and its refusal (``pickle.UnpicklingError``) is a :class:`CheckpointError` naming
+    ``where`` and the global. For a load zerofn does not call itself (Lightning's file)."""
+    try:
+        with torch.serialization.safe_globals(list(safe)):
+            yield
+    except pickle.UnpicklingError as e:
+        found = _UNSUPPORTED_GLOBAL.search(str(e))
+        if found:
+            name = found.group(1)
+            raise _forbidden(where, name if "." in name else f"builtins.{name}") from None
+        raise CheckpointError(f"{where}: not data a zerofn load reads ({_reason(e)})") from None
 
 
 def _reason(error: BaseException) -> str:
@@ -147,8 +160,3 @@ def _reason(error: BaseException) -> str:
         if marker in text:
             text = text.split(marker, 1)[1]
     return " ".join(text.split("\n\n")[0].split())[:300]
-
-
-def unsafe_names(allowed: Sequence[Any]) -> list[str]:
-    """The names (``module.qualname``) of the globals in ``allowed``, sorted, as a manifest records them."""
-    return sorted(global_name(g) if not isinstance(g, tuple) else g[1] for g in allowed)
