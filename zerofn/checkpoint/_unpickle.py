@@ -21,10 +21,14 @@ No collectives.
 
 from __future__ import annotations
 
+import _compat_pickle
 import contextlib
 import io
 import pickle
+import pickletools
 import re
+import warnings
+import zipfile
 from collections.abc import Iterable, Iterator
 from typing import IO, Any
 
@@ -61,6 +65,47 @@ DCP_METADATA_GLOBALS: frozenset[tuple[str, str]] = frozenset(
 )
 
 
+def _python3_name(module: str, name: str) -> tuple[str, str]:
+    """A global as Python 3 names it: pickles of protocol 0-2 use Python 2's names
+    (``__builtin__.eval``, ``commands.Popen``), which unpickling maps as here."""
+    if (module, name) in _compat_pickle.NAME_MAPPING:
+        return _compat_pickle.NAME_MAPPING[(module, name)]
+    return _compat_pickle.IMPORT_MAPPING.get(module, module), name
+
+
+def globals_named(data: bytes) -> list[str]:
+    """Every global the pickle ``data`` names (``module.name``, Python 3's names), in order, read
+    without unpickling: ``GLOBAL``/``INST`` carry the name, ``STACK_GLOBAL`` takes the two
+    strings pushed (or fetched from the memo) before it. Concatenated pickles are read to
+    the end. A torch zip file: its ``data.pkl``."""
+    if data[:4] == b"PK\x03\x04":
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            pkl = next((n for n in archive.namelist() if n.endswith("data.pkl")), None)
+            data = archive.read(pkl) if pkl is not None else b""
+    found: list[str] = []
+    stream = io.BytesIO(data)
+    while stream.tell() < len(data):
+        strings: list[Any] = []
+        memo: dict[Any, Any] = {}
+        for op, arg, _ in pickletools.genops(stream):
+            if op.name in ("GLOBAL", "INST"):
+                module, _, name = arg.partition(" ")
+                found.append(".".join(_python3_name(module, name)))
+            elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
+                found.append(".".join(_python3_name(str(strings[-2]), str(strings[-1]))))
+            elif op.name == "MEMOIZE":
+                memo[len(memo)] = strings[-1] if strings else None
+            elif op.name in ("PUT", "BINPUT", "LONG_BINPUT"):
+                memo[arg] = strings[-1] if strings else None
+            elif op.name in ("GET", "BINGET", "LONG_BINGET"):
+                strings.append(memo.get(arg))
+            elif isinstance(arg, str) and "UNICODE" in op.name:
+                strings.append(arg)
+            elif op.name == "STOP":
+                break
+    return found
+
+
 def global_name(obj: Any) -> str:
     """``module.qualname`` of a class or function: how a pickle (and a manifest) names it."""
     return f"{obj.__module__}.{obj.__qualname__}"
@@ -88,8 +133,8 @@ class _AllowlistUnpickler(pickle.Unpickler):
         self._allowed, self._where = allowed, where
 
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) not in self._allowed:
-            raise _forbidden(self._where, f"{module}.{name}")
+        if _python3_name(module, name) not in self._allowed:
+            raise _forbidden(self._where, ".".join(_python3_name(module, name)))
         return super().find_class(module, name)
 
     def persistent_load(self, pid: Any) -> Any:
@@ -124,12 +169,18 @@ def load_torch_file(
     the file's bytes. Loads on the CPU. Raises :class:`CheckpointError` naming ``where``
     and, when the file names one that is not admitted, the global.
     """
+    safe = list(safe)
     try:
         with data_only(where, safe):
             if isinstance(source, bytes):
                 return torch.load(io.BytesIO(source), map_location="cpu", weights_only=True)
             return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
-    except CheckpointError:
+    except CheckpointError as e:
+        if "names the global" not in str(e):  # torch refused an opcode first: name the global it would meet
+            data = source if isinstance(source, bytes) else _read_bytes(source)
+            name = refused_global(data, safe) if data is not None else None
+            if name is not None:
+                raise _forbidden(where, name) from None
         raise
     except FileNotFoundError:
         raise CheckpointError(f"{where}: missing") from None
@@ -142,15 +193,43 @@ def data_only(where: str, safe: Iterable[Any | tuple[Any, str]] = ()) -> Iterato
     """Inside: every ``torch.load(weights_only=True)`` admits exactly ``safe`` beyond torch's data
     set, and its refusal (``pickle.UnpicklingError``) is a :class:`CheckpointError` naming
     ``where`` and the global. For a load zerofn does not call itself (Lightning's file)."""
+    safe = list(safe)
     try:
-        with torch.serialization.safe_globals(list(safe)):
+        with torch.serialization.safe_globals(safe), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "Detected pickle protocol", UserWarning)  # refused or read: either way
             yield
     except pickle.UnpicklingError as e:
         found = _UNSUPPORTED_GLOBAL.search(str(e))
         if found:
-            name = found.group(1)
-            raise _forbidden(where, name if "." in name else f"builtins.{name}") from None
+            module, _, name = found.group(1).rpartition(".")
+            raise _forbidden(where, ".".join(_python3_name(module or "builtins", name))) from None
         raise CheckpointError(f"{where}: not data a zerofn load reads ({_reason(e)})") from None
+
+
+def refused_global(data: bytes, safe: Iterable[Any | tuple[Any, str]] = ()) -> str | None:
+    """The first global the torch file (or pickle) ``data`` names that ``torch.load(weights_only=True)``
+    does not admit with ``safe``, or ``None``: what a refusal names when torch's own message
+    does not (it stops at an opcode it does not take before it reaches the global)."""
+    try:
+        from torch import _weights_only_unpickler as wou
+
+        admitted = set(wou._get_allowed_globals()) | set(wou._get_user_allowed_globals())
+    except (ImportError, AttributeError):  # torch's private table moved: name every global outside torch
+        admitted = set()
+    admitted |= {global_name(g) if not isinstance(g, tuple) else g[1] for g in safe}
+    try:
+        named = globals_named(data)
+    except Exception:  # not a pickle one can read to its end: nothing to name
+        return None
+    return next((n for n in named if n not in admitted and not (not admitted and n.startswith("torch."))), None)
+
+
+def _read_bytes(path: str) -> bytes | None:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:
+        return None
 
 
 def _reason(error: BaseException) -> str:
