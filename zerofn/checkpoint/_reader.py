@@ -68,9 +68,15 @@ def read_dcp_metadata(path: str, files: Collection[str]) -> Metadata:
     if ".metadata" not in files:
         raise CheckpointError(f"{path}: zerofn.json lists no .metadata, which every sharded checkpoint has")
     found: dict[str, Any] = {}
+    failures: list[CheckpointError] = []
     for name in sorted(files):
         if is_metadata_file(name):
-            found[name] = load_dcp_metadata(os.path.join(path, name))
+            try:
+                found[name] = load_dcp_metadata(os.path.join(path, name))
+            except CheckpointError as e:
+                failures.append(e)
+    if failures:  # a planted global first: the file DCP would fall back to is read (as data) too
+        raise next((e for e in failures if "names the" in str(e)), failures[0])
     for name, metadata in found.items():
         _check_metadata(metadata, os.path.join(path, name), {f for f in files if _SHARD_FILE.match(f)})
     return found[".metadata"]

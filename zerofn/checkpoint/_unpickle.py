@@ -169,18 +169,12 @@ def load_torch_file(
     the file's bytes. Loads on the CPU. Raises :class:`CheckpointError` naming ``where``
     and, when the file names one that is not admitted, the global.
     """
-    safe = list(safe)
     try:
-        with data_only(where, safe):
+        with data_only(where, safe, source):
             if isinstance(source, bytes):
                 return torch.load(io.BytesIO(source), map_location="cpu", weights_only=True)
             return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
-    except CheckpointError as e:
-        if "names the global" not in str(e):  # torch refused an opcode first: name the global it would meet
-            data = source if isinstance(source, bytes) else _read_bytes(source)
-            name = refused_global(data, safe) if data is not None else None
-            if name is not None:
-                raise _forbidden(where, name) from None
+    except CheckpointError:
         raise
     except FileNotFoundError:
         raise CheckpointError(f"{where}: missing") from None
@@ -189,10 +183,13 @@ def load_torch_file(
 
 
 @contextlib.contextmanager
-def data_only(where: str, safe: Iterable[Any | tuple[Any, str]] = ()) -> Iterator[None]:
+def data_only(
+    where: str, safe: Iterable[Any | tuple[Any, str]] = (), source: str | bytes | None = None
+) -> Iterator[None]:
     """Inside: every ``torch.load(weights_only=True)`` admits exactly ``safe`` beyond torch's data
     set, and its refusal (``pickle.UnpicklingError``) is a :class:`CheckpointError` naming
-    ``where`` and the global. For a load zerofn does not call itself (Lightning's file)."""
+    ``where`` and the global (read from ``source``, the file's path or bytes, where torch's
+    own message names none). Also for a load zerofn does not call itself (Lightning's file)."""
     safe = list(safe)
     try:
         with torch.serialization.safe_globals(safe), warnings.catch_warnings():
@@ -203,6 +200,10 @@ def data_only(where: str, safe: Iterable[Any | tuple[Any, str]] = ()) -> Iterato
         if found:
             module, _, name = found.group(1).rpartition(".")
             raise _forbidden(where, ".".join(_python3_name(module or "builtins", name))) from None
+        data = _read_bytes(source) if isinstance(source, str) else source
+        name = refused_global(data, safe) if data is not None else None  # torch stopped at an opcode first
+        if name is not None:
+            raise _forbidden(where, name) from None
         raise CheckpointError(f"{where}: not data a zerofn load reads ({_reason(e)})") from None
 
 

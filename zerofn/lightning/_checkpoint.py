@@ -128,7 +128,7 @@ def load_file(load: Any, path: Any, safe_globals: tuple[Any, ...], weights_only:
             f"{who}: weights_only=False would unpickle {path} as code; zerofn's strategies load data only. Admit "
             "the classes the file needs by name with the strategy's safe_globals=[...] option instead"
         )
-    with data_only(os.fspath(path), safe_globals):
+    with data_only(os.fspath(path), safe_globals, os.fspath(path)):
         return load(weights_only=True)
 
 

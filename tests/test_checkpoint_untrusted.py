@@ -1,0 +1,516 @@
+"""A checkpoint someone else wrote cannot run code: every load path reads data.
+
+The attacker can write every file of the checkpoint, ``zerofn.json`` included (its sizes and
+hashes are rewritten after each plant: :func:`attack.reseal`). Each planted pickle writes a
+marker file when unpickled without an allowlist (checked first: the attacks are real);
+each load must then raise :class:`CheckpointError` naming the file and the global, with no
+marker written and the live state bitwise what it was, on every rank.
+
+Unit level (no processes): the two readers (DCP's metadata through the allowlist, torch
+files with ``weights_only=True``) against every planted global at pickle protocols 0-5;
+the metadata's own checks (bytes entries, files outside the folder or unlisted, the
+``__0.metadata`` fallback); the extras of format 1 (a NumPy array outside the RNG key);
+both Lightning strategies' loads of Lightning's file. Real gloo ranks (few, small): a
+facade checkpoint attacked file by file at N = 1 and 2, the N = 2 attacks loaded at N = 1,
+the save-time refusal and the explicit opt-in at N = 2, and Fabric's sharded and full files.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import pickle
+import random
+import shutil
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from attack import GLOBALS, evil_module, payload, plant, raw_pickle, reseal, torch_file
+from conftest import get_world
+from helpers import Snapshot, seeded
+
+import zerofn as zf
+from zerofn.checkpoint import CheckpointError
+from zerofn.checkpoint._format import read_meta
+from zerofn.checkpoint._unpickle import load_dcp_metadata, load_torch_file
+
+PROTOCOLS = range(pickle.HIGHEST_PROTOCOL + 1)
+
+
+@pytest.fixture
+def marker(tmp_path, monkeypatch) -> str:
+    """The marker a payload writes; ``importlib.import_module``'s module is importable."""
+    path = str(tmp_path / "marker")
+    name, source = evil_module(path)
+    (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return path
+
+
+def _refused(error: pytest.ExceptionInfo, file: str, name: str, marker: str) -> None:
+    message = str(error.value)
+    assert file in message and name in message, message
+    assert not os.path.exists(marker), "the planted code ran"
+
+
+# --------------------------------------------------------------------------- the payloads are real
+
+
+@pytest.mark.parametrize("name", [g for g in GLOBALS if g != "torch.serialization.load"])
+def test_each_planted_pickle_runs_its_code_when_unpickled_plainly(name, marker):
+    ran = pickle.loads(raw_pickle(payload(name, marker), 2))
+    if name == "subprocess.Popen":
+        ran.wait()
+    assert os.path.exists(marker)
+
+
+def test_the_torch_load_payload_calls_torch_load_when_unpickled_plainly(marker):
+    with pytest.raises(FileNotFoundError, match="planted"):  # it calls torch.load on the path it names
+        pickle.loads(raw_pickle(payload("torch.serialization.load", marker), 2))
+
+
+# --------------------------------------------------------------------------- the readers
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize("name", GLOBALS)
+def test_dcp_metadata_is_read_through_an_allowlist(name, protocol, marker, tmp_path):
+    file = str(tmp_path / ".metadata")
+    plant(str(tmp_path), ".metadata", raw_pickle(payload(name, marker), protocol))
+    with pytest.raises(CheckpointError) as e:
+        load_dcp_metadata(file)
+    _refused(e, file, name, marker)
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize("name", GLOBALS)
+def test_torch_files_are_read_as_data(name, protocol, marker):
+    content = {"extra": {"sched": {"lr": [payload(name, marker)]}}, "rng": None}
+    for data in (torch_file(content, protocol), raw_pickle(content, protocol)):
+        with pytest.raises(CheckpointError) as e:
+            load_torch_file(data, "extras.1.pt")
+        _refused(e, "extras.1.pt", name, marker)
+
+
+@pytest.mark.parametrize("protocol", [2, 4])
+def test_numpy_arrays_are_not_data_in_a_torch_file(protocol):
+    with pytest.raises(CheckpointError, match=r"extras\.0\.pt.*numpy\._core\.multiarray\._reconstruct"):
+        load_torch_file(torch_file({"extra": {"x": np.ones(3)}, "rng": None}, protocol), "extras.0.pt")
+
+
+def test_an_admitted_class_loads_and_nothing_else_does():
+    from fractions import Fraction
+
+    data = torch_file({"size": torch.Size([3]), "frac": Fraction(1, 3)})
+    with pytest.raises(CheckpointError, match=r"f: names the global fractions\.Fraction"):
+        load_torch_file(data, "f")
+    assert load_torch_file(data, "f", [Fraction]) == {"size": torch.Size([3]), "frac": Fraction(1, 3)}
+
+
+# --------------------------------------------------------------------------- DCP's metadata, checked
+
+
+def _metadata_dir(tmp_path, storage: dict, entries: dict, files: tuple[str, ...]) -> str:
+    """A checkpoint directory with a hand-made ``.metadata`` and ``zerofn.json`` listing ``files``."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    directory = tmp_path / "ck"
+    directory.mkdir()
+    plant(str(directory), ".metadata", pickle.dumps(Metadata(entries, storage_data=storage)))
+    for name in files:
+        if not (directory / name).exists():
+            plant(str(directory), name, b"")
+    plant(str(directory), "zerofn.json", b'{"files": {}}')
+    reseal(str(directory), add=(".metadata", *files))
+    return str(directory)
+
+
+def _tensor_entry(n: int) -> Any:
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties, TensorStorageMetadata
+
+    chunk = ChunkStorageMetadata(torch.Size([0]), torch.Size([n]))
+    return TensorStorageMetadata(TensorProperties(torch.float32), torch.Size([n]), [chunk])
+
+
+@pytest.mark.parametrize(
+    "where, expect",
+    [
+        ("../outside.distcp", "not a shard file zerofn.json lists"),
+        ("__7_0.distcp", "not a shard file zerofn.json lists"),  # in the folder, not listed
+        ("/etc/passwd", "not a shard file zerofn.json lists"),
+    ],
+)
+def test_dcp_entries_are_read_only_from_the_listed_shard_files(tmp_path, where, expect):
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    from zerofn.checkpoint._reader import read_dcp_metadata
+
+    storage = {MetadataIndex("master/w", [0]): _StorageInfo(where, 0, 10)}
+    path = _metadata_dir(tmp_path, storage, {"master/w": _tensor_entry(4)}, ("__0_0.distcp",))
+    with pytest.raises(CheckpointError, match=expect) as e:
+        read_dcp_metadata(path, read_meta(path, True)["files"])
+    assert "master/w" in str(e.value)
+
+
+def test_a_bytes_entry_is_refused_before_dcp_would_unpickle_it(tmp_path):
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    from zerofn.checkpoint._reader import read_dcp_metadata
+
+    storage = {MetadataIndex("optim/w/exp_avg"): _StorageInfo("__0_0.distcp", 0, 10)}
+    path = _metadata_dir(tmp_path, storage, {"optim/w/exp_avg": BytesStorageMetadata()}, ("__0_0.distcp",))
+    with pytest.raises(CheckpointError, match=r"'optim/w/exp_avg' is a BytesStorageMetadata, not a tensor"):
+        read_dcp_metadata(path, read_meta(path, True)["files"])
+
+
+def test_the_rank_metadata_dcp_falls_back_to_is_read_as_data_too(tmp_path, marker):
+    from zerofn.checkpoint._reader import read_dcp_metadata
+
+    path = _metadata_dir(tmp_path, {}, {}, ())
+    plant(path, ".metadata", b"not a pickle")  # torch's reader would fail here and fall back to __0.metadata
+    plant(path, "__0.metadata", raw_pickle(payload("builtins.eval", marker), 4))
+    reseal(path, add=("__0.metadata",))
+    with pytest.raises(CheckpointError) as e:
+        read_dcp_metadata(path, read_meta(path, True)["files"])
+    _refused(e, "__0.metadata", "builtins.eval", marker)
+
+
+@pytest.mark.parametrize("name", ["../outside", "/tmp/x", "sub/file", "zerofn.json"])
+def test_zerofn_json_lists_only_files_of_the_folder(tmp_path, name):
+    directory = tmp_path / "ck"
+    directory.mkdir()
+    plant(str(directory), "zerofn.json", json.dumps({"files": {name: {"bytes": 0, "sha256": ""}}}).encode())
+    with pytest.raises(CheckpointError, match="not a file of the checkpoint's own directory"):
+        read_meta(str(directory), True)
+
+
+def test_a_listed_file_that_is_a_symlink_is_refused(tmp_path):
+    directory = tmp_path / "ck"
+    directory.mkdir()
+    (tmp_path / "elsewhere").write_bytes(b"x")
+    os.symlink(tmp_path / "elsewhere", directory / "__0_0.distcp")
+    plant(str(directory), "zerofn.json", b'{"files": {"__0_0.distcp": {"bytes": 1, "sha256": ""}}}')
+    with pytest.raises(CheckpointError, match="is a symlink"):
+        read_meta(str(directory), True)
+
+
+# --------------------------------------------------------------------------- extras of format 1
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "data", "v2_partition_bf16_n2")
+
+
+def _format1_read(tmp_path, content: Any) -> Any:
+    """``_extras.read`` of the format-1 fixture with ``extras.0.pt`` replaced by ``content``."""
+    from zerofn.checkpoint import _extras
+    from zerofn.checkpoint._manifest import Manifest
+
+    path = str(tmp_path / "v2")
+    shutil.copytree(FIXTURE, path)
+    if content is not None:
+        plant(path, "extras.0.pt", torch_file(content))
+        reseal(path)
+    meta = read_meta(path, True)
+    return _extras.read(path, Manifest.from_json(meta), meta["files"], None, True, 0, 2)
+
+
+def test_a_format1_rng_key_loads_through_numpy_s_array_globals(tmp_path):
+    restore = _format1_read(tmp_path, None)
+    name, key, *_ = restore.rng["numpy"]
+    assert name == "MT19937" and key.dtype == np.uint32 and key.shape == (624,)
+
+
+def test_a_numpy_array_outside_the_format1_rng_key_is_refused(tmp_path):
+    original = torch.load(os.path.join(FIXTURE, "extras.0.pt"), weights_only=False)  # the fixture: trusted
+    # An array of the RNG key's dtype passes torch's allowlist of NumPy's globals; its place does not.
+    content = {"extra": original["extra"], "rng": {**original["rng"], "torch": np.zeros(3, dtype=np.uint32)}}
+    with pytest.raises(CheckpointError, match=r"extras\.0\.pt: names the global numpy\._core\.multiarray\._recons"):
+        _format1_read(tmp_path, content)
+    content["rng"]["torch"] = np.zeros(3)  # another dtype: not even one of the admitted globals
+    with pytest.raises(CheckpointError, match=r"extras\.0\.pt: not data"):
+        _format1_read(tmp_path / "again", content)
+
+
+# --------------------------------------------------------------------------- Lightning's file
+
+
+def test_lightning_files_are_read_as_data_by_both_strategies(tmp_path, marker):
+    pytest.importorskip("lightning")
+    from zerofn.lightning import ZeroStrategy, ZeroTrainerStrategy
+
+    file = str(tmp_path / "full.ckpt")
+    plant(str(tmp_path), "full.ckpt", torch_file({"state_dict": {}, "loops": payload("posix.system", marker)}))
+    for load in (
+        lambda **kw: ZeroStrategy().load_checkpoint(file, **kw),
+        lambda **kw: ZeroTrainerStrategy().load_checkpoint(file, **kw),
+    ):
+        with pytest.raises(CheckpointError) as e:
+            load()
+        _refused(e, file, "posix.system", marker)
+        with pytest.raises(ValueError, match="weights_only=False would unpickle"):
+            load(weights_only=False)
+    assert not os.path.exists(marker)
+
+
+# --------------------------------------------------------------------------- real ranks: the facade
+
+
+class Counter:
+    """A user's stateful extra."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.value = state["value"]
+
+
+def _trained() -> tuple[torch.nn.Module, zf.ZeroOptimizer, Counter]:
+    torch.manual_seed(seeded(5))
+    model = torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+    opt = zf.ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), module=model)
+    torch.manual_seed(seeded(6) + dist.get_rank())
+    random.seed(seeded(7) + dist.get_rank())
+    np.random.seed(seeded(8) + dist.get_rank())
+    model(torch.randn(4, 5)).square().mean().backward()
+    opt.step()
+    counter = Counter()
+    counter.value = 3
+    return model, opt, counter
+
+
+def _live(model: torch.nn.Module, opt: zf.ZeroOptimizer, counter: Counter) -> tuple[Snapshot, Any]:
+    """What a failed load must leave as it was: params, shards, step, groups, extra and every RNG."""
+    tensors = {"params": dict(model.named_parameters()), "state": opt._state, "torch_rng": torch.get_rng_state()}
+    rest = (copy.deepcopy(opt.param_groups[0]["lr"]), counter.value, random.getstate(), np.random.get_state())
+    return Snapshot(tensors), rest
+
+
+def _unchanged(before: tuple[Snapshot, Any], model: torch.nn.Module, opt: zf.ZeroOptimizer, counter: Counter) -> bool:
+    snapshot, rest = before
+    tensors = {"params": dict(model.named_parameters()), "state": opt._state, "torch_rng": torch.get_rng_state()}
+    snapshot.assert_unchanged(tensors, "the live state")
+    lr, value, python_rng, (name, key, *numpy_rest) = rest
+    numpy_now = np.random.get_state()
+    return (
+        opt.param_groups[0]["lr"] == lr
+        and counter.value == value
+        and random.getstate() == python_rng
+        and numpy_now[0] == name
+        and np.array_equal(numpy_now[1], key)
+        and list(numpy_now[2:]) == numpy_rest
+    )
+
+
+def _shard_entry_attack(directory: str, marker: str, relabel: bool, outside: bool) -> None:
+    """Point one entry of ``.metadata`` (written with DCP's own types) at a planted torch file: appended
+    to a shard file (``relabel``: the entry is called bytes, which DCP's planner would unpickle with
+    ``weights_only=False``), or in a file outside the folder (``outside``)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    with open(os.path.join(directory, ".metadata"), "rb") as f:
+        metadata = pickle.load(f)  # the test's own checkpoint: trusted here
+    index = next(i for i, info in metadata.storage_data.items() if info.relative_path == "__0_0.distcp")
+    blob = torch_file(payload("functools.partial", marker))
+    if outside:
+        plant(os.path.dirname(directory), "outside.distcp", blob)
+        metadata.storage_data[index] = _StorageInfo("../outside.distcp", 0, len(blob))
+    else:
+        with open(os.path.join(directory, "__0_0.distcp"), "ab") as f:
+            offset = f.tell()
+            f.write(blob)
+        metadata.storage_data[index] = _StorageInfo("__0_0.distcp", offset, len(blob))
+    if relabel:
+        metadata.state_dict_metadata[index.fqn] = BytesStorageMetadata()
+    plant(directory, ".metadata", pickle.dumps(metadata))
+
+
+def _tamper(directory: str, attack: str, marker: str, n: int) -> None:
+    if attack == "metadata":
+        plant(directory, ".metadata", raw_pickle(payload("builtins.eval", marker), 4))
+    elif attack.startswith("extras."):
+        plant(directory, attack, torch_file({"extra": {"counter": payload("posix.system", marker)}, "rng": None}))
+    elif attack == "shard entry":
+        _shard_entry_attack(directory, marker, relabel=False, outside=False)
+    elif attack == "bytes relabelled":
+        _shard_entry_attack(directory, marker, relabel=True, outside=False)
+    elif attack == "outside the folder":
+        _shard_entry_attack(directory, marker, relabel=False, outside=True)
+    elif attack == "__0.metadata fallback":
+        plant(directory, ".metadata", b"\x80\x04truncated")
+        plant(directory, "__0.metadata", raw_pickle(payload("functools.partial", marker), 2))
+    reseal(directory, add=("__0.metadata",) if attack == "__0.metadata fallback" else ())
+
+
+def _attacks(n: int) -> list[str]:
+    shards = ["shard entry", "bytes relabelled", "outside the folder", "__0.metadata fallback"]
+    return ["metadata", *[f"extras.{r}.pt" for r in range(n)], *shards]
+
+
+# What each attack's error names (besides the checkpoint's path).
+_NAMES = {
+    "metadata": ".metadata: names the global builtins.eval",
+    "extras.": "names the global posix.system",
+    "shard entry": "names the global functools.partial",
+    "bytes relabelled": "is a BytesStorageMetadata, not a tensor",  # refused before any read
+    "outside the folder": "'../outside.distcp', which is not a shard file zerofn.json lists",
+    "__0.metadata fallback": "__0.metadata: names the global functools.partial",
+}
+
+
+def _attacked_loads(root: str, attacks: list[str], saved_n: int | None) -> dict[str, tuple[str, bool]]:
+    """On every rank: each attack on a copy of a facade checkpoint (made at ``saved_n`` ranks, or
+    here), loaded as the docs say (``opt.load_checkpoint(path, extra=...)``): (error, unchanged)."""
+    model, opt, counter = _trained()
+    rank, n = dist.get_rank(), dist.get_world_size()
+    marker = os.path.join(root, "marker")
+    if saved_n is None:
+        saved = os.path.realpath(opt.save_checkpoint(os.path.join(root, f"ckpt{n}"), extra={"counter": counter}))
+    out = {}
+    for attack in attacks:
+        directory = os.path.join(root, f"n{saved_n or n}-{attack.replace(' ', '-')}")
+        if saved_n is None and rank == 0:
+            shutil.copytree(saved, directory)
+            _tamper(directory, attack, marker, n)
+        dist.barrier()
+        before = _live(model, opt, counter)
+        try:
+            opt.load_checkpoint(directory, extra={"counter": counter})
+            error = "loaded"
+        except CheckpointError as e:
+            error = str(e)
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            error = f"not a CheckpointError: {type(e).__name__}: {e}"
+        out[attack] = (error, _unchanged(before, model, opt, counter))
+        dist.barrier()
+    assert not os.path.exists(marker), "a planted pickle ran"
+    return out
+
+
+def _check_attacks(results: list[dict[str, tuple[str, bool]]], attacks: list[str]) -> None:
+    for attack in attacks:
+        name = next(v for k, v in _NAMES.items() if attack.startswith(k))
+        for rank, by_attack in enumerate(results):
+            error, unchanged = by_attack[attack]
+            assert name in error, f"{attack}, rank {rank}: {error}"
+            assert unchanged, f"{attack}, rank {rank}: the live state changed"
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_every_file_of_a_sharded_checkpoint_is_read_as_data(tmp_path, n):
+    attacks = _attacks(n)
+    _check_attacks(get_world(n).run(_attacked_loads, str(tmp_path), attacks, None), attacks)
+    assert not os.path.exists(tmp_path / "marker")
+    if n == 2:  # the same planted checkpoints, loaded at another world size
+        at_one = [a for a in attacks if a != "extras.1.pt"]  # at N = 1 rank 0's extras are read
+        _check_attacks(get_world(1).run(_attacked_loads, str(tmp_path), at_one, 2), at_one)
+        assert not os.path.exists(tmp_path / "marker")
+
+
+class Schedule:
+    """A user's extra whose state holds an object that is not data (a Fraction)."""
+
+    def __init__(self) -> None:
+        from fractions import Fraction
+
+        self.state: dict[str, Any] = {"milestones": [1, 2], "ratio": {"now": Fraction(1, 3)}}
+
+    def state_dict(self) -> dict[str, Any]:
+        return copy.deepcopy(self.state)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.state = copy.deepcopy(state)
+
+
+def _opt_in(root: str) -> dict[str, Any]:
+    from fractions import Fraction
+
+    model, opt, counter = _trained()
+    schedule = Schedule()
+    path = os.path.join(root, "ck")
+    out: dict[str, Any] = {}
+    try:
+        opt.save_checkpoint(path, extra={"schedule": schedule})
+    except CheckpointError as e:
+        out["save"] = str(e)
+    out["saved anything"] = os.path.exists(path)
+    saved = opt.save_checkpoint(path, extra={"schedule": schedule}, safe_globals=[Fraction])
+    with open(os.path.join(saved, "zerofn.json")) as f:
+        out["pickled"] = json.load(f)["pickled"]
+    schedule.state = {"milestones": [], "ratio": {}}
+    before = _live(model, opt, counter)
+    try:
+        opt.load_checkpoint(path, extra={"schedule": schedule})
+    except CheckpointError as e:
+        out["load"] = str(e)
+    out["unchanged"] = _unchanged(before, model, opt, counter) and schedule.state == {"milestones": [], "ratio": {}}
+    opt.load_checkpoint(path, extra={"schedule": schedule}, safe_globals=[Fraction])
+    out["restored"] = schedule.state == Schedule().state
+    return out
+
+
+def test_a_state_that_is_not_data_needs_the_callers_opt_in_on_save_and_on_load(tmp_path):
+    for out in get_world(2).run(_opt_in, str(tmp_path)):
+        assert "extra['schedule'].state_dict()['ratio']['now'] is a fractions.Fraction" in out["save"], out["save"]
+        assert not out["saved anything"]
+        assert out["pickled"] == ["fractions.Fraction"]
+        assert "does not admit ['fractions.Fraction']: nothing was read" in out["load"], out["load"]
+        assert out["unchanged"] and out["restored"]
+
+
+# --------------------------------------------------------------------------- real ranks: Fabric
+
+
+def _fabric_attacks(root: str) -> dict[str, Any]:
+    import lightning as L
+
+    from zerofn.lightning import ZeroStrategy
+
+    marker = os.path.join(root, "marker")
+    fabric = L.Fabric(accelerator="cpu", devices=dist.get_world_size(), strategy=ZeroStrategy())
+    fabric.launch()
+    torch.manual_seed(seeded(9))
+    module = torch.nn.Linear(4, 3)
+    model, opt = fabric.setup(module, torch.optim.AdamW(module.parameters()))
+    fabric.backward(model(torch.randn(2, 4)).sum())
+    opt.step()
+    state = {"model": model, "optimizer": opt, "step": 1}
+    fabric.save(os.path.join(root, "sharded"), state)
+    fabric.strategy.state_dict_type = "full"
+    fabric.save(os.path.join(root, "full.ckpt"), state)
+    if dist.get_rank() == 0:
+        sharded = os.path.realpath(os.path.join(root, "sharded"))
+        plant(sharded, "extras.1.pt", torch_file({"extra": {"step": payload("builtins.eval", marker)}, "rng": None}))
+        reseal(sharded)
+        full = torch.load(os.path.join(root, "full.ckpt"), weights_only=True)  # zerofn's own file loads as data
+        plant(root, "full.ckpt", torch_file({**full, "step": payload("subprocess.Popen", marker)}, 4))
+    dist.barrier()
+    out = {}
+    for name in ("sharded", "full.ckpt"):
+        before = Snapshot({"params": dict(model.named_parameters()), "state": opt._state})
+        try:
+            fabric.load(os.path.join(root, name), {"model": model, "optimizer": opt, "step": 0})
+            out[name] = "loaded"
+        except CheckpointError as e:
+            out[name] = str(e)
+        before.assert_unchanged({"params": dict(model.named_parameters()), "state": opt._state}, name)
+    dist.barrier()
+    out["ran"] = os.path.exists(marker)
+    return out
+
+
+def test_fabric_checkpoints_are_read_as_data(tmp_path):
+    pytest.importorskip("lightning")
+    for out in get_world(2).run(_fabric_attacks, str(tmp_path)):
+        assert "names the global builtins.eval" in out["sharded"] and "extras.1.pt" in out["sharded"], out
+        assert "full.ckpt: names the global subprocess.Popen" in out["full.ckpt"], out
+        assert not out["ran"]
