@@ -22,6 +22,7 @@ import json
 import os
 import pickle
 import random
+import re
 import shutil
 from typing import Any
 
@@ -396,13 +397,22 @@ def _attacked_loads(root: str, attacks: list[str], saved_n: int | None) -> dict[
     return out
 
 
+_FILE_AND_GLOBAL = re.compile(r"(\S+): names the global (\S+),")
+
+
 def _check_attacks(results: list[dict[str, tuple[str, bool]]], attacks: list[str]) -> None:
+    """Every rank raised a CheckpointError naming the attack (the same file and global on every
+    rank), and every rank's live state is what it was."""
     for attack in attacks:
         name = next(v for k, v in _NAMES.items() if attack.startswith(k))
+        named = set()
         for rank, by_attack in enumerate(results):
             error, unchanged = by_attack[attack]
             assert name in error, f"{attack}, rank {rank}: {error}"
             assert unchanged, f"{attack}, rank {rank}: the live state changed"
+            found = _FILE_AND_GLOBAL.search(error)
+            named.add(found.groups() if found else None)
+        assert len(named) == 1, f"{attack}: the ranks named different files or globals: {named}"
 
 
 @pytest.mark.parametrize("n", [1, 2])
@@ -414,6 +424,21 @@ def test_every_file_of_a_sharded_checkpoint_is_read_as_data(tmp_path, n):
         at_one = [a for a in attacks if a != "extras.1.pt"]  # at N = 1 rank 0's extras are read
         _check_attacks(get_world(1).run(_attacked_loads, str(tmp_path), at_one, 2), at_one)
         assert not os.path.exists(tmp_path / "marker")
+
+
+def _torch_reads_it(root: str) -> list[float]:
+    import torch.distributed.checkpoint as dcp
+
+    params = {"w": torch.arange(6.0), "b": torch.ones(3)}
+    state = zf.shard_params(params, zf.optim.sgd(lr=0.1))
+    path = zf.checkpoint.save(os.path.join(root, "ck"), state, params=params)
+    into = {"model/w": torch.zeros(6), "model/b": torch.zeros(3)}
+    dcp.load(into, checkpoint_id=path)  # torch's own reader and planner
+    return [*into["model/w"].tolist(), *into["model/b"].tolist()]
+
+
+def test_torch_s_own_dcp_reads_what_zerofn_saves(tmp_path):
+    assert get_world(1).run(_torch_reads_it, str(tmp_path)) == [[0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 1.0, 1.0, 1.0]]
 
 
 class Schedule:

@@ -36,8 +36,14 @@ save), ``_load`` (the sharded load as one pipeline: read and verify the metadata
 manifest, check it against the live state, read the tensors, assemble), ``_torch_format`` (the torch-format
 full state dict), ``_validate`` (what a load checks against the live state), ``_optimizer``
 (the optimizer state as torch keeps it, and the optimizer a checkpoint describes),
-``_extras`` (``extra=`` objects and every rank's RNG), ``_async`` (saving in the
-background: staging, the write on a side group, the commit when it completes), ``_errors``.
+``_extras`` (``extra=`` objects and every rank's RNG, as data), ``_rng`` (the RNG states as
+data, and what a state dict may hold), ``_unpickle`` (reading a pickle as data: the
+allowlists), ``_reader`` (DCP's files read as data: the metadata, checked, the reader and
+the planner a load hands DCP), ``_async`` (saving in the background: staging, the write on
+a side group, the commit when it completes), ``_errors``.
+
+A load reads data, never code: see "Loading a checkpoint someone else wrote" in the
+checkpoints guide for what it admits and what ``safe_globals=`` adds.
 """
 
 from zerofn.checkpoint._async import PendingCheckpoint
