@@ -311,25 +311,25 @@ def _unchanged(before: tuple[Snapshot, Any], model: torch.nn.Module, opt: zf.Zer
     )
 
 
-def _shard_entry_attack(directory: str, marker: str, relabel: bool, outside: bool) -> None:
+def _shard_entry_attack(directory: str, marker: str, relabel: bool, outside: bool, shard: str = "__0_0.distcp") -> None:
     """Point one entry of ``.metadata`` (written with DCP's own types) at a planted torch file: appended
-    to a shard file (``relabel``: the entry is called bytes, which DCP's planner would unpickle with
-    ``weights_only=False``), or in a file outside the folder (``outside``)."""
+    to the shard file ``shard`` (``relabel``: the entry is called bytes, which DCP's planner would
+    unpickle with ``weights_only=False``), or in a file outside the folder (``outside``)."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
     with open(os.path.join(directory, ".metadata"), "rb") as f:
         metadata = pickle.load(f)  # the test's own checkpoint: trusted here
-    index = next(i for i, info in metadata.storage_data.items() if info.relative_path == "__0_0.distcp")
+    index = next(i for i, info in metadata.storage_data.items() if info.relative_path == shard)
     blob = torch_file(payload("functools.partial", marker))
     if outside:
         plant(os.path.dirname(directory), "outside.distcp", blob)
         metadata.storage_data[index] = _StorageInfo("../outside.distcp", 0, len(blob))
     else:
-        with open(os.path.join(directory, "__0_0.distcp"), "ab") as f:
+        with open(os.path.join(directory, shard), "ab") as f:
             offset = f.tell()
             f.write(blob)
-        metadata.storage_data[index] = _StorageInfo("__0_0.distcp", offset, len(blob))
+        metadata.storage_data[index] = _StorageInfo(shard, offset, len(blob))
     if relabel:
         metadata.state_dict_metadata[index.fqn] = BytesStorageMetadata()
     plant(directory, ".metadata", pickle.dumps(metadata))
@@ -340,8 +340,8 @@ def _tamper(directory: str, attack: str, marker: str, n: int) -> None:
         plant(directory, ".metadata", raw_pickle(payload("builtins.eval", marker), 4))
     elif attack.startswith("extras."):
         plant(directory, attack, torch_file({"extra": {"counter": payload("posix.system", marker)}, "rng": None}))
-    elif attack == "shard entry":
-        _shard_entry_attack(directory, marker, relabel=False, outside=False)
+    elif attack.startswith("shard __"):
+        _shard_entry_attack(directory, marker, relabel=False, outside=False, shard=attack.split()[1])
     elif attack == "bytes relabelled":
         _shard_entry_attack(directory, marker, relabel=True, outside=False)
     elif attack == "outside the folder":
@@ -353,15 +353,22 @@ def _tamper(directory: str, attack: str, marker: str, n: int) -> None:
 
 
 def _attacks(n: int) -> list[str]:
-    shards = ["shard entry", "bytes relabelled", "outside the folder", "__0.metadata fallback"]
-    return ["metadata", *[f"extras.{r}.pt" for r in range(n)], *shards]
+    shards = [f"shard __{r}_0.distcp" for r in range(n)]
+    return [
+        "metadata",
+        *[f"extras.{r}.pt" for r in range(n)],
+        *shards,
+        "bytes relabelled",
+        "outside the folder",
+        "__0.metadata fallback",
+    ]
 
 
 # What each attack's error names (besides the checkpoint's path).
 _NAMES = {
     "metadata": ".metadata: names the global builtins.eval",
     "extras.": "names the global posix.system",
-    "shard entry": "names the global functools.partial",
+    "shard __": "names the global functools.partial",
     "bytes relabelled": "is a BytesStorageMetadata, not a tensor",  # refused before any read
     "outside the folder": "'../outside.distcp', which is not a shard file zerofn.json lists",
     "__0.metadata fallback": "__0.metadata: names the global functools.partial",
