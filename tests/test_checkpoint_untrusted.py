@@ -112,6 +112,23 @@ def test_an_admitted_class_loads_and_nothing_else_does():
     assert load_torch_file(data, "f", [Fraction]) == {"size": torch.Size([3]), "frac": Fraction(1, 3)}
 
 
+def test_dcp_s_checkpoint_exception_becomes_one_checkpoint_error_for_every_rank():
+    import traceback
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from zerofn.checkpoint._load import dcp_failure
+
+    assert not issubclass(CheckpointException, Exception)  # why it must be caught by name
+    planted = CheckpointError("__1_0.distcp (entry 'master/w'): names the global posix.system")
+    failures = {1: (planted, traceback.StackSummary()), 3: (ValueError("later"), traceback.StackSummary())}
+    error = dcp_failure("/ck", CheckpointException("read", failures))
+    assert isinstance(error, CheckpointError) and error.__cause__ is planted
+    assert str(error) == "/ck: rank 1: __1_0.distcp (entry 'master/w'): names the global posix.system"
+    other = dcp_failure("/ck", CheckpointException("read", {0: (KeyError("k"), traceback.StackSummary())}))
+    assert str(other) == "/ck: reading the shards failed on rank 0: KeyError: 'k'"
+
+
 # --------------------------------------------------------------------------- DCP's metadata, checked
 
 
