@@ -159,9 +159,7 @@ def load_dcp_metadata(path: str) -> Any:
 _UNSUPPORTED_GLOBAL = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
 
 
-def load_torch_file(
-    source: str | bytes, where: str, safe: Iterable[Any | tuple[Any, str]] = (), *, mmap: bool = False
-) -> Any:
+def load_torch_file(source: str | bytes, where: str, safe: Iterable[Any | tuple[Any, str]] = ()) -> Any:
     """``torch.load(source, weights_only=True)`` admitting exactly the globals ``safe`` lists.
 
     ``safe``: classes or functions (or ``(obj, "module.name")`` for an object a pickle names
@@ -173,7 +171,7 @@ def load_torch_file(
         with data_only(where, safe, source):
             if isinstance(source, bytes):
                 return torch.load(io.BytesIO(source), map_location="cpu", weights_only=True)
-            return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
+            return torch.load(source, map_location="cpu", weights_only=True)
     except CheckpointError:
         raise
     except FileNotFoundError:
@@ -211,18 +209,23 @@ def refused_global(data: bytes, safe: Iterable[Any | tuple[Any, str]] = ()) -> s
     """The first global the torch file (or pickle) ``data`` names that ``torch.load(weights_only=True)``
     does not admit with ``safe``, or ``None``: what a refusal names when torch's own message
     does not (it stops at an opcode it does not take before it reaches the global)."""
+    torch_admits: set[str] | None
     try:
         from torch import _weights_only_unpickler as wou
 
-        admitted = set(wou._get_allowed_globals()) | set(wou._get_user_allowed_globals())
-    except (ImportError, AttributeError):  # torch's private table moved: name every global outside torch
-        admitted = set()
-    admitted |= {global_name(g) if not isinstance(g, tuple) else g[1] for g in safe}
+        torch_admits = set(wou._get_allowed_globals()) | set(wou._get_user_allowed_globals())
+    except (ImportError, AttributeError):  # torch's private table moved: name the first global outside torch
+        torch_admits = None
+    caller_admits = {global_name(g) if not isinstance(g, tuple) else g[1] for g in safe}
     try:
         named = globals_named(data)
     except Exception:  # not a pickle one can read to its end: nothing to name
         return None
-    return next((n for n in named if n not in admitted and not (not admitted and n.startswith("torch."))), None)
+    for name in named:
+        admitted = name.startswith("torch.") if torch_admits is None else name in torch_admits
+        if not admitted and name not in caller_admits:
+            return name
+    return None
 
 
 def _read_bytes(path: str) -> bytes | None:
