@@ -275,6 +275,20 @@ def test_lightning_files_are_read_as_data_by_both_strategies(tmp_path, marker):
     assert not os.path.exists(marker)
 
 
+def test_the_lightning_strategies_take_the_opt_in_as_an_option(tmp_path):
+    pytest.importorskip("lightning")
+    from fractions import Fraction
+
+    from zerofn.lightning import ZeroStrategy, ZeroTrainerStrategy
+
+    file = str(tmp_path / "full.ckpt")
+    plant(str(tmp_path), "full.ckpt", torch_file({"state_dict": {}, "ratio": Fraction(1, 3)}))
+    for strategy in (ZeroStrategy, ZeroTrainerStrategy):
+        with pytest.raises(CheckpointError, match=r"full\.ckpt: names the global fractions\.Fraction"):
+            strategy().load_checkpoint(file)
+        assert strategy(safe_globals=[Fraction]).load_checkpoint(file)["ratio"] == Fraction(1, 3)
+
+
 # --------------------------------------------------------------------------- real ranks: the facade
 
 
