@@ -74,10 +74,10 @@ def _serialized(value: Any) -> bytes:
     return buffer.getvalue()
 
 
-def _pickled_globals(key: str, state: Any, safe_globals: Sequence[Any]) -> list[str]:
-    """The globals beyond torch's ``weights_only`` set that ``state``'s pickle names, once each is
-    one the caller admitted; else :class:`CheckpointError` naming the extra, the key path and
-    the type (or the global), before anything is written."""
+def _as_data(key: str, state: Any, safe_globals: Sequence[Any]) -> tuple[bytes, list[str]]:
+    """``state`` serialized, and the globals beyond torch's ``weights_only`` set its pickle names,
+    once each is one the caller admitted; else :class:`CheckpointError` naming the extra, the
+    key path and the type (or the global), before anything is written."""
     admitted = {g for g in safe_globals if isinstance(g, type)}
     found = first_not_data(state, "", admitted)
     if found is not None:
@@ -87,8 +87,8 @@ def _pickled_globals(key: str, state: Any, safe_globals: Sequence[Any]) -> list[
             "None, dicts, lists, tuples, sets, dtypes, devices): return data from state_dict(), or admit the class "
             f"by name with safe_globals=[...] on save and on load (only for checkpoints you trust)"
         )
-    blob = io.BytesIO(_serialized(state))
-    needed = sorted(torch.serialization.get_unsafe_globals_in_checkpoint(blob))
+    blob = _serialized(state)
+    needed = sorted(torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(blob)))
     names = {global_name(g) if not isinstance(g, tuple) else g[1] for g in safe_globals}
     refused = [n for n in needed if n not in names]
     if refused:
@@ -96,7 +96,7 @@ def _pickled_globals(key: str, state: Any, safe_globals: Sequence[Any]) -> list[
             f"extra[{key!r}].state_dict() pickles the global {refused[0]}, which safe_globals= does not admit: "
             "add it to safe_globals=[...] on save and on load, or return data from state_dict()"
         )
-    return needed
+    return blob, needed
 
 
 class ExtrasPayload(NamedTuple):
@@ -138,8 +138,9 @@ def capture(
                     "pass an object that has both (torch.distributed.checkpoint.stateful.Stateful)"
                 )
             states[key] = copy.deepcopy(obj.state_dict())
-            pickled.update(_pickled_globals(key, states[key], safe_globals))
-            digests[key] = hashlib.sha256(_serialized(states[key])).hexdigest()
+            blob, needed = _as_data(key, states[key], safe_globals)
+            pickled.update(needed)
+            digests[key] = hashlib.sha256(blob).hexdigest()
         rng_now = rng_state() if rng else None
         if rng_now is not None:
             digests["\0rng"] = hashlib.sha256(_serialized(rng_now)).hexdigest()
