@@ -355,6 +355,7 @@ _KILLED_SAVE = textwrap.dedent(
     import os, sys, time, torch, torch.distributed as dist
     import zerofn as zf
     from zerofn import checkpoint as ck
+    from zerofn.checkpoint import _dcp
     path, flag = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo", init_method="file://" + flag + ".store", rank=0, world_size=1)
     state = zf.shard_params({"w": torch.ones(5)}, zf.optim.sgd(lr=0.1))
@@ -364,8 +365,9 @@ _KILLED_SAVE = textwrap.dedent(
         open(flag, "w").close()
         time.sleep(600)
 
+    _dcp._before_commit = hang
     state, _ = zf.step_shards(state, {"w": torch.ones(5)})
-    ck.save(path, state, params={"w": torch.zeros(5)}, _before_commit=hang)
+    ck.save(path, state, params={"w": torch.zeros(5)})
     """
 )
 

@@ -655,8 +655,12 @@ def side_group(group: Group) -> dist.ProcessGroup:
     return side
 
 
-def dcp_load(state_dict: dict[str, Any], path: str, group: Group) -> None:
-    """``torch.distributed.checkpoint.load`` into ``state_dict``'s tensors, in place."""
+def dcp_load(state_dict: dict[str, Any], group: Group, *, storage_reader: Any, planner: Any) -> None:
+    """``torch.distributed.checkpoint.load`` into ``state_dict``'s tensors, in place, with the
+    caller's reader (which knows the directory) and planner.
+
+    Collectives: DCP's plan gather/scatter and its gather of the read results, in ``group``.
+    """
     import torch.distributed.checkpoint as dcp
 
-    dcp.load(state_dict, checkpoint_id=path, process_group=group)
+    dcp.load(state_dict, storage_reader=storage_reader, planner=planner, process_group=group)

@@ -32,19 +32,26 @@ rank's RNG, restored all or nothing (see :func:`load` for what restores at which
 
 The package, one file per part: ``_format`` (the on-disk metadata, hashes and atomic
 commit), ``_manifest`` (what a sharded checkpoint says was saved), ``_dcp`` (the sharded
-save, and the load as one pipeline: read and verify the metadata, the manifest, check it
-against the live state, read the tensors, assemble), ``_torch_format`` (the torch-format
+save), ``_load`` (the sharded load as one pipeline: read and verify the metadata, the
+manifest, check it against the live state, read the tensors, assemble), ``_torch_format`` (the torch-format
 full state dict), ``_validate`` (what a load checks against the live state), ``_optimizer``
 (the optimizer state as torch keeps it, and the optimizer a checkpoint describes),
-``_extras`` (``extra=`` objects and every rank's RNG), ``_async`` (saving in the
-background: staging, the write on a side group, the commit when it completes), ``_errors``.
+``_extras`` (``extra=`` objects and every rank's RNG, as data), ``_rng`` (the RNG states as
+data, and what a state dict may hold), ``_unpickle`` (reading a pickle as data: the
+allowlists), ``_reader`` (DCP's files read as data: the metadata, checked, the reader and
+the planner a load hands DCP), ``_async`` (saving in the background: staging, the write on
+a side group, the commit when it completes), ``_errors``.
+
+A load reads data, never code: see "Loading a checkpoint someone else wrote" in the
+checkpoints guide for what it admits and what ``safe_globals=`` adds.
 """
 
 from zerofn.checkpoint._async import PendingCheckpoint
-from zerofn.checkpoint._dcp import load, save
+from zerofn.checkpoint._dcp import save
 from zerofn.checkpoint._errors import CheckpointError, raise_alike
 from zerofn.checkpoint._format import FORMAT_VERSION as FORMAT_VERSION
 from zerofn.checkpoint._format import META_FILE as META_FILE
+from zerofn.checkpoint._load import load
 from zerofn.checkpoint._torch_format import full_state_dict, shard_state_dict
 from zerofn.checkpoint._validate import check_buffers, persistent_buffers
 

@@ -1,5 +1,6 @@
-"""The sharded checkpoint: every rank writes and reads only its own shards through
-``torch.distributed.checkpoint`` (DCP), at any world size.
+"""The sharded save: every rank writes only its own shards through
+``torch.distributed.checkpoint`` (DCP); :mod:`zerofn.checkpoint._load` reads them back at any
+world size.
 
 Each shard is described as the local part of a DTensor over the *unpadded* flattened
 parameter with ``Shard(0)`` placement (zerofn's even split is DTensor's chunking rule), so
@@ -13,34 +14,25 @@ import functools
 import json
 import os
 import uuid
-from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
 from zerofn import _comm as comm
-from zerofn import lowbit, optim
+from zerofn import lowbit
 from zerofn._comm import Group
-from zerofn._deprecation import UNSET, renamed
-from zerofn._tree import FrozenDict
 from zerofn.checkpoint import _async, _extras
 from zerofn.checkpoint._async import PendingCheckpoint
-from zerofn.checkpoint._errors import CheckpointError, raise_alike
-from zerofn.checkpoint._format import commit, read_meta, write_meta
+from zerofn.checkpoint._errors import CheckpointError
+from zerofn.checkpoint._format import commit, write_meta
 from zerofn.checkpoint._manifest import Manifest
-from zerofn.checkpoint._optimizer import (
-    from_per_param,
-    is_sharded,
-    per_param,
-    with_loss_scale,
-)
-from zerofn.checkpoint._validate import buffer_meta, check_buffers, check_fits, check_placements, layout_and_masters
-from zerofn.flat import flatten_state
-from zerofn.layout import ParamSpec, ShardLayout
-from zerofn.precision import PrecisionPolicy
-from zerofn.state import DEFAULT_POLICY, ZeroState
+from zerofn.checkpoint._optimizer import is_sharded, per_param
+from zerofn.checkpoint._validate import buffer_meta
+from zerofn.layout import ParamSpec
+from zerofn.state import ZeroState
 
-__all__ = ["load", "save"]
+__all__ = ["save"]
 
 
 def _dtensor(shard: torch.Tensor, spec: ParamSpec, rank: int, mesh: Any, per_block: int | None = None) -> Any:
@@ -136,6 +128,11 @@ def _rank_entries(
     return sd, kinds, master_dtypes
 
 
+def _before_commit() -> None:
+    """The point of a save where every file is written and ``path`` still names the previous
+    checkpoint. Does nothing; a test replaces it to stop a process there."""
+
+
 def save(
     path: str | os.PathLike[str],
     state: ZeroState,
@@ -147,7 +144,7 @@ def save(
     extra: Mapping[str, Any] | None = None,
     rng: bool = True,
     async_save: bool = False,
-    _before_commit: Callable[[], None] | None = None,
+    safe_globals: Sequence[Any] = (),
 ) -> str | PendingCheckpoint:
     """Write a sharded, world-size-free checkpoint of ``state`` (and ``params``) to ``path``.
 
@@ -180,11 +177,18 @@ def save(
         (:mod:`zerofn.checkpoint._async`). ``extra`` and the RNG are captured at the call
         (deep copies of their ``state_dict()``), as without it. With a
         ``replicate_group``, the replicas' handles complete with the writers' commit.
+      safe_globals: the classes (and functions) beyond data that the extras'
+        ``state_dict()``s may pickle, admitted by name as ``torch.serialization.safe_globals``
+        admits them; the globals the files then name are recorded in ``zerofn.json``, and
+        a load needs its caller to admit them again. Without it an extra whose
+        ``state_dict()`` holds anything but data (tensors, numbers, strings, bools, ``None``,
+        dicts, lists, tuples, sets, dtypes, devices) is refused.
 
     Raises:
       CheckpointError: on every rank, before anything is written, when ``path`` is a plain
         directory or any rank's extras cannot be saved (no ``state_dict``, another set of
-        keys than the other ranks').
+        keys than the other ranks', a ``state_dict()`` that is not data and that
+        ``safe_globals`` does not admit: the message names the extra, the key path and the type).
 
     Returns:
       The committed directory the checkpoint was written to, on every rank (replicas
@@ -216,7 +220,7 @@ def save(
     path = os.path.abspath(os.fspath(path))
     if os.path.isdir(path) and not os.path.islink(path):
         raise CheckpointError(f"{path} is a plain directory; zerofn manages checkpoint paths as symlinks")
-    payload = _extras.capture(extra, rng, group, "zerofn.checkpoint.save")
+    payload = _extras.capture(extra, rng, group, "zerofn.checkpoint.save", safe_globals)
     layout = state.layout
     rank = comm.group_rank(group)
     token = comm.broadcast_object(uuid.uuid4().hex[:12] if rank == 0 else None, group)
@@ -235,9 +239,9 @@ def save(
             for n, (k, d) in theirs.items():  # type: ignore[union-attr]
                 kinds[n], master_dtypes[n] = k, d
     if async_save:  # the extras were captured (deep copies) above: written in the background as they were
-        extras, same_rng = _extras.manifest_entries(payload)
         model = sorted(params) if params is not None else None
-        manifest = Manifest.of(state, kinds, master_dtypes, model, buffer_meta(buffers), extras, same_rng)
+        entries = _extras.manifest_entries(payload)
+        manifest = Manifest.of(state, kinds, master_dtypes, model, buffer_meta(buffers), **entries)
         write_extras = None if payload is None else functools.partial(_extras.write, target, rank, payload)
         return _async.save(
             path,
@@ -254,277 +258,14 @@ def save(
     comm.dcp_save(sd, target, group)
     if rank == 0:
         model = sorted(params) if params is not None else None
-        extras, same_rng = _extras.manifest_entries(payload)
-        manifest = Manifest.of(state, kinds, master_dtypes, model, buffer_meta(buffers), extras, same_rng)
+        entries = _extras.manifest_entries(payload)
+        manifest = Manifest.of(state, kinds, master_dtypes, model, buffer_meta(buffers), **entries)
         write_meta(target, manifest.to_json())
     comm.barrier(group)
-    if _before_commit is not None:
-        _before_commit()
+    _before_commit()
     if rank == 0:
         commit(path, target)
     comm.barrier(group)
     if replicate_group is not None:
         comm.broadcast_object(target, replicate_group)  # release the replicas: the checkpoint is committed
     return target
-
-
-def _load_whole(
-    sd: dict[str, Any],
-    master: dict[str, torch.Tensor],
-    spec: ParamSpec,
-    kinds: Mapping[str, str],
-    master_dtypes: Mapping[str, str],
-    device: torch.device,
-) -> dict[str, Any]:
-    """Ask DCP for a whole param this rank owns (full-shaped master and state); returns its entries."""
-    master[spec.name] = torch.zeros(spec.shape, dtype=getattr(torch, master_dtypes[spec.name]), device=device)
-    sd[f"master/{spec.name}"] = master[spec.name]
-    entry: dict[str, Any] = {}
-    for key, kind in kinds.items():
-        what, _, rest = kind.partition(":")
-        if what == "whole":
-            dtype, _, dims = rest.partition(":")
-            shape = tuple(int(d) for d in dims.split("x"))
-            value: Any = torch.zeros(shape, dtype=getattr(torch, dtype), device=device)
-            sd[f"optim/{spec.name}/{key}"] = value
-        elif what == "scalar":
-            value = _scalar_receiver(rest, device)
-            sd[f"optim/{spec.name}/{key}"] = value
-        else:
-            value = json.loads(rest)
-        entry[key] = value
-    return entry
-
-
-def _scalar_receiver(kind_rest: str, device: torch.device) -> torch.Tensor:
-    """The 0-d tensor a saved ``scalar:<dtype>:<device>`` state entry is read into (on the CPU if saved there)."""
-    dtype, _, dev = kind_rest.partition(":")
-    return torch.zeros((), dtype=getattr(torch, dtype), device=device if dev != "cpu" else "cpu")
-
-
-def _receiving_buffers(
-    saved: Manifest, layout: ShardLayout, rank: int, device: torch.device, mesh: Any
-) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
-    """The tensors DCP reads this rank's pieces into: (DCP state dict, masters, per-param state).
-
-    Split params: zero ``(shard_numel,)`` masters and per-element state as DTensor shards
-    over the unpadded flat param, 0-d scalars, JSON values decoded here. Whole params: on
-    their owner only, full-shaped.
-    """
-    sd: dict[str, Any] = {}
-    master: dict[str, torch.Tensor] = {}
-    entries: dict[str, dict[str, Any]] = {}
-    for spec in layout.params:
-        if spec.is_whole:
-            if spec.holds(rank):
-                entries[spec.name] = _load_whole(
-                    sd, master, spec, saved.state_kinds[spec.name], saved.master_dtypes, device
-                )
-            continue
-        master[spec.name] = torch.zeros(
-            spec.shard_numel, dtype=getattr(torch, saved.master_dtypes[spec.name]), device=device
-        )
-        sd[f"master/{spec.name}"] = _dtensor(master[spec.name], spec, rank, mesh)
-        entries[spec.name] = {}
-        for key, kind in saved.state_kinds[spec.name].items():
-            what, _, rest = kind.partition(":")
-            if what == "lowbit":
-                kind, _, dtype = rest.rpartition(":")
-                value = lowbit.state_zeros(kind, spec.shard_numel, spec.block, getattr(torch, dtype), device)
-                codes, scale = _quantized_dtensors(value, spec, rank, mesh)
-                sd[f"optim/{spec.name}/{key}/codes"], sd[f"optim/{spec.name}/{key}/scale"] = codes, scale
-            elif what == "shard":
-                value = torch.zeros(spec.shard_numel, dtype=getattr(torch, rest), device=device)
-                sd[f"optim/{spec.name}/{key}"] = _dtensor(value, spec, rank, mesh)
-            elif what == "scalar":
-                value = _scalar_receiver(rest, device)
-                sd[f"optim/{spec.name}/{key}"] = value
-            else:
-                value = json.loads(rest)
-            entries[spec.name][key] = value
-    return sd, master, entries
-
-
-def load(
-    path: str | os.PathLike[str],
-    like: ShardLayout | Mapping[str, torch.Tensor],
-    group: Group = None,
-    *,
-    optimizer: optim.Optimizer | None = None,
-    params_out: Mapping[str, torch.Tensor] | None = None,
-    buffers_out: Mapping[str, torch.Tensor] | None = None,
-    verify: bool = True,
-    precision: PrecisionPolicy | None = None,
-    extra: Mapping[str, Any] | None = None,
-    rng: bool = True,
-    policy: Any = UNSET,
-) -> ZeroState:
-    """Read a checkpoint written by :func:`save` at any world size into this group's shards.
-
-    Args:
-      path: the checkpoint path given to ``save``.
-      like: the model's params (name -> tensor) or a layout: what the checkpoint must fit.
-      group: the sharding group (any size); every rank of it must call ``load``.
-      optimizer: the functional optimizer to continue with (default: the saved kind);
-        the saved hyperparameters are applied to it.
-      params_out: model tensors to fill in place with the saved weights (if saved).
-      buffers_out: model buffers to fill in place with the saved ones: their names,
-        shapes and dtypes must be the saved ones (checked with everything else, before
-        anything changes). A checkpoint saved without buffers leaves them as they are.
-      verify: check every file's SHA-256 (sizes and presence are always checked).
-      precision: the precision policy to continue with; the saved loss-scale state is restored.
-      extra: the objects to restore the saved extras into (name -> object with
-        ``load_state_dict``), exactly the names saved; ``None`` restores none of them. At
-        the saved world size each rank gets its own rank's; at another, an extra that was
-        the same on every rank when saved restores on every rank, one that differed is a
-        ``CheckpointError``.
-      rng: restore this rank's RNG states, if saved: at the saved world size each rank's
-        own; at another world size only if they were the same on every rank (else every
-        rank keeps the generators it has, as at a fresh start).
-      policy: the old name of ``precision`` (deprecated, warns).
-
-    Returns:
-      This rank's ZeroState at ``comm.group_size(group)`` ranks.
-
-    Raises:
-      CheckpointError: on every rank, with nothing changed (the params, buffers, extras
-        and RNG are as they were): the files are missing, truncated or corrupt; the
-        checkpoint does not fit the model, the optimizer or its placements; ``extra``
-        names other keys than the saved ones, or a per-rank extra at another world size;
-        reading failed; an extra's ``load_state_dict`` raised on any rank.
-
-    Collectives: one object all-gather of every rank's verdict before reading; DCP's plan
-    exchange (each rank reads the pieces its shards overlap); one verdict all-gather after
-    reading, and one more after restoring the extras.
-    """
-    precision = renamed("load", "policy", "precision", policy, precision)
-    _async.wait_in_flight(group)  # a save of this group in flight first completes (read what was saved)
-    path = os.path.abspath(os.fspath(path))
-    # 1-3: read and verify the metadata, say what was saved, check it against the live state.
-    # Every rank learns every rank's verdict before DCP's collectives start: a rank that
-    # cannot load makes all raise, and nothing has changed anywhere.
-    try:
-        saved = Manifest.from_json(read_meta(path, verify))
-        plan = _plan(saved, path, like, group, optimizer, params_out, buffers_out, extra, rng)
-        failure: Exception | None = None
-    except (CheckpointError, KeyError, TypeError, ValueError) as e:
-        failure = e if isinstance(e, CheckpointError) else CheckpointError(f"{path}: unreadable metadata ({e!r})")
-    raise_alike(failure, (group,), "zerofn.checkpoint.load")
-    # 4-5: read the tensors (into new tensors only) and assemble the state.
-    state: ZeroState | None = None
-    try:
-        master, entries, staged, staged_buffers = _read(path, saved, plan, group, params_out, buffers_out)
-        state = _assemble(saved, plan, master, entries, precision)
-        failure = None
-    except CheckpointError as e:
-        failure = e
-    except Exception as e:  # DCP wraps per-rank failures; say which checkpoint and why
-        failure = CheckpointError(f"{path}: reading the shards failed: {e}")
-        failure.__cause__ = e
-    raise_alike(failure, (group,), "zerofn.checkpoint.load")
-    assert state is not None
-    # Only now, with every rank's state built, the caller's objects change: the extras first
-    # (all or nothing across the group), then the RNG and the model's tensors.
-    _extras.apply(plan.restore, extra, group, "zerofn.checkpoint.load")
-    if staged:
-        with torch.no_grad():  # params_out may be leaf params that require grad
-            for name, value in staged.items():
-                params_out[name].copy_(value)  # type: ignore[index]
-    for name, value in staged_buffers.items():
-        buffers_out[name].detach().copy_(value)  # type: ignore[index]
-    return state
-
-
-class _Plan(NamedTuple):
-    """How this rank loads a checkpoint: the layout here and the optimizer to continue with."""
-
-    layout: ShardLayout  # at this group's world size
-    optimizer: optim.Optimizer  # with the saved hyperparameters
-    rank: int
-    device: torch.device  # where the master shards and the state live
-    restore: _extras.ToRestore  # the extras' states and the RNG this rank restores
-
-
-def _plan(
-    saved: Manifest,
-    path: str,
-    like: ShardLayout | Mapping[str, torch.Tensor],
-    group: Group,
-    optimizer: optim.Optimizer | None,
-    params_out: Mapping[str, torch.Tensor] | None,
-    buffers_out: Mapping[str, torch.Tensor] | None,
-    extra: Mapping[str, Any] | None,
-    rng: bool,
-) -> _Plan:
-    """Everything :func:`load` checks before reading a tensor, and what it then reads into.
-
-    Raises :class:`CheckpointError` naming what does not fit: another optimizer, another
-    model (names, shapes, dtypes), other placements, no weights or other buffers than the
-    model's, other extras than the saved ones. Reads this rank's extras file. No collectives.
-    """
-    # The model and its placements first (the plainest causes), then the optimizer's kind and groups.
-    layout, _ = layout_and_masters(like, group, torch.float32, optimizer or saved.saved_kind())
-    check_fits(saved.params_meta(), layout)
-    check_placements(saved.placements, layout)
-    if params_out is not None and saved.model is None:
-        raise CheckpointError(f"{path} holds no model weights (saved without params=)")
-    if buffers_out is not None:
-        check_buffers(saved.buffers, buffers_out, path)
-    fopt = saved.saved_optimizer(optimizer)
-    device = next(iter(like.values())).device if isinstance(like, Mapping) else torch.device("cpu")
-    rank, n = comm.group_rank(group), comm.group_size(group)
-    restore = _extras.read(path, saved.extras, saved.rng, saved.saved_world_size, extra, rng, rank, n)
-    return _Plan(layout, fopt, rank, device, restore)
-
-
-def _read(
-    path: str,
-    saved: Manifest,
-    plan: _Plan,
-    group: Group,
-    params_out: Mapping[str, torch.Tensor] | None,
-    buffers_out: Mapping[str, torch.Tensor] | None,
-) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Read this rank's pieces: (masters, per-param state, model weights, buffers), all new tensors.
-
-    The model's weights and buffers are read into new tensors, copied into the caller's only
-    once every rank has read and checked everything: a failed load leaves the model as it
-    was (the cost: one more copy of the model's weights for the duration of the load).
-
-    Collectives: DCP's plan exchange; each rank reads the pieces its shards overlap.
-    """
-    mesh = comm.device_mesh(group, plan.device.type)
-    sd, master, entries = _receiving_buffers(saved, plan.layout, plan.rank, plan.device, mesh)
-    staged: dict[str, torch.Tensor] = {}
-    if params_out is not None:
-        for name in saved.model or ():
-            staged[name] = torch.empty_like(params_out[name].detach())
-            sd[f"model/{name}"] = staged[name]
-    staged_buffers: dict[str, torch.Tensor] = {}
-    if buffers_out is not None and saved.buffers is not None:
-        for name in saved.buffers:
-            staged_buffers[name] = torch.empty_like(buffers_out[name].detach())
-            sd[f"buffer/{name}"] = staged_buffers[name]
-    comm.dcp_load(sd, path, group)
-    for key, value in sd.items():  # scalars may be replaced rather than filled in place
-        if key.startswith("optim/") and isinstance(value, torch.Tensor) and value.dim() == 0:
-            _, name, field = key.split("/", 2)
-            entries[name][field] = value
-    return master, entries, staged, staged_buffers
-
-
-def _assemble(
-    saved: Manifest,
-    plan: _Plan,
-    master: Mapping[str, torch.Tensor],
-    entries: Mapping[str, dict[str, Any]],
-    precision: PrecisionPolicy | None,
-) -> ZeroState:
-    """This rank's ZeroState from what it read: the optimizer state built once, the saved
-    step and loss-scale state."""
-    master_fd = FrozenDict(master)
-    opt_state = from_per_param(plan.optimizer, master_fd, {n: e for n, e in entries.items() if e}, plan.layout)
-    state = ZeroState(
-        plan.layout, plan.optimizer, plan.rank, master_fd, opt_state, saved.step, precision=precision or DEFAULT_POLICY
-    )
-    return flatten_state(with_loss_scale(state, saved.loss_scale))  # flat, as shard_params makes it

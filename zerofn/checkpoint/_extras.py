@@ -23,8 +23,17 @@ A load is all or nothing: every check (keys, world size) runs before any tensor 
 and the objects' ``load_state_dict`` runs once every rank has read and built its state; if
 it raises on any rank, every rank puts back the state its objects had and raises.
 
-The extras are pickled (``torch.save``) and unpickled with ``torch.load(weights_only=False)``:
-load only checkpoints you trust, as with ``torch.load`` of a pickled object.
+The extras are data (extras format 2): each ``state_dict()`` and the RNG states are saved
+with ``torch.save`` holding only what ``torch.load(weights_only=True)`` reads (tensors,
+numbers, strings, bools, ``None``, containers, dtypes, devices; the RNG as lists and
+tensors, :mod:`zerofn.checkpoint._rng`) and loaded with ``weights_only=True``. A
+``state_dict()`` holding anything else is refused at save, on every rank, naming the extra,
+the key path and the type, unless the caller admits its classes by name with
+``safe_globals=`` (as ``torch.serialization.safe_globals``); the globals the pickles then
+need are recorded in the manifest (``pickled``), and a load needs the caller to admit each
+of them again (the manifest only says what to ask for; it admits nothing). Format-1
+files (a pickled NumPy ``ndarray`` in the RNG) load through exactly NumPy's
+array-reconstruction globals, and only there.
 """
 
 from __future__ import annotations
@@ -33,18 +42,25 @@ import copy
 import hashlib
 import io
 import os
-import random
-import sys
-from collections.abc import Mapping
-from typing import Any, NamedTuple
+from collections.abc import Collection, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from zerofn import _comm as comm
 from zerofn._comm import Group
 from zerofn.checkpoint._errors import CheckpointError
+from zerofn.checkpoint._rng import check_format1_arrays, first_not_data, numpy_array_globals, rng_state, set_rng_state
+from zerofn.checkpoint._unpickle import global_name, load_torch_file
 
-__all__ = ["ExtrasPayload", "apply", "capture", "read", "rng_state", "set_rng_state", "write"]
+if TYPE_CHECKING:
+    from zerofn.checkpoint._manifest import Manifest
+
+__all__ = ["EXTRAS_FORMAT", "ExtrasPayload", "apply", "capture", "read", "write"]
+
+#: The version of the extras files' content (the manifest's ``extras_format``): 2 is data
+#: only; 1 (manifests without the field) pickled NumPy's RNG key as an ``ndarray``.
+EXTRAS_FORMAT = 2
 
 
 def extras_file(rank: int) -> str:
@@ -52,36 +68,35 @@ def extras_file(rank: int) -> str:
     return f"extras.{rank}.pt"
 
 
-def rng_state() -> dict[str, Any]:
-    """This process's RNG states: ``torch`` (CPU generator, uint8 tensor), ``cuda`` (one per
-    device, when this process has initialized CUDA, else absent), ``python`` (``random.getstate()``),
-    ``numpy`` (``numpy.random.get_state()``, only when NumPy is imported)."""
-    out: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_initialized():  # a process that never used CUDA does not start it here
-        out["cuda"] = torch.cuda.get_rng_state_all()
-    if "numpy" in sys.modules:
-        out["numpy"] = sys.modules["numpy"].random.get_state()
-    return out
-
-
-def set_rng_state(saved: Mapping[str, Any]) -> None:
-    """Restore what :func:`rng_state` returned. CUDA generators are restored when this process
-    sees as many devices as the saver did (else left as they are); NumPy's when it was saved."""
-    torch.set_rng_state(saved["torch"])
-    random.setstate(saved["python"])
-    cuda = saved.get("cuda")
-    if cuda is not None and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(cuda)
-    if saved.get("numpy") is not None:
-        import numpy
-
-        numpy.random.set_state(saved["numpy"])
-
-
-def _digest(value: Any) -> str:
+def _serialized(value: Any) -> bytes:
     buffer = io.BytesIO()
     torch.save(value, buffer)
-    return hashlib.sha256(buffer.getvalue()).hexdigest()
+    return buffer.getvalue()
+
+
+def _as_data(key: str, state: Any, safe_globals: Sequence[Any]) -> tuple[bytes, list[str]]:
+    """``state`` serialized, and the globals beyond torch's ``weights_only`` set its pickle names,
+    once each is one the caller admitted; else :class:`CheckpointError` naming the extra, the
+    key path and the type (or the global), before anything is written."""
+    admitted = {g for g in safe_globals if isinstance(g, type)}
+    found = first_not_data(state, "", admitted)
+    if found is not None:
+        where, kind = found
+        raise CheckpointError(
+            f"extra[{key!r}].state_dict(){where} is a {kind}, which is not data (tensors, numbers, strings, bools, "
+            "None, dicts, lists, tuples, sets, dtypes, devices): return data from state_dict(), or admit the class "
+            f"by name with safe_globals=[...] on save and on load (only for checkpoints you trust)"
+        )
+    blob = _serialized(state)
+    needed = sorted(torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(blob)))
+    names = {global_name(g) if not isinstance(g, tuple) else g[1] for g in safe_globals}
+    refused = [n for n in needed if n not in names]
+    if refused:
+        raise CheckpointError(
+            f"extra[{key!r}].state_dict() pickles the global {refused[0]}, which safe_globals= does not admit: "
+            "add it to safe_globals=[...] on save and on load, or return data from state_dict()"
+        )
+    return blob, needed
 
 
 class ExtrasPayload(NamedTuple):
@@ -90,15 +105,19 @@ class ExtrasPayload(NamedTuple):
     states: dict[str, Any]  # key -> the object's state_dict(), deep-copied
     rng: dict[str, Any] | None  # rng_state(), or None (rng=False)
     same: dict[str, bool]  # key -> the state was the same on every rank (and "rng" when saved)
+    pickled: tuple[str, ...] = ()  # the admitted globals some rank's states pickle (manifest: "pickled")
 
 
-def capture(extra: Mapping[str, Any] | None, rng: bool, group: Group, where: str) -> ExtrasPayload | None:
+def capture(
+    extra: Mapping[str, Any] | None, rng: bool, group: Group, where: str, safe_globals: Sequence[Any] = ()
+) -> ExtrasPayload | None:
     """Every rank's extras' ``state_dict()`` and RNG, and whether each is the same on every rank.
 
     Returns ``None`` when there is nothing to save (no ``extra`` and ``rng=False``). Raises
     :class:`CheckpointError` on every rank when any rank's extras cannot be saved (an object
-    without ``state_dict``/``load_state_dict``, a ``state_dict()`` that raises, other keys
-    than another rank's), before anything is written.
+    without ``state_dict``/``load_state_dict``, a ``state_dict()`` that raises or holds
+    something that is not data and that ``safe_globals`` does not admit, other keys than
+    another rank's), before anything is written.
 
     Collectives: one object all-gather over ``group`` (each rank's keys and digests), even
     with nothing to save, so that a rank passing extras that the others do not raises
@@ -108,6 +127,7 @@ def capture(extra: Mapping[str, Any] | None, rng: bool, group: Group, where: str
     failure: str | None = None
     states: dict[str, Any] = {}
     digests: dict[str, str] = {}
+    pickled: set[str] = set()
     try:
         for key, obj in extra.items():
             if not isinstance(key, str):
@@ -118,19 +138,20 @@ def capture(extra: Mapping[str, Any] | None, rng: bool, group: Group, where: str
                     "pass an object that has both (torch.distributed.checkpoint.stateful.Stateful)"
                 )
             states[key] = copy.deepcopy(obj.state_dict())
-            digests[key] = _digest(states[key])
+            blob, needed = _as_data(key, states[key], safe_globals)
+            pickled.update(needed)
+            digests[key] = hashlib.sha256(blob).hexdigest()
         rng_now = rng_state() if rng else None
         if rng_now is not None:
-            digests["\0rng"] = _digest(rng_now)
+            digests["\0rng"] = hashlib.sha256(_serialized(rng_now)).hexdigest()
     except Exception as e:
         failure = f"{type(e).__name__}: {e}"
-    everyone: list[Any] = (
-        [(failure, digests)] if comm.group_size(group) == 1 else comm.all_gather_objects((failure, digests), group)
-    )
-    bad = next(((r, why) for r, (why, _) in enumerate(everyone) if why is not None), None)
+    mine = (failure, digests, sorted(pickled))
+    everyone: list[Any] = [mine] if comm.group_size(group) == 1 else comm.all_gather_objects(mine, group)
+    bad = next(((r, why) for r, (why, _, _) in enumerate(everyone) if why is not None), None)
     if bad is not None:
         raise CheckpointError(f"{where}: rank {bad[0]} could not save its extras ({bad[1]}), so no rank saved")
-    keys = [sorted(d) for _, d in everyone]
+    keys = [sorted(d) for _, d, _ in everyone]
     if any(k != keys[0] for k in keys):
         raise CheckpointError(
             f"{where}: the ranks passed different extra= keys ("
@@ -139,25 +160,31 @@ def capture(extra: Mapping[str, Any] | None, rng: bool, group: Group, where: str
         )
     if not digests:  # on every rank (the keys agree): nothing to save
         return None
-    same = {k: all(d[k] == everyone[0][1][k] for _, d in everyone) for k in digests}
-    return ExtrasPayload(states, rng_now, {("rng" if k == "\0rng" else k): v for k, v in same.items()})
+    same = {k: all(d[k] == everyone[0][1][k] for _, d, _ in everyone) for k in digests}
+    needed = tuple(sorted({n for _, _, names in everyone for n in names}))
+    return ExtrasPayload(states, rng_now, {("rng" if k == "\0rng" else k): v for k, v in same.items()}, needed)
 
 
 def write(target: str, rank: int, payload: ExtrasPayload) -> None:
     """This rank's extras file in the checkpoint directory ``target``, fsynced."""
     os.makedirs(target, exist_ok=True)
     with open(os.path.join(target, extras_file(rank)), "wb") as f:
-        torch.save({"extra": payload.states, "rng": payload.rng}, f)
+        torch.save({"extra": payload.states, "rng": payload.rng}, f)  # data: format EXTRAS_FORMAT
         f.flush()
         os.fsync(f.fileno())
 
 
-def manifest_entries(payload: ExtrasPayload | None) -> tuple[dict[str, bool] | None, bool | None]:
-    """``(extras, rng)`` for the manifest: key -> the state was the same on every rank, and
-    whether the RNG was (``None``: not saved)."""
+def manifest_entries(payload: ExtrasPayload | None) -> dict[str, Any]:
+    """The manifest's extras fields: ``extras`` (key -> the state was the same on every rank),
+    ``rng`` (whether the RNG was; ``None``: not saved), ``pickled`` (the admitted globals the
+    files name; ``None``: none)."""
     if payload is None:
-        return None, None
-    return {k: payload.same[k] for k in payload.states}, payload.same.get("rng")
+        return {"extras": None, "rng": None, "pickled": None}
+    return {
+        "extras": {k: payload.same[k] for k in payload.states},
+        "rng": payload.same.get("rng"),
+        "pickled": payload.pickled or None,
+    }
 
 
 class ToRestore(NamedTuple):
@@ -169,21 +196,25 @@ class ToRestore(NamedTuple):
 
 def read(
     path: str,
-    saved_extras: Mapping[str, bool] | None,
-    saved_rng: bool | None,
-    saved_world_size: int,
+    saved: Manifest,
+    files: Collection[str],
     extra: Mapping[str, Any] | None,
     rng: bool,
     rank: int,
     world_size: int,
+    safe_globals: Sequence[Any] = (),
 ) -> ToRestore:
-    """Check ``extra=`` against what was saved and read what this rank restores.
+    """Check ``extra=`` against what was saved and read what this rank restores, as data.
 
     ``extra`` names exactly the saved extras (``None``: the checkpoint's extras are not
     restored); at another world size exactly those that were the same on every rank (one
-    that differed is refused by name).
-    Raises :class:`CheckpointError` naming the key. No collectives.
+    that differed is refused by name). The file is read with ``weights_only=True``,
+    admitting the caller's ``safe_globals`` only, and only once they cover every global the
+    manifest says the files pickle (``saved.pickled``; else refused before reading); a
+    format-1 file admits NumPy's array globals for its RNG key only.
+    Raises :class:`CheckpointError` naming the key, or the file and the global. No collectives.
     """
+    saved_extras, saved_world_size = saved.extras, saved.saved_world_size
     if extra is not None:
         saved_keys = set(saved_extras or {})
         # At another world size only the extras that were the same on every rank have a meaning.
@@ -209,15 +240,35 @@ def read(
         for key, obj in extra.items():
             if not callable(getattr(obj, "load_state_dict", None)):
                 raise CheckpointError(f"extra[{key!r}] is a {type(obj).__name__}, which has no load_state_dict()")
-    wants_rng = rng and saved_rng is not None and (world_size == saved_world_size or saved_rng)
+    wants_rng = rng and saved.rng is not None and (world_size == saved_world_size or saved.rng)
     if not extra and not wants_rng:
         return ToRestore({}, None)
-    file = os.path.join(path, extras_file(rank if world_size == saved_world_size else 0))
-    try:
-        with open(file, "rb") as f:
-            content = torch.load(f, weights_only=False)
-    except Exception as e:  # a missing or unreadable file (a class the pickle names that is gone)
-        raise CheckpointError(f"{file}: cannot read the saved extras ({type(e).__name__}: {e})") from e
+    name = extras_file(rank if world_size == saved_world_size else 0)
+    file = os.path.join(path, name)
+    if name not in files:
+        raise CheckpointError(f"{file}: the saved extras are not a file the checkpoint's zerofn.json lists")
+    given = {global_name(g) if not isinstance(g, tuple) else g[1] for g in safe_globals}
+    unadmitted = [n for n in saved.pickled or () if n not in given]
+    if unadmitted:
+        raise CheckpointError(
+            f"{path}: its extras were saved with pickled objects ({list(saved.pickled or ())}), and safe_globals= "
+            f"does not admit {unadmitted}: nothing was read. Pass those classes as safe_globals=[...] only if you "
+            "trust whoever wrote this checkpoint; a checkpoint's own record never admits them"
+        )
+    if saved.extras_format not in (1, EXTRAS_FORMAT):
+        raise CheckpointError(
+            f"{path}: extras format {saved.extras_format!r}; this zerofn reads formats 1 and {EXTRAS_FORMAT}"
+        )
+    if saved.extras_format == 1:
+        content = load_torch_file(file, file, [*safe_globals, *numpy_array_globals()])
+        check_format1_arrays(content, file, {g for g in safe_globals if isinstance(g, type)})
+    else:
+        content = load_torch_file(file, file, safe_globals)
+    if not isinstance(content, dict) or not isinstance(content.get("extra"), dict) or "rng" not in content:
+        raise CheckpointError(f"{file}: not a zerofn extras file")
+    absent = [k for k in extra or {} if k not in content["extra"]]
+    if absent:
+        raise CheckpointError(f"{file}: holds no state for extra {absent[0]!r}, which zerofn.json says was saved")
     states = {k: content["extra"][k] for k in (extra or {})}
     return ToRestore(states, content["rng"] if wants_rng else None)
 

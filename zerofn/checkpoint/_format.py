@@ -57,7 +57,11 @@ def commit(path: str, target: str) -> None:
 
 def read_meta(path: str, verify: bool) -> dict[str, Any]:
     """``zerofn.json`` of the checkpoint at ``path``, once every file it lists is present with
-    its recorded size (and, with ``verify``, its SHA-256); else :class:`CheckpointError`."""
+    its recorded size (and, with ``verify``, its SHA-256); else :class:`CheckpointError`.
+
+    Every file listed is a plain file of ``path`` itself (a name without a directory, not a
+    symlink): a load reads only those. The sizes and hashes catch a truncated or corrupted
+    file, not a tampered one (whoever writes the files can rewrite them too)."""
     if not os.path.exists(path):
         raise CheckpointError(f"no checkpoint at {path}")
     meta_path = os.path.join(path, META_FILE)
@@ -69,7 +73,13 @@ def read_meta(path: str, verify: bool) -> dict[str, Any]:
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{meta_path} is corrupt ({e})") from None
     for name, info in meta["files"].items():
+        if not isinstance(name, str) or name in ("", ".", "..", META_FILE) or os.path.basename(name) != name:
+            raise CheckpointError(
+                f"{path}: {META_FILE} lists a file {name!r} that is not a file of the checkpoint's own directory"
+            )
         file = os.path.join(path, name)
+        if os.path.islink(file):
+            raise CheckpointError(f"{path}: file {name} is a symlink; a checkpoint's files are its own")
         if not os.path.exists(file):
             raise CheckpointError(
                 f"{path}: file {name} is missing (written by one of the {meta['saved_world_size']} ranks)"

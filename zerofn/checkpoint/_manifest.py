@@ -16,6 +16,7 @@ from typing import Any
 
 from zerofn import optim
 from zerofn.checkpoint._errors import CheckpointError
+from zerofn.checkpoint._extras import EXTRAS_FORMAT
 from zerofn.checkpoint._format import FORMAT_VERSION
 from zerofn.checkpoint._optimizer import (
     group_plan,
@@ -52,6 +53,11 @@ class Manifest:
       extras: the ``extra=`` keys saved -> whether that state was the same on every rank
         (``None``: saved without extras, or before they existed); see ``_extras``.
       rng: whether the ranks' RNG states were all the same (``None``: RNG not saved).
+      extras_format: how the extras files hold their states (``_extras.EXTRAS_FORMAT``;
+        1 for checkpoints written before the field: a pickled NumPy RNG key).
+      pickled: the globals (``module.qualname``) beyond data that the extras files pickle,
+        which the caller admitted with ``safe_globals=`` at save (``None``: none). A load
+        asks its caller to admit them again; this record admits nothing by itself.
     """
 
     names: tuple[str, ...]
@@ -70,6 +76,8 @@ class Manifest:
     buffers: Mapping[str, list[Any]] | None
     extras: Mapping[str, bool] | None = None
     rng: bool | None = None
+    extras_format: int = EXTRAS_FORMAT
+    pickled: tuple[str, ...] | None = None
 
     @classmethod
     def of(
@@ -81,6 +89,7 @@ class Manifest:
         buffers: Mapping[str, list[Any]] | None,
         extras: Mapping[str, bool] | None = None,
         rng: bool | None = None,
+        pickled: tuple[str, ...] | None = None,
     ) -> Manifest:
         """What a save of ``state`` writes (``kinds`` and ``master_dtypes`` of every param)."""
         layout = state.layout
@@ -102,6 +111,7 @@ class Manifest:
             buffers=buffers,
             extras=extras,
             rng=rng,
+            pickled=tuple(pickled) if pickled else None,
         )
 
     @classmethod
@@ -132,6 +142,8 @@ class Manifest:
             buffers=meta.get("buffers"),
             extras=meta.get("extras"),
             rng=meta.get("rng"),
+            extras_format=int(meta.get("extras_format", 1)),
+            pickled=tuple(str(n) for n in meta["pickled"]) if meta.get("pickled") else None,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -154,6 +166,8 @@ class Manifest:
             "buffers": self.buffers,
             "extras": self.extras,
             "rng": self.rng,
+            "extras_format": self.extras_format,
+            "pickled": list(self.pickled) if self.pickled else None,
         }
 
     def params_meta(self) -> dict[str, list[Any]]:

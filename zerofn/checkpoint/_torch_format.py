@@ -13,7 +13,6 @@ import torch
 from zerofn import _comm as comm
 from zerofn import _state_dict_checks, lowbit, optim
 from zerofn._comm import Group
-from zerofn._deprecation import UNSET, renamed
 from zerofn._tree import FrozenDict
 from zerofn.buckets import cut_shard, launch_gather, pack_shards, unpack_rows
 from zerofn.checkpoint._errors import CheckpointError
@@ -300,7 +299,6 @@ def shard_state_dict(
     precision: PrecisionPolicy | None = None,
     group_sizes: list[int] | None = None,
     buffers_out: Mapping[str, torch.Tensor] | None = None,
-    policy: Any = UNSET,
 ) -> ZeroState:
     """A ZeroState for this rank, at the group's world size, from a full state dict.
 
@@ -321,7 +319,6 @@ def shard_state_dict(
       buffers_out: the model's buffers, filled in place from ``"zerofn"["buffers"]`` once
         everything else has been checked and built (names, shapes and dtypes must be the
         saved ones); a state dict without buffers leaves them as they are.
-      policy: the old name of ``precision`` (deprecated, warns).
 
     Raises:
       CheckpointError: before anything is built, when the state dict does not fit: another
@@ -334,7 +331,6 @@ def shard_state_dict(
 
     Collectives: none (every rank cuts its own shards out of ``full``).
     """
-    precision = renamed("shard_state_dict", "policy", "precision", policy, precision)
     first = full[0] if isinstance(full, (list, tuple)) and full else full
     zfirst = first.get("zerofn") if isinstance(first, Mapping) else None
     saved_buffers = zfirst.get("buffers") if isinstance(zfirst, Mapping) else None

@@ -8,7 +8,7 @@ brings the live ``param_groups`` hyperparameters into the state, and hands the w
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -183,6 +183,7 @@ class StateDictMethods:
         extra: Mapping[str, Any] | None = None,
         rng: bool = True,
         async_save: bool = False,
+        safe_globals: Sequence[Any] = (),
     ) -> str | _async.PendingCheckpoint:
         """Sharded, atomic checkpoint of the optimizer state (and the model weights) at ``path``.
 
@@ -204,6 +205,9 @@ class StateDictMethods:
         rank's files are complete. The next save (or load, or :meth:`close`) waits for it.
         ``extra`` and the RNG are captured at the call too. Returns the committed directory
         otherwise.
+
+        ``safe_globals``: the classes beyond data an extra's ``state_dict()`` may pickle
+        (admitted by name; recorded, and needed again on load): :func:`zerofn.checkpoint.save`.
         """
         self._entry.join("save_checkpoint")  # a collective: every rank must call it (bounded wait)
         self._fold_writes("ZeroOptimizer.save_checkpoint")
@@ -219,10 +223,17 @@ class StateDictMethods:
             extra=extra,
             rng=rng,
             async_save=async_save,
+            safe_globals=safe_globals,
         )
 
     def load_checkpoint(
-        self: _Host, path: str, *, with_model: bool = True, extra: Mapping[str, Any] | None = None, rng: bool = True
+        self: _Host,
+        path: str,
+        *,
+        with_model: bool = True,
+        extra: Mapping[str, Any] | None = None,
+        rng: bool = True,
+        safe_globals: Sequence[Any] = (),
     ) -> None:
         """Resume from :meth:`save_checkpoint` (any world size): state, hyperparameters, weights, buffers.
 
@@ -231,6 +242,8 @@ class StateDictMethods:
         leaves them as they are. ``extra``: the objects to restore the saved extras into,
         exactly the names saved (``None``: none restored); ``rng``: restore each rank's RNG
         (at the saved world size; at another only if it was the same on every rank).
+        Every file is read as data; ``safe_globals`` admits by name the classes a checkpoint
+        saved with ``safe_globals=`` pickles in its extras (only for a checkpoint you trust).
 
         Validated before anything changes (:func:`zerofn.checkpoint.load`): on failure every
         rank raises :class:`~zerofn.checkpoint.CheckpointError` and the state, the masters,
@@ -249,6 +262,7 @@ class StateDictMethods:
             buffers_out=buffers_out,
             extra=extra,
             rng=rng,
+            safe_globals=safe_globals,
         )
         self._adopt(new)
         if with_model:

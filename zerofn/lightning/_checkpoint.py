@@ -17,6 +17,15 @@ checkpoint's all-or-nothing rule holds: if anything does not fit, every rank rai
 optimizer entry is ``ZeroOptimizer.state_dict()``: torch's format, gathered on every rank
 (a collective every rank runs: the rank-0-only ``consolidate_state_dict`` path is never
 taken), loadable by a plain torch optimizer and by zerofn at any world size.
+
+Both load as data, never as code: the sharded checkpoint as :func:`zerofn.checkpoint.load`
+reads one, Lightning's file with ``torch.load(weights_only=True)`` (:func:`load_file`;
+``weights_only=False`` is refused). The strategies' ``safe_globals`` option admits classes
+beyond data by name, on save and on load. Lightning's own entries: loops, callbacks,
+schedulers, counters and version strings are data; its hyper-parameters (an
+``AttributeDict``) are saved as a plain ``dict`` of the same items (Lightning reads them
+back as a mapping), and a value in them that is not data (an ``argparse.Namespace``, a
+class) is refused at save, naming its key path and type, unless ``safe_globals`` admits it.
 """
 
 from __future__ import annotations
@@ -30,9 +39,13 @@ import torch
 from lightning.fabric.utilities.types import _Stateful
 
 from zerofn.checkpoint import META_FILE, CheckpointError
+from zerofn.checkpoint._unpickle import data_only
 from zerofn.facade.optimizer import ZeroOptimizer
 
-__all__ = ["is_sharded_checkpoint", "load_sharded", "save_sharded"]
+__all__ = ["is_sharded_checkpoint", "load_file", "load_sharded", "plain_hyperparameters", "save_sharded"]
+
+# Lightning's entries that hold its AttributeDict of hyper-parameters.
+_HPARAMS = ("hyper_parameters", "datamodule_hyper_parameters")
 
 _KEYS_PREFIX = "zerofn.lightning "
 _FROZEN = "zerofn.lightning frozen params"
@@ -98,7 +111,28 @@ def _module_key(state: Mapping[str, Any], zero: ZeroOptimizer) -> str | None:
     return None
 
 
-def save_sharded(path: str, state: Mapping[str, Any], filter: Any, who: str) -> None:
+def plain_hyperparameters(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
+    """``checkpoint`` with Lightning's hyper-parameters (``AttributeDict``, a ``dict`` subclass) as plain dicts."""
+    return {k: dict(v) if k in _HPARAMS and isinstance(v, dict) else v for k, v in checkpoint.items()}
+
+
+def load_file(load: Any, path: Any, safe_globals: tuple[Any, ...], weights_only: bool | None, who: str) -> Any:
+    """Lightning's file through ``load(weights_only=True)``, admitting ``safe_globals`` only.
+
+    Raises :class:`CheckpointError` naming the file and the global when it names one that
+    is not data (on every rank: every rank reads the file), ``ValueError`` for
+    ``weights_only=False``, which a zerofn strategy does not do.
+    """
+    if weights_only is False:
+        raise ValueError(
+            f"{who}: weights_only=False would unpickle {path} as code; zerofn's strategies load data only. Admit "
+            "the classes the file needs by name with the strategy's safe_globals=[...] option instead"
+        )
+    with data_only(os.fspath(path), safe_globals, os.fspath(path)):
+        return load(weights_only=True)
+
+
+def save_sharded(path: str, state: Mapping[str, Any], filter: Any, who: str, safe_globals: tuple[Any, ...]) -> None:
     """Save ``state`` (Lightning's, unwrapped) as one zerofn sharded checkpoint at ``path``; every rank calls it."""
     if filter:
         raise ValueError(
@@ -118,7 +152,9 @@ def save_sharded(path: str, state: Mapping[str, Any], filter: Any, who: str) -> 
     frozen = _frozen_params(zero) if module_key is not None else {}
     if frozen:
         extra[_FROZEN] = _Frozen(frozen)
-    zero.save_checkpoint(os.fspath(path), with_model=module_key is not None, extra=extra, rng=False)
+    zero.save_checkpoint(
+        os.fspath(path), with_model=module_key is not None, extra=extra, rng=False, safe_globals=safe_globals
+    )
 
 
 def is_sharded_checkpoint(path: Any) -> bool:
@@ -132,7 +168,9 @@ def _saved_extras(path: str) -> dict[str, bool]:
         return dict(json.load(f).get("extras") or {})
 
 
-def load_sharded(path: str, state: dict[str, Any], strict: bool, who: str) -> dict[str, Any]:
+def load_sharded(
+    path: str, state: dict[str, Any], strict: bool, who: str, safe_globals: tuple[Any, ...]
+) -> dict[str, Any]:
     """Restore ``state`` (Lightning's, unwrapped; changed in place) from :func:`save_sharded`'s checkpoint.
 
     Returns the saved entries ``state`` did not ask for (plain values, and the state dicts
@@ -174,7 +212,7 @@ def load_sharded(path: str, state: dict[str, Any], strict: bool, who: str) -> di
             extra[name] = state[name]
         else:
             extra[name] = holders[name] = _Value()
-    zero.load_checkpoint(path, with_model=with_model, extra=extra, rng=False)
+    zero.load_checkpoint(path, with_model=with_model, extra=extra, rng=False, safe_globals=safe_globals)
     remainder: dict[str, Any] = {}
     for name, holder in holders.items():
         if name.startswith("zerofn.lightning"):

@@ -278,7 +278,7 @@ class ZeroStrategy(DDPStrategy):
             return super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
         if storage_options is not None:
             raise TypeError(f"{_WHO}: storage_options is not supported by the sharded checkpoint")
-        _checkpoint.save_sharded(path, state, filter, _WHO)
+        _checkpoint.save_sharded(path, state, filter, _WHO, self.options.safe_globals)
         return None
 
     def load_checkpoint(
@@ -288,18 +288,27 @@ class ZeroStrategy(DDPStrategy):
         strict: bool = True,
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
-        """A zerofn sharded checkpoint into ``state``'s objects (any world size), or Lightning's file."""
+        """A zerofn sharded checkpoint into ``state``'s objects (any world size), or Lightning's file.
+
+        Both are read as data (``weights_only`` does not apply to the sharded checkpoint;
+        for Lightning's file it is ``True``, and ``False`` is refused): the ``safe_globals``
+        option admits classes beyond data by name. A file that names anything else is a
+        :class:`~zerofn.checkpoint.CheckpointError` naming the file and the global, on
+        every rank, before anything changes.
+        """
         if _checkpoint.is_sharded_checkpoint(path):
             if not isinstance(state, dict):
                 state = {} if state is None else {"": state}
-            return _checkpoint.load_sharded(path, state, strict, _WHO)
-        if (
-            weights_only is None
-            and isinstance(state, dict)
-            and any(isinstance(v, ZeroOptimizer) for v in state.values())
-        ):
-            weights_only = False  # ZeroOptimizer.state_dict()'s "zerofn" entry holds more than tensors
-        return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+            return _checkpoint.load_sharded(path, state, strict, _WHO, self.options.safe_globals)
+        return _checkpoint.load_file(
+            lambda weights_only: super(ZeroStrategy, self).load_checkpoint(
+                path, state, strict=strict, weights_only=weights_only
+            ),
+            path,
+            self.options.safe_globals,
+            weights_only,
+            _WHO,
+        )
 
     def teardown(self) -> None:
         for _, zero in self._zeros:

@@ -66,6 +66,12 @@ class ZeroOptions:
       state_dict_type: ``"sharded"``: a checkpoint is a zerofn sharded checkpoint (every
         rank writes its shards, DCP); ``"full"``: Lightning's one file with the optimizer in
         torch's format (gathered on every rank). Loading reads either.
+      safe_globals: the classes (and functions) beyond data that a checkpoint's entries may
+        pickle, admitted by name as ``torch.serialization.safe_globals`` admits them, on save
+        (the sharded checkpoint records them) and on load (either format: both are read with
+        ``weights_only=True``). Empty: a checkpoint is data only (tensors, numbers, strings,
+        bools, ``None``, containers, dtypes, devices), and an entry that is not is refused
+        at save, naming its key path and type. Admit only classes of checkpoints you trust.
     """
 
     stage: int = 2
@@ -90,8 +96,10 @@ class ZeroOptions:
     entry_timeout: float | None = 300.0
     compile: bool | str = False
     state_dict_type: Literal["sharded", "full"] = "sharded"
+    safe_globals: tuple[Any, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "safe_globals", tuple(self.safe_globals))
         if self.stage not in (1, 2):
             raise ValueError(f"stage must be 1 or 2, got {self.stage!r}")
         if self.state_dict_type not in ("sharded", "full"):

@@ -385,25 +385,34 @@ class ZeroTrainerStrategy(DDPStrategy):
         A ``weights_only`` checkpoint (no optimizer state) is Lightning's file.
         """
         zero = self._zero
+        checkpoint = _checkpoint.plain_hyperparameters(checkpoint)  # Lightning's AttributeDict: a dict, data
         if zero is None or self.state_dict_type == "full" or _OPTIMIZER_KEY not in checkpoint:
             return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         if storage_options is not None:
             raise TypeError(f"{_WHO}: storage_options is not supported by the sharded checkpoint")
         rest = {k: v for k, v in checkpoint.items() if k not in (_OPTIMIZER_KEY, _MODEL_KEY)}
         state = {_OPTIMIZER_KEY: zero, _MODEL_KEY: self.lightning_module, **rest}
-        _checkpoint.save_sharded(os.fspath(filepath), state, None, _WHO)
+        _checkpoint.save_sharded(os.fspath(filepath), state, None, _WHO, self.options.safe_globals)
         return None
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """A sharded checkpoint restores the model and the ZeroOptimizer here; the rest returns as Lightning's dict.
 
         Any world size: the optimizer's shards are resharded. Lightning's file (``"full"``,
-        or one saved with Lightning's ``"ddp"``) loads as Lightning loads it, on every rank.
+        or one saved with Lightning's ``"ddp"``) loads as Lightning loads it, on every rank,
+        with ``weights_only=True`` (``False`` is refused; the ``safe_globals`` option admits
+        classes beyond data by name). Either is read as data, never as code.
         """
         if not _checkpoint.is_sharded_checkpoint(checkpoint_path):
-            if weights_only is None and self._zero is not None:
-                weights_only = False  # ZeroOptimizer.state_dict()'s "zerofn" entry holds more than tensors
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+            return _checkpoint.load_file(
+                lambda weights_only: super(ZeroTrainerStrategy, self).load_checkpoint(
+                    checkpoint_path, weights_only=weights_only
+                ),
+                checkpoint_path,
+                self.options.safe_globals,
+                weights_only,
+                _WHO,
+            )
         zero, module = self._zero, self.lightning_module
         if zero is None or module is None:
             raise ValueError(
@@ -412,7 +421,7 @@ class ZeroTrainerStrategy(DDPStrategy):
                 "checkpoint, save it with ZeroTrainerStrategy(state_dict_type='full') (Lightning's one file)."
             )
         state = {_OPTIMIZER_KEY: zero, _MODEL_KEY: module}
-        rest = _checkpoint.load_sharded(os.fspath(checkpoint_path), state, True, _WHO)
+        rest = _checkpoint.load_sharded(os.fspath(checkpoint_path), state, True, _WHO, self.options.safe_globals)
         self._restored_sharded = True
         # Lightning's hooks (on_load_checkpoint) see the restored weights under the usual key.
         return {**rest, _MODEL_KEY: module.state_dict(), _OPTIMIZER_KEY: [self.optimizer_state(zero)]}
