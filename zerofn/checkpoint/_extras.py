@@ -50,17 +50,14 @@ import torch
 from zerofn import _comm as comm
 from zerofn._comm import Group
 from zerofn.checkpoint._errors import CheckpointError
+from zerofn.checkpoint._format import EXTRAS_FORMAT
 from zerofn.checkpoint._rng import check_format1_arrays, first_not_data, numpy_array_globals, rng_state, set_rng_state
 from zerofn.checkpoint._unpickle import global_name, load_torch_file
 
 if TYPE_CHECKING:
     from zerofn.checkpoint._manifest import Manifest
 
-__all__ = ["EXTRAS_FORMAT", "ExtrasPayload", "apply", "capture", "read", "write"]
-
-#: The version of the extras files' content (the manifest's ``extras_format``): 2 is data
-#: only; 1 (manifests without the field) pickled NumPy's RNG key as an ``ndarray``.
-EXTRAS_FORMAT = 2
+__all__ = ["ExtrasPayload", "apply", "capture", "read", "write"]
 
 
 def extras_file(rank: int) -> str:

@@ -25,6 +25,10 @@ __all__ = ["FORMAT_VERSION", "META_FILE", "commit", "read_meta", "write_meta"]
 FORMAT_VERSION = 1
 META_FILE = "zerofn.json"
 
+#: The version of the extras files' content (the manifest's ``extras_format``): 2 is data
+#: only; 1 (manifests without the field) pickled NumPy's RNG key as an ``ndarray``.
+EXTRAS_FORMAT = 2
+
 
 def _fsync_dir(path: str) -> None:
     """Make a directory's entries (new files, a replaced symlink) durable."""

@@ -16,8 +16,7 @@ from typing import Any
 
 from zerofn import optim
 from zerofn.checkpoint._errors import CheckpointError
-from zerofn.checkpoint._extras import EXTRAS_FORMAT
-from zerofn.checkpoint._format import FORMAT_VERSION
+from zerofn.checkpoint._format import EXTRAS_FORMAT, FORMAT_VERSION
 from zerofn.checkpoint._optimizer import (
     group_plan,
     loss_scale_to_dict,
@@ -53,7 +52,7 @@ class Manifest:
       extras: the ``extra=`` keys saved -> whether that state was the same on every rank
         (``None``: saved without extras, or before they existed); see ``_extras``.
       rng: whether the ranks' RNG states were all the same (``None``: RNG not saved).
-      extras_format: how the extras files hold their states (``_extras.EXTRAS_FORMAT``;
+      extras_format: how the extras files hold their states (``_format.EXTRAS_FORMAT``;
         1 for checkpoints written before the field: a pickled NumPy RNG key).
       pickled: the globals (``module.qualname``) beyond data that the extras files pickle,
         which the caller admitted with ``safe_globals=`` at save (``None``: none). A load
