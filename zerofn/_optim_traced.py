@@ -245,21 +245,25 @@ def _assemble(old: Any, pieces: list[tuple[tuple[int, int, int, tuple[str, ...]]
     ``old``'s values elsewhere; a buffer one run covers is that run's tensor, one no run
     touches a copy (a new state shares no storage with the old)."""
     fl = old.flat_layout
-    by_group: dict[int, list[tuple[int, int, torch.Tensor]]] = {}
+    by_group: dict[int, list[tuple[int, int, torch.Tensor, str]]] = {}
     loose = dict(old.loose)
     for (g, start, stop, members), t in pieces:
         if g < 0:
             loose[members[0]] = t
         else:
-            by_group.setdefault(g, []).append((start, stop, t))
+            by_group.setdefault(g, []).append((start, stop, t, members[0]))
     buffers: list[torch.Tensor | None] = []
     for g, buf in enumerate(old.buffers):
         if buf is None or g not in by_group:
             buffers.append(None if buf is None else buf.clone())
             continue
+        # In buffer order, which is the order of the group's names. Not by ``start``: on a
+        # second compile of one step function dynamo's automatic dynamic shapes make the
+        # offsets read from the state's layout symbols, and it sorts by constants only.
+        position = {n: i for i, n in enumerate(fl.groups[g].names)}
         parts: list[torch.Tensor] = []
         at = 0
-        for start, stop, t in sorted(by_group[g], key=lambda p: p[0]):
+        for start, stop, t, _ in sorted(by_group[g], key=lambda p: position[p[3]]):
             if start > at:
                 parts.append(buf[at:start])
             parts.append(t)
