@@ -476,3 +476,103 @@ def test_what_cannot_compile_is_refused_at_trace_time_naming_it():
         assert "torch.optim.Muon under torch.compile takes a float lr" in out["muon_tensor_lr"][1]
         assert "zerofn.optim.adamw8bit under torch.compile: its state is torchao's" in out["adamw8bit"][1]
         assert "the state's step and loss scale are Python numbers (a state built by hand)" in out["numbers"][1]
+
+
+# --------------------------------------------------------------------------- two compiled steps in one process
+#
+# A trainer compiles more than one step: a train step and an eval step, or the two models
+# of a GAN. Written once as a function of the model, the steps share their code, so
+# dynamo's second compile of that code meets other values of every int read from its
+# inputs, and its automatic dynamic shapes (torch's default) make them symbols: the
+# offsets of the layouts the state and the gradients carry among them.
+#
+# Compiled with ``backend="eager"``: the symbols are dynamo's, before any backend, and
+# the eager backend runs the graph dynamo traced op by op with eager mode's kernels, so
+# the steps are bitwise the eager ones, at the least compile time (inductor compiles each
+# of the two steps in tens of seconds here; it was run by hand, see docs/jit.md).
+
+
+def _model_step(model: torch.nn.Module) -> Any:
+    """The README's step for ``model``, small buckets (several per flat group): one code
+    object for every model it is made for."""
+
+    def loss_fn(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(torch.func.functional_call(model, p, (x,)), y)
+
+    def step(state: zf.ZeroState, params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> Any:
+        grads = torch.func.grad(lambda p: zf.scale_loss(loss_fn(p, x, y), state.loss_scale))(params)
+        gshards = zf.reduce_grads(grads, state.layout, precision=state.precision, bucket_numel=16)
+        state, info = zf.step_shards(state, gshards, max_norm=0.5)
+        return state, zf.gather_params(state, bucket_numel=16), info
+
+    return step
+
+
+def _two_models_compiled_against_eager(steps: int, backend: str = "eager") -> dict[str, Any]:
+    """Two models' steps compiled one after the other with ``backend`` and run interleaved,
+    with no dynamo reset between them; each against the same steps run eagerly.
+
+    The first model's AdamW has two param groups (no weight decay on biases), so its
+    update writes several runs of one flat buffer; the second runs SGD.
+    """
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    lr = torch.tensor(1e-2, dtype=torch.float64)
+    torch.manual_seed(seeded(3))
+    wide = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Tanh(), torch.nn.Linear(10, 1))
+    narrow = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 4), torch.nn.Linear(4, 1))
+    no_decay = [{"params": lambda n: n.endswith("bias"), "weight_decay": 0.0}]
+    models = {
+        "adamw": (wide, zf.optim.adamw(lr=lr, weight_decay=0.1, param_groups=no_decay)),
+        "sgd": (narrow, zf.optim.sgd(lr=lr)),
+    }
+    starts = {}
+    for name, (model, opt) in models.items():
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+        starts[name] = (zf.shard_params(params, opt).as_tensors(), params)
+    data = _batches(steps, False, overflow_at=-1)
+
+    def run(fns: dict[str, Any]) -> dict[str, tuple[zf.ZeroState, dict[str, torch.Tensor], list[float]]]:
+        now = {name: (state, params, []) for name, (state, params) in starts.items()}
+        for k, (x, y) in enumerate(data):
+            lr.fill_(1e-2 * 0.9**k)
+            for name, fn in fns.items():  # interleaved, as a GAN steps its two models
+                state, params, norms = now[name]
+                state, params, info = fn(state, params, x, y)
+                now[name] = (state, params, [*norms, float(info.grad_norm)])
+        return now
+
+    eager = run({name: _model_step(model) for name, (model, _) in models.items()})
+    compiled = run(
+        {
+            name: torch.compile(_model_step(model), fullgraph=True, backend=backend)
+            for name, (model, _) in models.items()
+        }
+    )
+    out: dict[str, Any] = {"graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"]}
+    for name in models:
+        (se, pe, ne), (sc, pc, nc) = eager[name], compiled[name]
+        pairs = zip(pytree.tree_leaves(se.opt_state), pytree.tree_leaves(sc.opt_state), strict=True)
+        out[name] = {
+            "params_equal": all(torch.equal(pe[n], pc[n]) for n in pe),
+            "master_equal": all(torch.equal(se.master[n], sc.master[n]) for n in se.master),
+            "opt_state_equal": all(torch.equal(a, b) for a, b in pairs if isinstance(a, torch.Tensor)),
+            "norms_equal": ne == nc,
+            "steps": (int(se.step), int(sc.step)),
+        }
+        out[name + "_max_diff"] = max(float((pe[n].double() - pc[n].double()).abs().max()) for n in pe)
+    torch._dynamo.reset()
+    return out
+
+
+def test_two_models_steps_compiled_one_after_the_other_in_one_process_train_bitwise_as_eager():
+    for rank, out in enumerate(get_world(2).run(_two_models_compiled_against_eager, 2)):
+        assert out["graphs"] == 2, (rank, out["graphs"])  # one per model; the interleaved calls reuse them
+        for name in ("adamw", "sgd"):
+            assert out[name] == {
+                "params_equal": True,
+                "master_equal": True,
+                "opt_state_equal": True,
+                "norms_equal": True,
+                "steps": (2, 2),
+            }, (rank, name, out[name])

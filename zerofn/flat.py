@@ -40,14 +40,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 
+from zerofn import _traced
 from zerofn._tree import FrozenDict
-from zerofn.layout import ShardLayout
+from zerofn.layout import ShardLayout, layout_by_fingerprint
 
 __all__ = ["FlatDict", "FlatGroup", "FlatLayout", "flat_layout", "pack", "packable"]
 
@@ -146,9 +148,33 @@ def _runs_in(
 
 
 def flat_layout(layout: ShardLayout, rank: int) -> FlatLayout:
-    """The :class:`FlatLayout` of ``rank``'s shards under ``layout`` (cached; a pure function)."""
-    fn = _flat_layout.__wrapped__ if torch.compiler.is_compiling() else _flat_layout
-    return fn(layout, rank)
+    """The :class:`FlatLayout` of ``rank``'s shards under ``layout`` (cached; a pure function).
+
+    Under ``torch.compile`` it is computed at trace time and enters the graph as constants,
+    as the bucket plan does (:meth:`~zerofn.layout.ShardLayout.buckets`): when dynamo
+    compiles one step function again for another layout (a second model), its automatic
+    dynamic shapes turn every int read from the step's inputs into a symbol, and the
+    offsets here order a group's rows, which takes concrete ints.
+    """
+    if torch.compiler.is_compiling():
+        fields = _traced_flat_layout(layout.fingerprint, operator.index(rank))
+        ws, r, fp, groups, loose, names, where, shapes, runs = fields
+        groups = tuple(FlatGroup(*g) for g in groups)
+        return FlatLayout(ws, r, fp, groups, loose, names, dict(where), dict(shapes), runs)
+    return _flat_layout(layout, rank)
+
+
+@_traced.constant_result
+def _traced_flat_layout(fingerprint: str, rank: int) -> tuple[Any, ...]:
+    """:func:`flat_layout`'s fields as plain tuples, the form a trace takes as constants (an
+    object or a dict returned from here would be guarded through its constant source,
+    which dynamo cannot guard)."""
+    layout = layout_by_fingerprint(fingerprint)
+    assert layout is not None, "zerofn: a compiled step's layout is alive while it traces"
+    fl = _flat_layout(layout, rank)
+    groups = tuple((g.dtype, g.names, g.offsets, g.numels, g.numel) for g in fl.groups)
+    where, shapes = tuple(fl.where.items()), tuple(fl.shapes.items())
+    return fl.world_size, fl.rank, fl.fingerprint, groups, fl.loose, fl.names, where, shapes, fl.all_runs
 
 
 @functools.lru_cache(maxsize=256)
