@@ -228,6 +228,10 @@ def adam_update(
         max_sq = _owned(max_sq, names, donate)
     steps = dict(state.step)
     refs = _refs(state.step) if donate else {}
+    # One new count per old one: runs that shared a count share the new one (equal values),
+    # so a compiled step's state keeps its aliasing and its graph is reused. Found with
+    # `is` (id() would guard on the object).
+    renewed: list[tuple[torch.Tensor, torch.Tensor]] = []
     for group_names in groups.values():
         hp = opt.hyperparams(group_names[0])
         runs = _runs(params, group_names, lambda n: state.step[n])
@@ -248,8 +252,12 @@ def adam_update(
             run_steps,
         )
         for r, s in zip(runs, run_steps, strict=True):
+            old_count = state.step[r[3][0]]
+            shared = next((new for o, new in renewed if o is old_count), None)
+            if shared is None:
+                renewed.append((old_count, s))
             for n in r[3]:
-                steps[n] = s
+                steps[n] = s if shared is None else shared
     if not isinstance(params, FlatDict):
         exp_avg, exp_avg_sq = FrozenDict(exp_avg), FrozenDict(exp_avg_sq)
         max_sq = FrozenDict(max_sq)
