@@ -2,8 +2,9 @@
 
 Workers are forked from a fork server that imported torch and zerofn once, where the
 platform has one (Linux, macOS), else spawned (:func:`worker_context`). Each joins its own
-process group, runs the pool's ``init`` hook and then serves runs
-(:mod:`~zerofn.testing._protocol`) until asked to leave.
+process group, runs the pool's ``init`` hook, records its torch state
+(:class:`~zerofn.testing._rank_state.RankState`) and then serves runs
+(:mod:`~zerofn.testing._protocol`) until asked to leave, restoring that state before each.
 It leaves with ``os._exit`` after flushing, which sidesteps a known abort ("terminate
 called without an active exception") in gloo's interpreter teardown without hiding crashes
 that happen while a function runs.
@@ -97,16 +98,18 @@ def worker_main(
 
     torch.set_num_threads(threads)
     _join_group(rank, world_size, port, timeout_s, backend, device)
-    started = True
+    state = None
     try:
         if init_payload is not None:
             pickle.loads(init_payload)()
+        from zerofn.testing._rank_state import RankState
+
+        state = RankState()  # what every run starts from: the pool's settings, init's included
         conn.send_bytes(_protocol.READY)
     except BaseException as exc:  # the parent raises it from start(); nothing is served
-        started = False
         conn.send_bytes(_protocol.pickler.dumps(_protocol.failure_reply(exc)))
-    if started:
-        _serve(conn)
+    if state is not None:
+        _serve(conn, state)
     try:
         dist.destroy_process_group()
     finally:
@@ -133,7 +136,7 @@ def _join_group(rank: int, world_size: int, port: int, timeout_s: float, backend
     )
 
 
-def _serve(conn: Any) -> None:
+def _serve(conn: Any, state: Any) -> None:
     """Answer run requests until the parent closes the pipe or sends the empty frame."""
     while True:
         try:
@@ -143,6 +146,7 @@ def _serve(conn: Any) -> None:
         if not request:
             return
         try:
+            state.restore()  # whatever an earlier run left in torch's settings and generators
             parent_path, payload = pickle.loads(request)
             # Folders the parent put on sys.path since this worker started (pytest adds each
             # test module's folder as it imports it): a function pickled by reference to such

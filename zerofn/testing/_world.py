@@ -23,6 +23,12 @@ function must then be importable). Tensors travel as plain pickled copies. Each 
 also brings the workers' ``sys.path`` up to date with the caller's, so a function of a
 module imported after the pool started (a test module) can be found by reference.
 
+What a rank keeps between runs: its module globals and imports, and its process group.
+What it does not: torch's global settings (threads, default dtype and device,
+deterministic mode, matmul precision, grad mode, ...) and the random generators, which
+every run finds as the pool left them after ``init`` (:mod:`~zerofn.testing._rank_state`),
+so a run's result does not depend on the runs before it.
+
 This module is the parent's side: starting, watching and stopping the workers, and
 running a function on them. :mod:`~zerofn.testing._worker` is the worker's side,
 :mod:`~zerofn.testing._protocol` what travels between the two.
@@ -117,7 +123,8 @@ class World:
         module); again in the new workers after every restart. It travels like ``run``'s
         functions (cloudpickle when installed), pickled here when the ``World`` is made.
         What it returns is dropped; if it raises on any rank, ``start`` raises
-        :class:`WorldError` and the pool is closed.
+        :class:`WorldError` and the pool is closed. The torch settings and generator
+        states it leaves are what every run starts from.
       run_timeout: seconds one ``run`` may take. The ranks that have not answered by
         then fail as ``WorkerHung``, each with the Python stack it was stuck in, and the
         pool is restarted. ``None`` (the default): ``2 * timeout + 30``, time for a
@@ -321,6 +328,9 @@ class World:
         (``WorkerDied``) or if a rank did not finish within ``run_timeout`` (``WorkerHung``,
         with the stack it was stuck in as its traceback). After a death, a hang or
         ranks that failed differently, the pool restarts before the next run.
+
+        Each rank starts ``fn`` from the torch settings and generator states the pool had
+        when it became ready, whatever earlier runs changed; module globals persist.
         """
         __tracebackhide__ = True  # pytest: a failure points at the caller's line, not at the pool's code
         self.start()
