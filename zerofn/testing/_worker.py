@@ -22,6 +22,7 @@ from datetime import timedelta
 from typing import Any
 
 from zerofn.testing import _protocol
+from zerofn.testing._rank_state import RankState
 
 __all__ = ["HOST", "STACK_SIGNAL", "worker_context", "worker_main"]
 
@@ -98,12 +99,10 @@ def worker_main(
 
     torch.set_num_threads(threads)
     _join_group(rank, world_size, port, timeout_s, backend, device)
-    state = None
+    state: RankState | None = None
     try:
         if init_payload is not None:
             pickle.loads(init_payload)()
-        from zerofn.testing._rank_state import RankState
-
         state = RankState()  # what every run starts from: the pool's settings, init's included
         conn.send_bytes(_protocol.READY)
     except BaseException as exc:  # the parent raises it from start(); nothing is served
@@ -136,7 +135,7 @@ def _join_group(rank: int, world_size: int, port: int, timeout_s: float, backend
     )
 
 
-def _serve(conn: Any, state: Any) -> None:
+def _serve(conn: Any, state: RankState) -> None:
     """Answer run requests until the parent closes the pipe or sends the empty frame."""
     while True:
         try:
