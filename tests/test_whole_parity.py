@@ -70,6 +70,7 @@ from helpers import (
 from torch.func import functional_call, grad
 
 import zerofn as zf
+from zerofn.testing import World
 
 pytestmark = pytest.mark.numerics
 
@@ -219,6 +220,25 @@ def test_clipping_is_bitwise_equal_to_ddp_clipping_in_float64_and_clips_every_st
             assert_trees_equal(r[stage], r["ddp_clip64"])
             assert max_rel_diff(r[stage], r["ddp"]) == max_rel_diff(r["ddp_clip64"], r["ddp"])
             assert r["clipped"][stage] == STEPS
+
+
+def _leave_float64_as_the_default_dtype():
+    """What an earlier run on a pool's rank may leave behind: another default dtype."""
+    torch.set_default_dtype(torch.float64)
+
+
+def test_clipping_parity_does_not_depend_on_what_an_earlier_run_left_on_the_rank():
+    # A pool reuses its ranks, so a global torch setting one run changes would reach the
+    # next: with float64 left as the default dtype, the model and batches below would be
+    # float64 and zerofn's Muon loop no longer bitwise DDP's. The pool puts torch's settings
+    # back before every run (zerofn/testing/_rank_state.py), so the verdict of a test does
+    # not depend on which tests ran on its pool first.
+    with World(1) as world:
+        world.run(_leave_float64_as_the_default_dtype)
+        (r,) = world.run(_train_all, "muon", True, False)
+    for stage in (1, 2):
+        assert all(p.dtype == torch.float32 for p in r[stage].values())
+        assert_trees_equal(r[stage], r["ddp_clip64"])
 
 
 def _one_step_norm():

@@ -7,7 +7,9 @@ ranks fell out of step (one rank raised alone, a worker died) is restarted and w
 from __future__ import annotations
 
 import os
+import random
 import threading
+import warnings
 
 import pytest
 import torch
@@ -284,3 +286,74 @@ def test_bad_backend_device_and_init_are_refused_before_anything_starts(monkeypa
         World(2, backend="nccl", device="cuda")
     shared = World(2, backend="gloo", device="cuda")  # constructing starts nothing
     assert (shared.backend, shared.device, shared._procs) == ("gloo", "cuda", [])
+
+
+# --------------------------------------------------------------------------- what a rank keeps between runs
+
+_MODULE_GLOBAL: dict = {}
+
+
+def _settings_and_draws():
+    """Every global torch setting a pool puts back before a run, and the next draws of each generator."""
+    return {
+        "threads": torch.get_num_threads(),
+        "dtype": torch.get_default_dtype(),
+        "device": torch.get_default_device(),
+        "deterministic": (
+            torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(),
+        ),
+        "fill uninitialized": torch.utils.deterministic.fill_uninitialized_memory,
+        "matmul precision": torch.get_float32_matmul_precision(),
+        "denormal": float(torch.tensor([1e-40]) * 1.0),
+        "mkldnn": torch.backends.mkldnn.enabled,
+        "grad": torch.is_grad_enabled(),
+        "anomaly": (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()),
+        "autocast": (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")),
+        "torch draws": torch.randn(4).tolist(),
+        "python draw": random.random(),
+    }
+
+
+def _change_every_setting_and_draw():
+    """What a careless run may leave on its rank: every setting switched, every generator advanced."""
+    _MODULE_GLOBAL["set by"] = "an earlier run"
+    torch.randn(16)
+    random.random()
+    torch.set_num_threads(3)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    torch.set_float32_matmul_precision("medium")
+    torch.set_flush_denormal(True)
+    torch.backends.mkldnn.enabled = False
+    torch.set_grad_enabled(False)
+    with warnings.catch_warnings():  # "Anomaly Detection has been enabled": the point here
+        warnings.simplefilter("ignore")
+        torch.set_anomaly_enabled(True, True)
+    torch.set_autocast_enabled("cpu", True)
+    torch.set_autocast_dtype("cpu", torch.float16)
+    torch.set_default_dtype(torch.float64)
+    torch.set_default_device("meta")
+
+
+def _module_global():
+    return _MODULE_GLOBAL.get("set by")
+
+
+def test_every_run_starts_from_the_torch_settings_and_generators_of_the_pools_start():
+    # Whatever a run leaves in torch's global state is put back before the next run on that
+    # rank, so a result does not depend on which runs came first (under pytest-xdist, on how
+    # the load spread the tests over the workers). Module globals are kept: that is the pool.
+    with World(1, init=lambda: torch.manual_seed(seeded(5))) as world:
+        first = world.run(_settings_and_draws)
+        world.run(_change_every_setting_and_draw)
+        assert world.run(_settings_and_draws) == first
+        assert world.run(_module_global) == ["an earlier run"]
+    (fresh,) = first
+    assert (fresh["threads"], fresh["dtype"], fresh["device"], fresh["grad"]) == (
+        1,
+        torch.float32,
+        torch.device("cpu"),
+        True,
+    )
+    assert fresh["denormal"] > 0 and fresh["deterministic"] == (False, False) and fresh["autocast"][0] is False

@@ -23,6 +23,16 @@ function must then be importable). Tensors travel as plain pickled copies. Each 
 also brings the workers' ``sys.path`` up to date with the caller's, so a function of a
 module imported after the pool started (a test module) can be found by reference.
 
+What a rank keeps between runs: its module globals and imports, and its process group.
+What it does not: torch's global settings (threads, default dtype and device,
+deterministic mode, matmul precision, grad mode, ...) and the random generators, which
+every run finds as the pool left them after ``init`` (:mod:`~zerofn.testing._rank_state`),
+so a run's result does not depend on the runs before it.
+
+This module is the parent's side: starting, watching and stopping the workers, and
+running a function on them. :mod:`~zerofn.testing._worker` is the worker's side,
+:mod:`~zerofn.testing._protocol` what travels between the two.
+
 Robustness, by design:
 
 * every process group gets a timeout, so a collective that cannot complete becomes an
@@ -39,206 +49,31 @@ Robustness, by design:
   from the pool that its group is broken: call ``restart()`` before the next run;
 * an ``init`` hook that raises on any rank stops the start: ``start`` (and so ``run``)
   raises :class:`WorldError` with the hook's tracebacks and closes the pool;
-* workers leave with ``os._exit`` after flushing, which sidesteps a known abort
-  ("terminate called without an active exception") in gloo's interpreter teardown
-  without hiding crashes that happen while a function runs.
+* workers leave with ``os._exit`` after flushing (:mod:`~zerofn.testing._worker`).
 """
 
 from __future__ import annotations
 
-import faulthandler
-import multiprocessing as mp
 import os
 import pickle
 import shutil
-import signal
 import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
-try:  # cloudpickle carries functions by value (notebooks, closures); optional.
-    import cloudpickle as _pickler
-except ImportError:  # pragma: no cover - exercised only without the test extra
-    _pickler = pickle  # type: ignore[assignment]
+from zerofn.testing import _protocol
+from zerofn.testing._protocol import RankFailure, WorldError, pickler
+from zerofn.testing._worker import HOST, STACK_SIGNAL, worker_context, worker_main
 
 __all__ = ["RankFailure", "World", "WorldError"]
 
-_HOST = "127.0.0.1"
 BACKENDS = ("gloo", "nccl")
 DEVICES = ("cpu", "cuda")
-_READY = b"ready"
 # How long a hung worker gets to write its stack after SIGUSR1 before it is killed.
 _STACK_WAIT_S = 2.0
-# The signal a hung worker dumps its Python stack on (POSIX only; elsewhere hangs come
-# back without a stack).
-_STACK_SIGNAL = getattr(signal, "SIGUSR1", None)
-
-
-class RankFailure:
-    """What one rank raised: the exception (if it could be pickled) and its traceback text."""
-
-    def __init__(self, rank: int, exc: BaseException | None, type_name: str, message: str, tb: str) -> None:
-        self.rank = rank
-        self.exc = exc
-        self.type_name = type_name
-        self.message = message
-        self.traceback = tb
-
-    def __repr__(self) -> str:
-        return f"RankFailure(rank={self.rank}, {self.type_name}: {self.message})"
-
-
-class WorldError(RuntimeError):
-    """One or more ranks failed in ``World.run`` (or in the ``init`` hook at start).
-
-    Attributes:
-      failures: rank -> :class:`RankFailure`, for the ranks that failed.
-      restarted: the pool was restarted (or, for an ``init`` failure, closed) because its
-        ranks may be out of step: whatever the functions had built in the workers is gone.
-        False when every rank failed alike and the pool kept its processes.
-    """
-
-    def __init__(self, failures: dict[int, RankFailure], note: str = "", *, restarted: bool = False) -> None:
-        self.failures = failures
-        self.restarted = restarted
-        parts = [f"{len(failures)} rank(s) failed{note}:"]
-        for rank, f in sorted(failures.items()):
-            parts.append(f"--- rank {rank}: {f.type_name}: {f.message}\n{f.traceback}")
-        super().__init__("\n".join(parts))
-
-
-def _failure_reply(exc: BaseException) -> tuple[str, tuple[BaseException | None, str, str, str]]:
-    """``("err", (exception or None, type name, message, traceback))`` for the parent."""
-    tb = traceback.format_exc()
-    try:
-        _pickler.dumps(exc)
-        carried: BaseException | None = exc
-    except Exception:
-        carried = None
-    return ("err", (carried, type(exc).__name__, str(exc), tb))
-
-
-def _worker_main(
-    rank: int,
-    world_size: int,
-    port: int,
-    conn: Any,
-    timeout_s: float,
-    threads: int,
-    backend: str,
-    device: str,
-    init_payload: bytes | None,
-    stack_path: str | None,
-    environ: dict[str, str],
-) -> None:
-    """Entry point of a worker process: join the group, run ``init``, then serve ``run`` requests.
-
-    ``stack_path``: where this worker writes its Python stack (every thread) when the
-    parent sends ``SIGUSR1`` because a run did not finish in time. ``environ``: the
-    parent's environment when it started the pool, which a forked worker would otherwise
-    not see (it inherits the fork server's, fixed when that server started).
-    """
-    os.environ.clear()
-    os.environ.update(environ)
-    if stack_path is not None and _STACK_SIGNAL is not None:
-        # Kept open for the process's life: faulthandler writes to its file descriptor from
-        # the signal handler, even while the main thread is blocked inside a C++ collective.
-        stack_file = open(stack_path, "w")
-        faulthandler.register(_STACK_SIGNAL, file=stack_file, all_threads=True)
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-        # What torchrun sets too; libraries that read them (DeepSpeed, FSDP utilities)
-        # find the store every rank already uses.
-        MASTER_ADDR=_HOST,
-        MASTER_PORT=str(port),
-    )
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(threads)
-    options: dict[str, Any] = {}
-    if device == "cuda":
-        # Before the group exists: NCCL binds its communicator to the current device, and
-        # rank r of a World larger than the GPU count shares GPU r % count (gloo only).
-        index = rank % torch.cuda.device_count()
-        torch.cuda.set_device(index)
-        if backend == "nccl":
-            options["device_id"] = torch.device("cuda", index)
-    store = dist.TCPStore(_HOST, port, is_master=False, timeout=timedelta(seconds=timeout_s))
-    dist.init_process_group(
-        backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s), **options
-    )
-    started = True
-    try:
-        if init_payload is not None:
-            pickle.loads(init_payload)()
-        conn.send_bytes(_READY)
-    except BaseException as exc:  # the parent raises it from start(); nothing is served
-        started = False
-        conn.send_bytes(_pickler.dumps(_failure_reply(exc)))
-    while started:
-        try:
-            request = conn.recv_bytes()
-        except EOFError:
-            break
-        if not request:
-            break
-        try:
-            parent_path, payload = pickle.loads(request)
-            # Folders the parent put on sys.path since this worker started (pytest adds each
-            # test module's folder as it imports it): a function pickled by reference to such
-            # a module must be importable here too.
-            sys.path.extend(p for p in parent_path if p not in sys.path)
-            fn, args, kwargs = pickle.loads(payload)
-            reply = ("ok", fn(*args, **kwargs))
-        except BaseException as exc:  # report everything, KeyboardInterrupt included
-            reply = _failure_reply(exc)
-        try:
-            payload = _pickler.dumps(reply)
-        except Exception as exc:
-            payload = _pickler.dumps(
-                ("err", (None, type(exc).__name__, f"result could not be pickled: {exc}", traceback.format_exc()))
-            )
-        conn.send_bytes(payload)
-    try:
-        dist.destroy_process_group()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
-
-
-# What the fork server imports once, so that a worker forked from it starts with them loaded:
-# torch and zerofn (whose import, torch's included, is seconds of CPU per worker), and
-# dynamo, which zerofn leaves to the first compiled step (over a second more per worker).
-_PRELOAD = ["torch", "torch.distributed", "zerofn", "torch._dynamo"]
-
-
-def _worker_context() -> Any:
-    """How workers are started: forked from a fork server that has imported torch and zerofn, where
-    the platform has one (Linux, macOS), else spawned.
-
-    A spawned worker imports torch and zerofn itself, seconds of CPU per rank; a pool that
-    restarts (a test of failures, a notebook that opens a pool per cell) pays it every
-    time. The fork server imports them once per process and forks every later worker
-    from that state (no thread or process group exists there), so each worker
-    still starts clean: it joins its own group and runs ``init`` as a spawned one would.
-    The worker takes the parent's environment of the moment it starts (``_worker_main``).
-    """
-    if "forkserver" not in mp.get_all_start_methods():
-        return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
-    # Read when the server starts; a server already running (started by this process's
-    # own code for something else) keeps what it was started with, which is still correct.
-    ctx.set_forkserver_preload(_PRELOAD)
-    return ctx
 
 
 def _check_placement(world_size: int, backend: str, device: str) -> None:
@@ -288,7 +123,8 @@ class World:
         module); again in the new workers after every restart. It travels like ``run``'s
         functions (cloudpickle when installed), pickled here when the ``World`` is made.
         What it returns is dropped; if it raises on any rank, ``start`` raises
-        :class:`WorldError` and the pool is closed.
+        :class:`WorldError` and the pool is closed. The torch settings and generator
+        states it leaves are what every run starts from.
       run_timeout: seconds one ``run`` may take. The ranks that have not answered by
         then fail as ``WorkerHung``, each with the Python stack it was stuck in, and the
         pool is restarted. ``None`` (the default): ``2 * timeout + 30``, time for a
@@ -341,7 +177,7 @@ class World:
         self.env = dict(env or {})
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in self.env.items()):
             raise TypeError(f"World: env maps names to strings, got {env!r}")
-        self._init_payload = _pickler.dumps(init) if init is not None else None
+        self._init_payload = pickler.dumps(init) if init is not None else None
         self._procs: list[Any] = []
         self._conns: list[Any] = []
         self._store: Any = None
@@ -359,15 +195,15 @@ class World:
             return self
         import torch.distributed as dist
 
-        ctx = _worker_context()
+        ctx = worker_context()
         self._stack_dir = tempfile.mkdtemp(prefix="zerofn-world-")
         self._store = dist.TCPStore(
-            _HOST, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=self.timeout)
+            HOST, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=self.timeout)
         )
         for rank in range(self.world_size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(
-                target=_worker_main,
+                target=worker_main,
                 args=(
                     rank,
                     self.world_size,
@@ -410,7 +246,7 @@ class World:
                     f"{self!r}: rank {rank} {why} before joining the process group; its "
                     "stderr above says why (when run from a script, guard it with `if __name__ == '__main__':`)"
                 )
-            if message != _READY:
+            if message != _protocol.READY:
                 _, value = pickle.loads(message)
                 failures[rank] = RankFailure(rank, *value)
         if failures:
@@ -466,10 +302,10 @@ class World:
         """Ask each hung worker for its Python stack (``SIGUSR1``), then kill it; rank -> stack text."""
         paths = {rank: self._stack_path(rank) for rank in ranks}
         sizes = {rank: _file_size(path) for rank, path in paths.items()}
-        if _STACK_SIGNAL is not None:
+        if STACK_SIGNAL is not None:
             for rank in ranks:
                 try:
-                    os.kill(self._procs[rank].pid, _STACK_SIGNAL)
+                    os.kill(self._procs[rank].pid, STACK_SIGNAL)
                 except (ProcessLookupError, TypeError):
                     pass
             deadline = time.monotonic() + _STACK_WAIT_S
@@ -492,10 +328,13 @@ class World:
         (``WorkerDied``) or if a rank did not finish within ``run_timeout`` (``WorkerHung``,
         with the stack it was stuck in as its traceback). After a death, a hang or
         ranks that failed differently, the pool restarts before the next run.
+
+        Each rank starts ``fn`` from the torch settings and generator states the pool had
+        when it became ready, whatever earlier runs changed; module globals persist.
         """
         __tracebackhide__ = True  # pytest: a failure points at the caller's line, not at the pool's code
         self.start()
-        request = pickle.dumps((list(sys.path), _pickler.dumps((fn, args, kwargs))))
+        request = _protocol.request(list(sys.path), fn, args, kwargs)
         for conn in self._conns:
             conn.send_bytes(request)
         results: list[Any] = [None] * self.world_size
@@ -533,7 +372,7 @@ class World:
             what = f"did not finish within {limit:g}s (run_timeout); stopped after {waited:.1f}s"
             if stack:
                 text = f"Python stack of rank {rank} when it was stopped:\n{stack}"
-            elif _STACK_SIGNAL is None:
+            elif STACK_SIGNAL is None:
                 text = "(no stack: this platform has no SIGUSR1 to ask the worker for one)"
             else:
                 text = f"(no stack: rank {rank} wrote none within {_STACK_WAIT_S:g}s of being asked)"
