@@ -116,10 +116,9 @@ def _refs(steps: Mapping[str, torch.Tensor]) -> dict[int, int]:
 
 
 def sgd_init(opt: Optimizer, params: Params) -> SGDState:
-    """No momentum buffer yet (torch.optim creates each from its param's first gradient)."""
+    """No momentum buffer yet (torch.optim creates each from its param's first gradient): a
+    ``None`` per name, as a checkpoint of a state before its first step loads it too."""
     del opt
-    if isinstance(params, FlatDict):
-        return SGDState(flat.pack(params.flat_layout, {}))
     return SGDState(FrozenDict(dict.fromkeys(params)))
 
 
@@ -128,12 +127,25 @@ def sgd_update(
 ) -> tuple[Mapping[str, torch.Tensor], SGDState]:
     """``torch.optim.SGD``'s step of the names in ``grads``; the others keep params and buffers."""
     names = _grads_in_order(opt, grads, params)
-    bufs = _like(params, state.momentum_buffer)
+    groups = _by_group(opt, names)
     new_params = _owned(params, names, donate)
+    if not any(opt.hyperparams(ns[0])["momentum"] != 0 for ns in groups.values()):
+        # No buffers to read or make: the state stays what it is (its form included, so a
+        # compiled step's state keeps one structure).
+        for group_names in groups.values():
+            runs = _runs(params, group_names)
+            sgd_(
+                opt.hyperparams(group_names[0]),
+                [_view(new_params, r) for r in runs],
+                [_view(grads, r) for r in runs],
+                [None] * len(runs),
+            )
+        return new_params, state
+    bufs = _like(params, state.momentum_buffer)
     new_bufs = _owned(bufs, names, donate)
     is_flat = isinstance(params, FlatDict)
     created: list[tuple[Run, torch.Tensor]] = []
-    for group_names in _by_group(opt, names).values():
+    for group_names in groups.values():
         hp = opt.hyperparams(group_names[0])
         momentum = hp["momentum"] != 0
         if momentum and torch.compiler.is_compiling():
@@ -205,7 +217,9 @@ def adam_init(opt: Optimizer, params: Params) -> AdamState:
         gi = opt.group_index(n)
         steps[n] = first[gi] if gi in first else first.setdefault(gi, count(n, p))
     zeros = flat.zeros_like(params)
-    if len(amsgrad) == len(params):
+    if not amsgrad:
+        max_sq: Any = FrozenDict()  # (as a checkpoint of such a state loads it)
+    elif len(amsgrad) == len(params):
         max_sq = flat.zeros_like(params)
     else:
         max_sq = flat.pack(params.flat_layout, {n: zeros[n] for n in amsgrad})
@@ -223,9 +237,9 @@ def adam_update(
     new_params = _owned(params, names, donate)
     exp_avg = _owned(_like(params, state.exp_avg), names, donate)
     exp_avg_sq = _owned(_like(params, state.exp_avg_sq), names, donate)
-    max_sq = _like(params, state.max_exp_avg_sq)
+    max_sq = state.max_exp_avg_sq  # untouched without amsgrad (its form included)
     if amsgrad:
-        max_sq = _owned(max_sq, names, donate)
+        max_sq = _owned(_like(params, max_sq), names, donate)
     steps = dict(state.step)
     refs = _refs(state.step) if donate else {}
     # One new count per old one: runs that shared a count share the new one (equal values),
@@ -260,5 +274,5 @@ def adam_update(
                 steps[n] = s if shared is None else shared
     if not isinstance(params, FlatDict):
         exp_avg, exp_avg_sq = FrozenDict(exp_avg), FrozenDict(exp_avg_sq)
-        max_sq = FrozenDict(max_sq)
+        max_sq = max_sq if isinstance(max_sq, FrozenDict) else FrozenDict(max_sq)
     return new_params, AdamState(FrozenDict(steps), exp_avg, exp_avg_sq, max_sq)
