@@ -11,7 +11,7 @@ on both sides alike (median of ``--reps`` blocks of ``--steps`` steps):
   (``broadcast_buffers=False``), on the benchmark transformer (no buffers: the cost is the
   walk over ``named_buffers()``) and on a small ResNet-style model with BatchNorm;
 * ``entry_timeout``: one collective entry point's wait (gloo's monitored barrier,
-  ``zerofn._comm.join``) per call, and ``state_dict()`` with and without it;
+  ``zerofn._comm_join.join``) per call, and ``state_dict()`` with and without it;
 * construction: ``ZeroOptimizer(...)`` with ``init_sync`` (rank 0's params and buffers
   broadcast) and without; ``shard_params``'s default value check (a checksum per param
   and one all-gather of two int64) against ``check=False``.
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 import zerofn as zf
 from benchmarks.models import build_model, loss_fn, make_batches, model_config
-from zerofn import _comm as comm
+from zerofn import _comm_join as comm_join
 from zerofn.testing import World
 
 
@@ -129,7 +129,7 @@ def _entry_costs(reps: int, quick: bool) -> dict[str, Any]:
     dist.barrier()
     start = time.perf_counter()
     for _ in range(calls):
-        comm.join(None, 60.0)
+        comm_join.join(None, 60.0)
     join_s = (time.perf_counter() - start) / calls
     dist.barrier()
     start = time.perf_counter()

@@ -57,10 +57,10 @@ def test_the_public_surface_is_pinned():
 
 
 def test_plumbing_is_private_and_what_users_touch_is_top_level():
-    from zerofn import _checks, _comm
+    from zerofn import _checks, _comm_count
 
     assert "comm" not in zf.__all__ and "checks" not in zf.__all__
-    assert zf.CommCounter is _comm.CommCounter and zf.count_bytes is _comm.count_bytes
+    assert zf.CommCounter is _comm_count.CommCounter and zf.count_bytes is _comm_count.count_bytes
     assert zf.RankMismatchError is _checks.RankMismatchError
     assert zf.CheckpointError is zf.checkpoint.CheckpointError
     with zf.count_bytes() as counter:

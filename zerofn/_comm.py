@@ -1,7 +1,8 @@
-"""The one module that talks to ``torch.distributed``.
+"""The collectives zerofn sends: the bucket collectives, the scalars and the small checks.
 
-Everything zerofn sends goes through the functions here, so this is where to look for
-"where does the all-gather happen", and where the bytes each rank sends are counted.
+With :mod:`zerofn._comm_count`, :mod:`zerofn._comm_join` and :mod:`zerofn._comm_dcp`, the
+only modules that talk to ``torch.distributed``: this is where to look for "where does
+the all-gather happen".
 
 Realisations
 ------------
@@ -25,36 +26,27 @@ its all-reduce and broadcast (the figures: docs/functional-loop.md), so on gloo 
 default policy sends more bytes in less time. Pass
 ``CommPolicy.byte_optimal()`` to force the byte-optimal pair anywhere.
 
-Byte counting
--------------
-``count_bytes()`` is a context manager; every collective issued inside it adds to the
-counter the bytes *this rank* sends under the textbook algorithm of the realisation
-actually used (ring for all-reduce, reduce-scatter and all-gather; the root sending to
-every other rank for broadcast), padding included. Backends may route data differently
-inside; the count is what the realisation costs, not a packet capture. Bucket traffic is
-keyed by collective (``"all_reduce"``, ``"reduce_scatter"``, ``"all_gather"``,
-``"broadcast"``); the O(1) extras are keyed ``"scalars"`` (norm and overflow flag) and
-``"check"`` (the rank-agreement all-gather).
+Bytes
+-----
+Every collective here reports the bytes this rank sends to :mod:`zerofn._comm_count`,
+whose ``count_bytes()`` adds them up. Joining a group in bounded time lives in
+:mod:`zerofn._comm_join`, and the DCP calls of the checkpoints in :mod:`zerofn._comm_dcp`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import re
-import threading
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from datetime import timedelta
-from typing import Any, Literal
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+from zerofn._comm_count import record, ring_share
+
 __all__ = [
-    "CommCounter",
     "CommPolicy",
-    "NotJoinedError",
     "Pending",
     "all_gather_ints",
     "all_gather_objects",
@@ -62,21 +54,12 @@ __all__ = [
     "barrier",
     "broadcast_object",
     "broadcast_tensors_",
-    "count_bytes",
-    "dcp_async_save",
-    "dcp_load",
-    "dcp_save",
-    "device_mesh",
     "gather_rows",
     "grid_groups",
     "group_from_name",
-    "group_key",
     "group_name",
     "group_rank",
     "group_size",
-    "join",
-    "monitor_group",
-    "side_group",
     "sum_across",
     "sum_rows",
     "tracing",
@@ -172,58 +155,6 @@ class CommPolicy:
         return reduce, gather
 
 
-# --------------------------------------------------------------------------- counting
-
-
-@dataclass(eq=False)  # identity, not value: nested counters are told apart on the stack
-class CommCounter:
-    """Bytes this rank sent, total and per collective kind, while the counter was active."""
-
-    bytes_sent: int = 0
-    by_collective: dict[str, int] = field(default_factory=dict)
-    calls: int = 0
-
-    def add(self, collective: str, nbytes: int) -> None:
-        self.bytes_sent += nbytes
-        self.by_collective[collective] = self.by_collective.get(collective, 0) + nbytes
-        self.calls += 1
-
-
-_active = threading.local()
-
-
-@contextlib.contextmanager
-def count_bytes() -> Iterator[CommCounter]:
-    """Count the bytes this rank sends in every zerofn collective inside the block.
-
-    Counters nest: an outer counter also sees what an inner one counts.
-
-    Examples:
-      >>> with count_bytes() as c:  # doctest: +SKIP
-      ...     grads = reduce_grads(g, layout)
-      >>> c.bytes_sent  # doctest: +SKIP
-    """
-    counter = CommCounter()
-    stack = _active.__dict__.setdefault("stack", [])
-    stack.append(counter)
-    try:
-        yield counter
-    finally:
-        stack.remove(counter)
-
-
-def _record(collective: str, nbytes: int) -> None:
-    if tracing():  # a compiled step is counted by the compiler's graph, not per call
-        return
-    for counter in getattr(_active, "stack", ()):
-        counter.add(collective, nbytes)
-
-
-def _ring_share(n: int, numel: int, elem: int) -> int:
-    """Bytes one rank sends in a ring reduce-scatter or all-gather of ``numel`` elements."""
-    return (n - 1) * numel * elem // n
-
-
 # --------------------------------------------------------------------------- collectives
 
 
@@ -284,11 +215,11 @@ def sum_rows(rows: torch.Tensor, group: Group, how: str, *, async_op: bool = Fal
     if how == "reduce_scatter":
         out = torch.empty(s, dtype=rows.dtype, device=rows.device)
         handle = _reduce_scatter_flat(out, rows.view(-1), group=group, async_op=async_op)
-        _record("reduce_scatter", _ring_share(n, n * s, elem))
+        record("reduce_scatter", ring_share(n, n * s, elem))
         return Pending([handle], lambda: out)
     if how == "all_reduce":
         handle = dist.all_reduce(rows, group=group, async_op=async_op)
-        _record("all_reduce", 2 * _ring_share(n, n * s, elem))
+        record("all_reduce", 2 * ring_share(n, n * s, elem))
         return Pending([handle], (lambda: rows) if whole else (lambda: rows[rank]))
     raise ValueError(f"unknown reduce realisation {how!r}")
 
@@ -324,7 +255,7 @@ def sum_across(t: torch.Tensor, group: Group) -> torch.Tensor:
         return funcol.wait_tensor(funcol.all_reduce(t, "sum", group))
     if n > 1:
         dist.all_reduce(t, group=group)
-        _record("all_reduce", 2 * _ring_share(n, t.numel(), t.element_size()))
+        record("all_reduce", 2 * ring_share(n, t.numel(), t.element_size()))
     return t
 
 
@@ -371,7 +302,7 @@ def gather_rows(
         return Pending([], lambda: out)
     if how == "all_gather":
         handle = _all_gather_flat(out.view(-1), row, group=group, async_op=async_op)
-        _record("all_gather", _ring_share(n, n * s, elem))
+        record("all_gather", ring_share(n, n * s, elem))
         return Pending([handle], lambda: out)
     if how == "broadcast":
         if not in_place:
@@ -380,7 +311,7 @@ def gather_rows(
         for r in range(n):
             src = r if group is None else dist.get_global_rank(group, r)
             handles.append(dist.broadcast(out[r], src=src, group=group, async_op=async_op))
-        _record("broadcast", (n - 1) * s * elem)
+        record("broadcast", (n - 1) * s * elem)
         return Pending(handles, lambda: out)
     raise ValueError(f"unknown gather realisation {how!r}")
 
@@ -441,7 +372,7 @@ def all_reduce_scalars(values: torch.Tensor, op: str, group: Group) -> torch.Ten
     if n > 1:
         reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
         dist.all_reduce(out, op=reduce_op, group=group)
-        _record("scalars", 2 * _ring_share(n, out.numel(), out.element_size()))
+        record("scalars", 2 * ring_share(n, out.numel(), out.element_size()))
     return out
 
 
@@ -456,7 +387,7 @@ def all_gather_ints(values: list[int], group: Group, device: torch.device | str 
         return funcol.wait_tensor(gathered).view(n, mine.numel())
     out = torch.empty(n, mine.numel(), dtype=torch.int64, device=device)
     _all_gather_flat(out.view(-1), mine, group=group)
-    _record("check", _ring_share(n, out.numel(), 8))
+    record("check", ring_share(n, out.numel(), 8))
     return out
 
 
@@ -511,156 +442,14 @@ def broadcast_tensors_(tensors: list[torch.Tensor], group: Group, src: int = 0) 
     for members in chunks:
         flat = torch.cat([t.detach().reshape(-1) for t in members])
         dist.broadcast(flat, src=global_src, group=group)
-        _record("broadcast", (n - 1) * flat.numel() * flat.element_size() if group_rank(group) == src else 0)
+        record("broadcast", (n - 1) * flat.numel() * flat.element_size() if group_rank(group) == src else 0)
         offset = 0
         for t in members:
             t.detach().copy_(flat[offset : offset + t.numel()].view(t.shape))
             offset += t.numel()
 
 
-class NotJoinedError(RuntimeError):
-    """Some ranks of a group did not reach a collective within the wait (:func:`join`).
-
-    ``missing``: their group ranks when this rank could tell (group rank 0 learns every
-    missing rank), else ``None`` (this rank waited for rank 0, which gave up or is missing).
-    """
-
-    def __init__(self, message: str, missing: list[int] | None) -> None:
-        super().__init__(message)
-        self.missing = missing
-
-
-def monitor_group(group: Group) -> Group:
-    """A group over ``group``'s ranks on which :func:`join` works (gloo's monitored barrier).
-
-    ``group`` itself when it is gloo (or of one rank); otherwise a new gloo group over the
-    same ranks (created by those ranks only: every member must call this, once, in the
-    same order, e.g. when building an optimizer).
-    """
-    if group_size(group) == 1 or dist.get_backend(group) == "gloo":
-        return group
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-    return dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
-
-
-def join(group: Group, timeout_s: float) -> None:
-    """Wait until every rank of ``group`` (a gloo group, :func:`monitor_group`) arrives, for at most ``timeout_s``.
-
-    For entry points that are collectives, so that one called on some ranks only fails in
-    bounded time instead of waiting for the process group's timeout inside its first
-    collective. Raises :class:`NotJoinedError` naming the ranks that did not arrive (on
-    group rank 0) or that rank 0 gave up (on the others).
-
-    Collectives: one monitored barrier (each rank sends to rank 0, rank 0 answers each),
-    none for a group of one.
-    """
-    if group_size(group) == 1:
-        return
-    try:
-        dist.monitored_barrier(group=group, timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
-    except RuntimeError as e:
-        text = str(e)
-        found = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", text)
-        missing = [int(r) for r in found.group(1).replace(" ", "").split(",") if r] if found else None
-        raise NotJoinedError(text.splitlines()[0] if text else repr(e), missing) from e
-
-
 def barrier(group: Group) -> None:
     """Wait until every rank of ``group`` arrives."""
     if group_size(group) > 1:
         dist.barrier(group=group)
-
-
-# --------------------------------------------------------------------------- checkpoint I/O
-
-
-def device_mesh(group: Group, device_type: str) -> Any:
-    """A 1-D ``DeviceMesh`` over ``group``, so shards can be described as DTensors."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    return DeviceMesh.from_group(group if group is not None else dist.group.WORLD, device_type)
-
-
-def dcp_save(state_dict: dict[str, Any], path: str, group: Group) -> None:
-    """``torch.distributed.checkpoint.save`` over ``group``: each rank writes its own shards.
-
-    Collectives: DCP's plan gather/scatter and a final barrier, all inside ``group``.
-    """
-    import torch.distributed.checkpoint as dcp
-
-    dcp.save(state_dict, checkpoint_id=path, process_group=group)
-
-
-def dcp_async_save(staged: dict[str, Any], path: str, side: dist.ProcessGroup) -> Any:
-    """``torch.distributed.checkpoint.async_save`` of an already staged (CPU) state dict.
-
-    Returns DCP's future of the write. The write runs in DCP's thread; its collectives
-    (plan gather/scatter, the final gather of the write results) run on ``side``, which
-    must be a gloo group no other thread uses meanwhile (:func:`side_group`).
-    """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
-
-    class _AlreadyStaged:  # DCP's AsyncStager protocol: the caller staged (copied) the tensors
-        _synchronize_after_execute = False
-        should_synchronize_after_execute = False
-
-        def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-            return state_dict
-
-        def synchronize_staging(self) -> None:
-            pass
-
-        def close(self) -> None:
-            pass
-
-    return dcp.async_save(
-        staged,
-        checkpoint_id=path,
-        process_group=side,
-        async_checkpointer_type=AsyncCheckpointerType.THREAD,
-        async_stager=_AlreadyStaged(),  # type: ignore[arg-type]
-    )
-
-
-def group_key(group: Group) -> tuple[int, int]:
-    """A hashable key for ``group`` (``None``: the default group) in this world."""
-    pg = group if group is not None else dist.group.WORLD
-    return (id(pg), id(dist.group.WORLD))
-
-
-# group key -> (the group, the world it belongs to, its side group): the objects are kept so
-# that their ids (in the key) cannot be reused while the entry lives.
-_SIDE_GROUPS: dict[tuple[int, int], tuple[Any, Any, dist.ProcessGroup]] = {}
-
-
-def side_group(group: Group) -> dist.ProcessGroup:
-    """A gloo group over ``group``'s ranks for collectives issued from a background thread.
-
-    gloo matches collectives by their order within a group: a background thread and the
-    training loop issuing collectives on one group would pair the wrong ones (a hang or
-    mixed data). Background checkpoint writes use this group instead, which nothing else
-    uses. Created at the first call for ``group`` by ``group``'s members only
-    (``use_local_synchronization``): every member must make that first call at the same
-    point, as a collective (a save is one). Later calls return the same group.
-    """
-    pg = group if group is not None else dist.group.WORLD
-    key = group_key(group)
-    hit = _SIDE_GROUPS.get(key)
-    if hit is not None and hit[0] is pg and hit[1] is dist.group.WORLD:
-        return hit[2]
-    ranks = dist.get_process_group_ranks(pg)
-    side = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
-    _SIDE_GROUPS[key] = (pg, dist.group.WORLD, side)
-    return side
-
-
-def dcp_load(state_dict: dict[str, Any], group: Group, *, storage_reader: Any, planner: Any) -> None:
-    """``torch.distributed.checkpoint.load`` into ``state_dict``'s tensors, in place, with the
-    caller's reader (which knows the directory) and planner.
-
-    Collectives: DCP's plan gather/scatter and its gather of the read results, in ``group``.
-    """
-    import torch.distributed.checkpoint as dcp
-
-    dcp.load(state_dict, storage_reader=storage_reader, planner=planner, process_group=group)

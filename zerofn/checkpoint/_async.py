@@ -15,7 +15,7 @@ A background save (``save(..., async_save=True)``) runs in three parts:
    the staged copy from DCP's own thread (``AsyncCheckpointerType.THREAD``). Its
    collectives (the save plan, the final gather of the write results) run on a **side
    group**: a gloo group over the same ranks, created at the first background save of a
-   group (:func:`zerofn._comm.side_group`), so they never interleave with the training
+   group (:func:`zerofn._comm_dcp.side_group`), so they never interleave with the training
    loop's collectives on the sharding group (gloo matches collectives by order, per
    group: two threads on one group would deadlock or mix their data).
 3. **Committing, when the write completes** (a finishing thread per save): the ranks
@@ -52,6 +52,7 @@ from typing import Any
 import torch
 
 from zerofn import _comm as comm
+from zerofn import _comm_dcp as comm_dcp
 from zerofn._comm import Group
 from zerofn.checkpoint._errors import CheckpointError
 from zerofn.checkpoint._format import commit, write_meta
@@ -118,7 +119,7 @@ def wait_in_flight(group: Group = None) -> None:
     proceeds. Not a collective.
     """
     with _LOCK:
-        handles = [h for h in [_IN_FLIGHT.get(comm.group_key(group))] if h is not None]
+        handles = [h for h in [_IN_FLIGHT.get(comm_dcp.group_key(group))] if h is not None]
     failure: BaseException | None = None
     for handle in handles:
         try:
@@ -172,7 +173,7 @@ def stage(state_dict: dict[str, Any], group: Group = None) -> tuple[dict[str, An
         elif isinstance(value, torch.Tensor):
             plain[key] = value
     device_type = next((t.device.type for t in plain.values() if t.device.type != "cpu"), "cpu")
-    staged = _stager(comm.group_key(group), device_type).stage(plain)
+    staged = _stager(comm_dcp.group_key(group), device_type).stage(plain)
     seen: set[int] = set()
     nbytes = 0
     for t in staged.values():
@@ -200,9 +201,9 @@ _CPU_MESHES: dict[Any, Any] = {}
 
 def _cpu_mesh(group: Group) -> Any:
     """A CPU ``DeviceMesh`` over ``group``'s ranks in group order (on its gloo side group)."""
-    key = comm.group_key(group)
+    key = comm_dcp.group_key(group)
     if key not in _CPU_MESHES:
-        _CPU_MESHES[key] = comm.device_mesh(comm.side_group(group), "cpu")
+        _CPU_MESHES[key] = comm_dcp.device_mesh(comm_dcp.side_group(group), "cpu")
     return _CPU_MESHES[key]
 
 
@@ -240,13 +241,13 @@ def start(
     and one object broadcast of the commit's verdict; with ``replicas`` (the replicate
     group's side group), one more broadcast of it to this rank's replicas (:func:`replica`).
     """
-    side = comm.side_group(group)
+    side = comm_dcp.side_group(group)
     rank = comm.group_rank(group)
-    handle = PendingCheckpoint(path, target, staged_bytes, comm.group_key(group))
+    handle = PendingCheckpoint(path, target, staged_bytes, comm_dcp.group_key(group))
 
     # Called here, in the caller's thread: at interpreter exit Python stops executors from
     # taking new work before it joins the threads, so a write must be submitted by now.
-    upload = comm.dcp_async_save(staged, target, side)
+    upload = comm_dcp.dcp_async_save(staged, target, side)
 
     def finish() -> None:
         try:
@@ -333,7 +334,7 @@ def save(
     # Every rank's verdict before anything is in flight, on the side group: no background
     # thread uses it now (this group's previous save is complete), and it is gloo, so the flag
     # is a CPU tensor whatever the training backend is.
-    side = comm.side_group(group)
+    side = comm_dcp.side_group(group)
     error = None
     if comm.all_reduce_scalars(torch.tensor([float(mine is not None)]), "max", side).item():
         bad = [why for why in comm.all_gather_objects(mine, side) if why is not None]
@@ -341,7 +342,7 @@ def save(
             f"{path}: staging the checkpoint in CPU memory failed ({'; '.join(bad)}), so no rank saved; "
             f"{path} still points at the previous checkpoint"
         )
-    replicas = None if replicate_group is None else comm.side_group(replicate_group)
+    replicas = None if replicate_group is None else comm_dcp.side_group(replicate_group)
     if replicas is not None:
         comm.broadcast_object((target, None if error is None else str(error)), replicas)
     if error is not None:
@@ -375,9 +376,9 @@ def side_groups(group: Group, replicate_group: Group) -> None:
     """Make the side groups a background save uses, in the same order on every rank of the
     world (the shard group's, then the replicate group's): group creation is collective
     among each group's members, and their names depend on how many groups each made."""
-    comm.side_group(group)
+    comm_dcp.side_group(group)
     if replicate_group is not None:
-        comm.side_group(replicate_group)
+        comm_dcp.side_group(replicate_group)
 
 
 def replica(path: str, group: Group, replicate_group: Group) -> PendingCheckpoint:
@@ -388,11 +389,11 @@ def replica(path: str, group: Group, replicate_group: Group) -> PendingCheckpoin
     (on the replicate group's side group): one object broadcast now (the directory and
     the staging verdict), one in the background (the outcome).
     """
-    replicas = comm.side_group(replicate_group)
+    replicas = comm_dcp.side_group(replicate_group)
     target, staging_error = comm.broadcast_object(None, replicas)  # type: ignore[misc]
     if staging_error is not None:
         raise CheckpointError(staging_error)
-    handle = PendingCheckpoint(path, target, 0, comm.group_key(group))
+    handle = PendingCheckpoint(path, target, 0, comm_dcp.group_key(group))
 
     def finish() -> None:
         try:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from zerofn import _comm as comm
+from zerofn import _comm_dcp as comm_dcp
 from zerofn import lowbit
 from zerofn._comm import Group
 from zerofn.checkpoint import _async, _extras
@@ -203,7 +204,7 @@ def save(
     replicas one more broadcast of the committed directory's name over ``replicate_group``.
     With ``async_save``: the all-gather and the broadcast, then one scalar all-reduce
     (the staging verdicts) on a side group over the same ranks
-    (:func:`zerofn._comm.side_group`, made by the first background save of ``group``;
+    (:func:`zerofn._comm_dcp.side_group`, made by the first background save of ``group``;
     with replicas, one more over ``replicate_group``, on which the writers broadcast the
     directory and the staging verdict) before it returns; the rest in the background on
     the side groups.
@@ -225,7 +226,7 @@ def save(
     rank = comm.group_rank(group)
     token = comm.broadcast_object(uuid.uuid4().hex[:12] if rank == 0 else None, group)
     target = f"{path}.{token}"
-    sd, kinds, master_dtypes = _rank_entries(state, rank, comm.device_mesh(group, state.state_device.type))
+    sd, kinds, master_dtypes = _rank_entries(state, rank, comm_dcp.device_mesh(group, state.state_device.type))
     if params is not None:
         for name, t in params.items():
             sd[f"model/{name}"] = t.detach()
@@ -255,7 +256,7 @@ def save(
         )
     if payload is not None:  # before DCP's save, whose last collective tells rank 0 every file is written
         _extras.write(target, rank, payload)
-    comm.dcp_save(sd, target, group)
+    comm_dcp.dcp_save(sd, target, group)
     if rank == 0:
         model = sorted(params) if params is not None else None
         entries = _extras.manifest_entries(payload)

@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 import torch
 
 from zerofn import _comm as comm
+from zerofn import _comm_dcp as comm_dcp
 from zerofn import lowbit, optim
 from zerofn._comm import Group
 from zerofn._tree import FrozenDict
@@ -299,7 +300,7 @@ def _read(
 
     Collectives: DCP's plan exchange; each rank reads the pieces its shards overlap.
     """
-    mesh = comm.device_mesh(group, plan.device.type)
+    mesh = comm_dcp.device_mesh(group, plan.device.type)
     sd, master, entries = _receiving_buffers(saved, plan.layout, plan.rank, plan.device, mesh)
     staged: dict[str, torch.Tensor] = {}
     if params_out is not None:
@@ -313,7 +314,7 @@ def _read(
             sd[f"buffer/{name}"] = staged_buffers[name]
     from zerofn.checkpoint._reader import DataPlanner, DataReader
 
-    comm.dcp_load(sd, group, storage_reader=DataReader(path, plan.metadata), planner=DataPlanner())
+    comm_dcp.dcp_load(sd, group, storage_reader=DataReader(path, plan.metadata), planner=DataPlanner())
     for key, value in sd.items():  # scalars may be replaced rather than filled in place
         if key.startswith("optim/") and isinstance(value, torch.Tensor) and value.dim() == 0:
             _, name, field = key.split("/", 2)

@@ -8,7 +8,7 @@ default), then fail with a transport error that says nothing of the cause. Each 
 calls first waits, at most ``entry_timeout`` seconds (default 300, well under the group's
 timeout), until every rank of the data-parallel world has called it too (gloo's monitored
 barrier, on a gloo group over the same ranks when the group is NCCL), and otherwise raises
-:class:`~zerofn._comm.NotJoinedError` naming the call, the ranks that did not join (group
+:class:`~zerofn._comm_join.NotJoinedError` naming the call, the ranks that did not join (group
 rank 0 learns them; the others learn that rank 0 gave up) and what to write instead.
 
 Cost: one monitored barrier per call (per group of a hybrid layout; its time on gloo:
@@ -18,6 +18,7 @@ docs/coming-from-ddp.md); nothing on the per-step path. ``entry_timeout=None`` t
 from __future__ import annotations
 
 from zerofn import _comm as comm
+from zerofn import _comm_join as comm_join
 
 __all__ = ["ADVICE", "EntryGuard"]
 
@@ -52,21 +53,21 @@ class EntryGuard:
         if timeout is not None and not timeout > 0:
             raise ValueError(f"ZeroOptimizer: entry_timeout must be a number of seconds > 0 or None, got {timeout!r}")
         self.timeout = timeout
-        self._groups = tuple(comm.monitor_group(g) for g in groups) if timeout is not None else ()
+        self._groups = tuple(comm_join.monitor_group(g) for g in groups) if timeout is not None else ()
 
     def join(self, call: str) -> None:
-        """Raise :class:`~zerofn._comm.NotJoinedError` unless every rank reaches ``call`` within the timeout."""
+        """Raise :class:`~zerofn._comm_join.NotJoinedError` unless every rank reaches ``call`` within the timeout."""
         if self.timeout is None:
             return
         for group in self._groups:
             try:
-                comm.join(group, self.timeout)
-            except comm.NotJoinedError as e:
+                comm_join.join(group, self.timeout)
+            except comm_join.NotJoinedError as e:
                 who = (
                     f"rank(s) {', '.join(str(r) for r in e.missing)} of the group"
                     if e.missing
                     else "group rank 0 (or another rank it waited for)"
                 )
-                raise comm.NotJoinedError(
+                raise comm_join.NotJoinedError(
                     MESSAGE.format(call=call, who=who, timeout=self.timeout, advice=ADVICE[call]), e.missing
                 ) from e
