@@ -43,13 +43,17 @@ machine).
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 from conftest import get_world
 from helpers import (
+    IN_FEATURES,
+    OUT_FEATURES,
     Net,
     assert_trees_equal,
     batches,
@@ -59,6 +63,7 @@ from helpers import (
     functional_reference,
     gate_used,
     max_rel_diff,
+    mse,
     seeded,
     tensor_rel_diff,
 )
@@ -335,3 +340,32 @@ def test_the_fp32_wire_at_three_and_four_ranks_stays_within_the_sgd_error_bound(
         assert diff <= bound, f"stage {stage}: {diff:.3g} against DDP, bound {bound:.3g} (moved {moved:.3g})"
         print(f"N={n} stage {stage}: {diff:.3g} against DDP, bound {bound:.3g}, training moved {moved:.3g}")
     _assert_moved(r0)
+
+
+def _float64_defaults() -> dict[str, object]:
+    """On every rank: a float64 model trained by the facade and by the functional loop with
+    every default, and by DDP + torch.optim (which keeps float64 throughout)."""
+    torch.manual_seed(seeded(0))
+    model = nn.Sequential(nn.Linear(IN_FEATURES, 16), nn.Tanh(), nn.Linear(16, OUT_FEATURES)).double()
+    data = [(x.double(), y.double()) for x, y in batches(dist.get_rank(), STEPS)]
+    ddp = ddp_reference(model, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), data, steps=STEPS, use_gate=None)
+    facade = copy.deepcopy(model)
+    opt = zf.ZeroOptimizer(torch.optim.AdamW(facade.parameters(), lr=1e-2))
+    for x, y in data:
+        mse(facade(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    state = zf.shard_params({n: p.detach() for n, p in model.named_parameters()}, zf.optim.adamw(lr=1e-2))
+    return {
+        "ddp": ddp["params"],
+        "facade": {n: p.detach().clone() for n, p in facade.named_parameters()},
+        "master_dtypes": {str(t.dtype) for t in [*opt._state.master.values(), *state.master.values()]},
+    }
+
+
+@pytest.mark.parametrize("n", [1, 2], ids=["N1", "N2"])
+def test_a_float64_model_keeps_float64_masters_and_matches_ddp_bitwise_with_the_defaults(n):
+    # torch.optim steps float64 params in float64; a float32 master would round every update.
+    for r in get_world(n).run(_float64_defaults):
+        assert r["master_dtypes"] == {"torch.float64"}
+        assert_trees_equal(r["facade"], r["ddp"])

@@ -249,8 +249,9 @@ class PrecisionPolicy:
       param_dtype: the working dtype of the full params (and their grads). ``None`` keeps
         the params' own dtype; a dtype casts every param to it when the state is built
         (a "forced dtype"), which also settles a model with mixed dtypes.
-      master_dtype: the dtype of the master shards and the optimizer state (float32).
-        Must be at least as wide as ``param_dtype``.
+      master_dtype: the dtype of the master shards and the optimizer state (float32);
+        a param whose working dtype is wider (float64) keeps its own. Must be at least as
+        wide as ``param_dtype``.
       comm_dtype: the dtype gradients travel in through the reduce collective (cast
         before, cast back after); ``None``: the gradients' own dtype.
       grad_accum_dtype: the dtype gradients are summed in across micro-batches.
@@ -388,8 +389,12 @@ class PrecisionPolicy:
         return grad_dtype if self.comm_dtype is None else self.comm_dtype
 
     def master_dtype_for(self, working: torch.dtype) -> torch.dtype:
-        """The dtype of the shard the optimizer updates, for working dtype ``working``."""
-        return self.master_dtype if self.master_weights else working
+        """The dtype of the shard the optimizer updates, for working dtype ``working``: never
+        narrower than ``working``, so float64 params keep float64 masters and state (as
+        ``torch.optim`` keeps them) under the float32 default."""
+        if not self.master_weights:
+            return working
+        return working if torch.finfo(working).bits > torch.finfo(self.master_dtype).bits else self.master_dtype
 
 
 def resolve_param_dtypes(

@@ -48,7 +48,8 @@ class ZeroState:
       master: name -> ``(shard_numel,)`` master shard, padding zero, for a split param;
         the full-shape master of a whole param this rank owns (absent if another rank
         owns it). In
-        ``precision.master_dtype`` (float32 by default), or in the param's working dtype
+        ``precision.master_dtype_for`` its working dtype (float32 by default, float64 for a
+        float64 param), or in the param's working dtype
         when ``precision.master_weights`` is False; on ``precision.state_device`` (the CPU for
         CPU offload) or else on the params' device.
       opt_state: the optimizer's state NamedTuple over the same shard shapes (same device).

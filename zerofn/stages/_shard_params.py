@@ -50,8 +50,8 @@ def shard_params(
       optimizer: a :mod:`zerofn.optim` optimizer; its ``init`` runs on the shards.
       group: the sharding process group (``None``: default). Only its size and this
         rank's index are read.
-      master_dtype: dtype of the master shards and optimizer state (float32), when no
-        ``precision`` is given.
+      master_dtype: dtype of the master shards and optimizer state (float32; a wider
+        param, float64, keeps its own), when no ``precision`` is given.
       precision: the :class:`~zerofn.precision.PrecisionPolicy`; ``None``: every param keeps
         its own (working) dtype, ``master_dtype`` master shards on the params' device, no
         loss scaling. With a policy, each param's working dtype is
