@@ -25,16 +25,22 @@ __all__ = ["CommCounter", "count_bytes", "record", "ring_share"]
 
 @dataclass(eq=False)  # identity, not value: nested counters are told apart on the stack
 class CommCounter:
-    """Bytes this rank sent, total and per collective kind, while the counter was active."""
+    """Bytes this rank sent, total and per collective kind, while the counter was active.
+
+    ``calls`` counts zerofn's collective calls, ``calls_by_collective`` per kind: a bucket's
+    gather by one broadcast per rank is one call of ``"broadcast"``.
+    """
 
     bytes_sent: int = 0
     by_collective: dict[str, int] = field(default_factory=dict)
     calls: int = 0
+    calls_by_collective: dict[str, int] = field(default_factory=dict)
 
     def add(self, collective: str, nbytes: int) -> None:
         self.bytes_sent += nbytes
         self.by_collective[collective] = self.by_collective.get(collective, 0) + nbytes
         self.calls += 1
+        self.calls_by_collective[collective] = self.calls_by_collective.get(collective, 0) + 1
 
 
 _active = threading.local()

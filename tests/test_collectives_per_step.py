@@ -1,0 +1,73 @@
+"""Which collectives one training step sends, counted call by call (docs/design.md, "What one
+step sends").
+
+A step of the facade is at the minimum a ZeRO step needs: one small rank-agreement
+all-gather (before any bucket, so ranks with other layouts raise instead of sending other
+sizes), one reduction per bucket, one scalar all-reduce (norm and verdicts) and one gather
+per bucket. The functional loop's stages are separate calls with their own settings, so
+``reduce_grads`` and ``gather_params`` each agree (``gather_params(check=False)`` skips the
+second). A group of one sends nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+import zerofn as zf
+
+BUCKET = 160  # elements: the model below makes three buckets
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def _counted_steps() -> dict[str, tuple[int, dict[str, int]]]:
+    """On every rank: the buckets and the calls per collective of the second step of each loop."""
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    out: dict[str, tuple[int, dict[str, int]]] = {}
+    for stage in (1, 2):
+        for overlap in (False, True):
+            model = _model()
+            opt = zf.ZeroOptimizer(
+                torch.optim.AdamW(model.parameters()),
+                partition_grad=stage == 2,
+                reduce_bucket_size=BUCKET,
+                overlap_communication=overlap,
+            )
+            for _ in range(2):
+                with zf.count_bytes() as counter:
+                    model(x).square().mean().backward()
+                    opt.step()
+                    opt.zero_grad()
+            out[f"facade stage {stage} overlap {overlap}"] = (
+                len(opt.state.layout.buckets(BUCKET)),
+                counter.calls_by_collective,
+            )
+    model = _model()
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    state = zf.shard_params(params, zf.optim.adamw())
+    grad_fn = torch.func.grad(lambda p: torch.func.functional_call(model, p, (x,)).square().mean())
+    for check in (True, False):
+        with zf.count_bytes() as counter:
+            shards = zf.reduce_grads(grad_fn(params), state.layout, bucket_numel=BUCKET)
+            state, _ = zf.step_shards(state, shards, max_norm=1.0)
+            params = zf.gather_params(state, bucket_numel=BUCKET, check=check)
+        out[f"functional check={check}"] = (len(state.layout.buckets(BUCKET)), counter.calls_by_collective)
+    return out
+
+
+def test_a_step_sends_one_agreement_one_collective_per_bucket_each_way_and_one_scalar_all_reduce(world):
+    n = world.world_size
+    for per_rank in world.run(_counted_steps):
+        for loop, (buckets, calls) in per_rank.items():
+            assert buckets == 3, loop
+            if n == 1:
+                assert calls == {}, loop
+                continue
+            # gloo's default realisations: all_reduce to reduce, one broadcast per rank to gather
+            agreements = 2 if loop == "functional check=True" else 1
+            expected = {"check": agreements, "all_reduce": buckets, "scalars": 1, "broadcast": buckets}
+            assert calls == expected, loop
