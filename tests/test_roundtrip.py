@@ -52,7 +52,8 @@ def test_gather_of_shard_returns_the_params_bitwise_on_every_rank(worlds, params
 def test_rank_r_holds_chunk_r_of_every_padded_param(worlds, params, n):
     results = worlds[n].run(_roundtrip, params, 2**20, "default")
     for name, p in params.items():
-        chunks = _padded_chunks(p, n, torch.float32)
+        # float32 masters by default; a float64 param keeps a float64 one (never narrower)
+        chunks = _padded_chunks(p, n, torch.float64 if p.dtype == torch.float64 else torch.float32)
         for rank, (_, master) in enumerate(results):
             assert_bitwise_equal(master[name], chunks[rank], f"rank {rank} shard of {name!r}")
 
