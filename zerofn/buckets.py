@@ -319,7 +319,7 @@ def launch_reduce(
       layout: the layout the rows follow.
       bucket: the bucket of ``layout`` the rows hold.
       group: the sharding process group.
-      how: ``"reduce_scatter"`` or ``"all_reduce"`` (:func:`zerofn.stages.reduce_realisation`).
+      how: ``"reduce_scatter"`` or ``"all_reduce"`` (:func:`zerofn.stages._reduce_grads.reduce_realisation`).
       comm_dtype: dtype on the wire; ``None``: the params' working dtype.
       wire_out: an ``(N, S)`` buffer of the wire dtype to cast into (reused by the facade);
         default a new one. Unused when no cast is needed.

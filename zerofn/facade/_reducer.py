@@ -70,8 +70,8 @@ from zerofn.facade._sharded_grad import ShardedGrad, ShardedGradError, sharded_g
 from zerofn.facade._step_grads import StepGrads
 from zerofn.layout import Bucket, ShardLayout
 from zerofn.precision import PrecisionPolicy, mul_grads_
-from zerofn.stages import reduce_realisation, sum_over_replicas
 from zerofn.stages._pipeline import MAX_IN_FLIGHT, InFlight
+from zerofn.stages._reduce_grads import reduce_realisation, sum_over_replicas
 
 __all__ = ["GradReducer", "ShardedGrad", "ShardedGradError"]
 

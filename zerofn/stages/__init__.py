@@ -36,7 +36,7 @@ from __future__ import annotations
 from zerofn.stages._gather_params import gather_params
 from zerofn.stages._grad_norm import global_grad_norm
 from zerofn.stages._pipeline import DEFAULT_BUCKET_NUMEL as DEFAULT_BUCKET_NUMEL  # read as zf.stages.<NAME>
-from zerofn.stages._reduce_grads import reduce_grads, reduce_realisation, sum_over_replicas
+from zerofn.stages._reduce_grads import reduce_grads
 from zerofn.stages._shard_params import resolve_placement, shard_params
 from zerofn.stages._step_errors import StepVetoed
 from zerofn.stages._step_shards import step_shards
@@ -47,10 +47,8 @@ __all__ = [
     "gather_params",
     "global_grad_norm",
     "reduce_grads",
-    "reduce_realisation",
     "resolve_placement",
     "shard_params",
     "step_shards",
-    "sum_over_replicas",
     "value_and_reduced_grads",
 ]
