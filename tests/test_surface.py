@@ -66,3 +66,16 @@ def test_plumbing_is_private_and_what_users_touch_is_top_level():
     with zf.count_bytes() as counter:
         pass
     assert isinstance(counter, zf.CommCounter) and counter.bytes_sent == 0
+
+
+def test_the_facade_s_precision_keywords_default_to_what_its_options_record():
+    # (internal: zerofn.facade._options keeps the keywords as a value, and a precision=
+    # policy given beside a keyword changed from these defaults is refused)
+    import dataclasses
+    import inspect
+
+    from zerofn.facade._options import PrecisionKeywords
+
+    signature = inspect.signature(zf.ZeroOptimizer.__init__).parameters
+    for field in dataclasses.fields(PrecisionKeywords):
+        assert signature[field.name].default == field.default, field.name

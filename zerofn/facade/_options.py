@@ -29,6 +29,7 @@ their defaults):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -48,6 +49,7 @@ from zerofn.precision import (
 
 __all__ = [
     "PRECISION_DEFAULTS",
+    "PrecisionKeywords",
     "cast_params",
     "check_gather_module",
     "check_settings",
@@ -59,23 +61,32 @@ __all__ = [
     "update_rules",
 ]
 
-# The precision keywords and their defaults (ZeroOptimizer's signature); with
-# precision=PrecisionPolicy(...) they must stay at these values.
-PRECISION_DEFAULTS: dict[str, Any] = {
-    "communication_dtype": None,
-    "cpu_offload": False,
-    "forced_dtype": None,
-    "master_weights": True,
-    "nonfinite": "skip",
-    "grad_accum_dtype": "auto",
-    "initial_scale": 2**16,
-    "min_scale": 1,
-    "growth_factor": 2.0,
-    "backoff_factor": 0.5,
-    "growth_interval": 2000,
-    "hysteresis": 2,
-    "max_scale": 2**24,
-}
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionKeywords:
+    """``ZeroOptimizer``'s precision keywords, as given (their defaults are the signature's,
+    which a test pins); with ``precision=PrecisionPolicy(...)`` they must stay at these."""
+
+    communication_dtype: torch.dtype | None = None
+    cpu_offload: bool = False
+    forced_dtype: torch.dtype | None = None
+    master_weights: bool = True
+    nonfinite: str = "skip"
+    grad_accum_dtype: Any = "auto"
+    initial_scale: float = 2**16
+    min_scale: float = 1
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    hysteresis: int = 2
+    max_scale: float = 2**24
+
+    def as_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+# The defaults by name (the Lightning strategies take the same keywords).
+PRECISION_DEFAULTS: dict[str, Any] = PrecisionKeywords().as_dict()
 _SCALER_KEYS = (
     "initial_scale",
     "min_scale",
@@ -124,12 +135,13 @@ def check_gather_module(named: Mapping[str, torch.Tensor], module: torch.nn.Modu
 
 
 def precision_policy(
-    named: Mapping[str, torch.Tensor], precision: PrecisionPolicy | None, options: Mapping[str, Any]
+    named: Mapping[str, torch.Tensor], precision: PrecisionPolicy | None, keywords: PrecisionKeywords
 ) -> PrecisionPolicy:
     """The facade's precision policy: ``precision`` itself, or one built from the precision keywords.
 
     Reads only dtypes; raises before anything is changed.
     """
+    options = keywords.as_dict()
     if precision is not None:
         if not isinstance(precision, PrecisionPolicy):
             what = type(precision).__name__

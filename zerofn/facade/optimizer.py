@@ -205,7 +205,21 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
         entry_timeout: float | None = 300.0,
         compile: bool | str = False,
     ) -> None:
-        seed = {k: v for k, v in locals().items() if k in _options.PRECISION_DEFAULTS}  # precision keywords
+        keywords = _options.PrecisionKeywords(
+            communication_dtype=communication_dtype,
+            cpu_offload=cpu_offload,
+            forced_dtype=forced_dtype,
+            master_weights=master_weights,
+            nonfinite=nonfinite,
+            grad_accum_dtype=grad_accum_dtype,
+            initial_scale=initial_scale,
+            min_scale=min_scale,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            hysteresis=hysteresis,
+            max_scale=max_scale,
+        )
         _options.check_settings(reduce_bucket_size, norm_type, clip_grad_norm)
         _guards.check_module(module)  # a DDP-wrapped model would have its gradients reduced twice
         named_groups, fopt, torch_groups = _options.resolve_params(optimizer, functional_optimizer, module)
@@ -215,7 +229,7 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
         params = {n: p for g in named_groups for n, p in g}
         if overlap_allgather:
             _options.check_gather_module(params, module)
-        policy = _options.precision_policy(params, precision, seed)
+        policy = _options.precision_policy(params, precision, keywords)
         _options.cast_params(params, policy)  # validated: now cast, before anything reads them
         self._group, self._replicate = _options.hybrid_groups(dp_process_group, sub_dp_size, replicate_group)
         groups = (self._group,) if self._replicate is None else (self._group, self._replicate)
