@@ -254,17 +254,10 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
         # The masters are cut here and made rank 0's below, once the ranks agree on the layout.
         self._state: ZeroState = shard_params(params, fopt, self._group, precision=policy, check=False)
         layout = self._state.layout
-        settings = {"stage": self._stage, "bucket_numel": reduce_bucket_size, "overlap": int(overlap_communication)}
-        settings["precision"] = checks.text_hash(repr(policy))
-        # Equal placements do not mean equal updates ([Adafactor, AdamW] vs [Muon, AdamW]).
-        settings["optimizer"] = checks.text_hash(_options.update_rules(fopt, layout.names))
-        # What the broadcasts below move must be alike everywhere (a mismatch inside them would hang).
         module_states = _buffers.module_states(module, params, buffers=broadcast_buffers)
-        settings["module"] = _sync.structure_hash(module_states)
-        settings["init_sync"] = int(init_sync)
-        settings["broadcast_buffers"] = int(broadcast_buffers)
-        for g in (self._group, self._replicate) if self._replicate is not None else (self._group,):
-            checks.check_ranks_agree(layout, g, "ZeroOptimizer", settings=settings, device=self._state.work_device)
+        settings = {"stage": self._stage, "bucket_numel": reduce_bucket_size, "overlap": int(overlap_communication)}
+        settings |= {"init_sync": int(init_sync), "broadcast_buffers": int(broadcast_buffers)}
+        self._agree(settings, policy, fopt, module_states)
         if init_sync:  # DDP's construction: every rank starts from rank 0's params and buffers
             self._init_sync(module_states)
         self._gather_how = self._comm_policy.resolve(self._group)[1]
@@ -291,6 +284,24 @@ class ZeroOptimizer(GradMethods, ParamMethods, StateDictMethods, torch.optim.Opt
         if module is not None and broadcast_buffers and self._world_size() > 1:
             require_sync = _require_sync_of(weakref.ref(self._reducer))
             self._buffer_sync = _buffers.BufferSync(module, self._group, self._replicate, require_sync)
+
+    def _agree(
+        self,
+        settings: dict[str, int],
+        policy: PrecisionPolicy,
+        fopt: optim.Optimizer,
+        module_states: Mapping[str, torch.Tensor],
+    ) -> None:
+        """Every rank of both groups built the same optimizer, or every rank raises, before any
+        broadcast. Collectives: one small all-gather per group (``check_ranks_agree``)."""
+        layout = self._state.layout
+        settings = dict(settings, precision=checks.text_hash(repr(policy)))
+        # Equal placements do not mean equal updates ([Adafactor, AdamW] vs [Muon, AdamW]).
+        settings["optimizer"] = checks.text_hash(_options.update_rules(fopt, layout.names))
+        # What the init_sync broadcasts move must be alike everywhere (a mismatch inside them would hang).
+        settings["module"] = _sync.structure_hash(module_states)
+        for g in (self._group, self._replicate) if self._replicate is not None else (self._group,):
+            checks.check_ranks_agree(layout, g, "ZeroOptimizer", settings=settings, device=self._state.work_device)
 
     def _init_sync(self, module_states: Mapping[str, torch.Tensor]) -> None:
         """Broadcast rank 0's params and buffers over the data-parallel world; the masters take them.
