@@ -2,7 +2,8 @@
 
 Hypothesis drives random sequences of backward (synced or inside ``no_sync``), step,
 zero_grad, learning-rate changes and ``state_dict`` / ``load_state_dict`` round trips,
-on both the facade and a DDP twin that lives on the same two gloo ranks. After every
+on both the facade and a DDP twin that lives on the same two gloo ranks, for float32 and
+float64 models, with a small bucket or the default one. After every
 step, and after every call, the params are bitwise equal to the twin's. That is exact by
 construction:
 
@@ -41,10 +42,10 @@ import zerofn as zf
 _S: dict[str, Any] = {}
 
 
-def _setup(stage: int, overlap: bool, kind: str, clip: float) -> None:
+def _setup(stage: int, overlap: bool, kind: str, clip: float, dtype: torch.dtype, bucket: int | None) -> None:
     _S.clear()
     torch.manual_seed(seeded(0))
-    model = Net()
+    model = Net().to(dtype)
     ref = copy.deepcopy(model)
     ddp = nn.parallel.DistributedDataParallel(ref, find_unused_parameters=True)
 
@@ -61,11 +62,12 @@ def _setup(stage: int, overlap: bool, kind: str, clip: float) -> None:
             make(model.parameters()),
             partition_grad=stage == 2,
             overlap_communication=overlap,
-            reduce_bucket_size=100,
+            **({} if bucket is None else {"reduce_bucket_size": bucket}),
             clip_grad_norm=clip,
             module=model,
         ),
         clip=clip,
+        dtype=dtype,
         gen=torch.Generator().manual_seed(seeded(100 + dist.get_rank())),
     )
 
@@ -74,8 +76,8 @@ def _backward(sync: bool, use_gate: bool, onto_reduced: bool = False) -> None:
     """One backward on both sides. ``onto_reduced``: onto gradients an earlier synced
     backward reduced (no ``zero_grad`` between); the twin sets its reduced gradients aside
     and adds them back after the next synced backward (the module docstring)."""
-    x = torch.randn(6, 7, generator=_S["gen"])
-    y = torch.randn(6, 5, generator=_S["gen"])
+    x = torch.randn(6, 7, generator=_S["gen"]).to(_S["dtype"])
+    y = torch.randn(6, 5, generator=_S["gen"]).to(_S["dtype"])
     zopt, model, ddp = _S["zopt"], _S["model"], _S["ddp"]
     with contextlib.nullcontext() if sync else zopt.no_sync():
         zopt.backward(((model(x, use_gate) - y) ** 2).mean())
@@ -145,10 +147,14 @@ class FacadeAgainstDDP(RuleBasedStateMachine):
         overlap=st.booleans(),
         kind=st.sampled_from(["adamw", "sgd"]),
         clip=st.sampled_from([0.0, 0.05]),
+        # float64 models are trained in float64 by torch.optim, and so by the facade
+        dtype=st.sampled_from([torch.float32, torch.float64]),
+        # a small bucket (several per step) or the default users keep (one)
+        bucket=st.sampled_from([100, None]),
     )
-    def setup(self, stage: int, overlap: bool, kind: str, clip: float) -> None:
+    def setup(self, stage: int, overlap: bool, kind: str, clip: float, dtype: torch.dtype, bucket: int | None) -> None:
         self.clip = clip
-        self.world.run(_setup, stage, overlap, kind, clip)
+        self.world.run(_setup, stage, overlap, kind, clip, dtype, bucket)
 
     @rule(use_gate=st.booleans())
     def backward(self, use_gate: bool) -> None:
