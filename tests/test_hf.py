@@ -13,7 +13,9 @@ from __future__ import annotations
 import importlib
 import math
 import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,6 +30,8 @@ from hf_runs import args, params, run, state_bytes
 import zerofn as zf
 from zerofn.hf import ZeroTrainer
 
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "hf_trainer.py"
 CLIP = 0.5  # below the gradients' norm (about 0.8 to 1.1 here): every step clips
 
 
@@ -305,3 +309,23 @@ def test_fp16_on_a_gpu_scales_with_zerofns_loss_scaler_and_a_skipped_step_keeps_
     assert amp == (True, "fp16", None)  # float16 autocast, and no GradScaler: zerofn's loss scaler
     assert scale == 2.0**9 and taken == 3 and last_epoch == 3 and finite  # one overflow: one backoff, one skip
     assert len(lrs) == 4 and lrs[2] == lrs[1], lrs
+
+
+# ----------------------------------------------------------------------------- the guide's script
+
+
+@pytest.mark.slow
+def test_the_guides_script_is_examples_hf_trainer_py_and_runs_under_torchrun(tmp_path):
+    """docs/hf.md shows the file as it is (tests/test_docs.py runs that block on two pool ranks); here torchrun
+    launches the file itself, as the guide says, on 2 gloo ranks: it trains, saves, and resumes."""
+    page = (ROOT / "docs" / "hf.md").read_text(encoding="utf-8")
+    assert f"```python\n{EXAMPLE.read_text(encoding='utf-8')}```" in page
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env.update(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(EXAMPLE)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    folder = tmp_path / "hf-run" / "checkpoint-4"
+    assert {"model.safetensors", "zerofn_optimizer", "scheduler.pt", "trainer_state.json"} <= set(os.listdir(folder))
+    assert sorted(p.name for p in (folder / "zerofn_optimizer").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert proc.stdout.count("'grad_norm'") == 6, proc.stdout[-3000:]  # 4 steps, then steps 3 and 4 again
