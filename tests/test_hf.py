@@ -179,6 +179,13 @@ def _features(tmp: str):
         best = os.path.basename(trainer.state.best_model_checkpoint)
         kept = sorted(os.listdir(os.path.join(tmp, side)))
         out[side] = (params(trainer.model), evals, best, kept, trainer.model.is_gradient_checkpointing)
+    # model_init: the Trainer makes the model again in train(), and zerofn a new ZeroOptimizer for it.
+    kw = {"model_init": lambda: hf_runs.model(), "args": args(max_steps=3), "train_dataset": hf_runs.data()}
+    zt, ref = ZeroTrainer(**kw), hf_runs.DDPTrainer(**kw)
+    for trainer in (zt, ref):
+        trainer.remove_callback(hf_runs.PrinterCallback)
+        trainer.train()
+    out["model_init"] = (params(zt.model), params(ref.model), zt.zero_optimizer._module is zt.model)
     # save_only_model: the weights alone, and a resume from them (a fresh optimizer, as the Trainer's).
     only = os.path.join(tmp, "only")
     run(True, args(only, max_steps=2, save_strategy="steps", save_steps=2, save_only_model=True))
@@ -195,7 +202,7 @@ def _features(tmp: str):
     return out
 
 
-def test_optim_names_evaluation_best_model_checkpointing_save_only_model_and_a_skipped_step(zerofn_world, tmp_path):
+def test_optim_names_eval_best_model_checkpointing_model_init_save_only_model_a_skipped_step(zerofn_world, tmp_path):
     results = zerofn_world(2).run(_features, str(tmp_path))
     for rank, out in enumerate(results):
         for optim in ("adamw_torch", "sgd", "adafactor"):
@@ -207,6 +214,10 @@ def test_optim_names_evaluation_best_model_checkpointing_save_only_model_and_a_s
         assert zevals == devals and len(zevals) == 3 and zbest == dbest and zkept == dkept and zgc and dgc
         for name in dp:
             assert_bitwise_equal(zp[name], dp[name], f"rank {rank} best model {name}")
+        got, ref, same_model = out["model_init"]
+        assert same_model
+        for name in ref:
+            assert_bitwise_equal(got[name], ref[name], f"rank {rank} model_init {name}")
         files, step = out["only"]
         assert "model.safetensors" in files and not {"zerofn_optimizer", "optimizer.pt"} & set(files), files
         assert step == 4
@@ -228,6 +239,7 @@ def _refusals():
         "fp16_on_cpu": lambda: ZeroTrainer(model=net, args=args(fp16=True)),
         "torch_compile": lambda: ZeroTrainer(model=net, args=args(torch_compile=True)),
         "auto_find_batch_size": lambda: ZeroTrainer(model=net, args=args(auto_find_batch_size=True)),
+        "fsdp": lambda: ZeroTrainer(model=net, args=args(fsdp="shard_grad_op")),
         "optim_adagrad": lambda: ZeroTrainer(model=net, args=args(optim="adagrad")),
         "compile_fused": lambda: ZeroTrainer(model=net, args=args(), compile="aot_eager"),
         "own_adafactor": lambda: ZeroTrainer(
@@ -257,6 +269,7 @@ def test_what_zerofn_cannot_run_is_refused_at_construction_on_every_rank_saying_
     assert "torch_compile=True wraps the model" in errors["torch_compile"]
     assert "ZeroTrainer(compile=True)" in errors["torch_compile"]
     assert "auto_find_batch_size=True reruns the training loop" in errors["auto_find_batch_size"]
+    assert "args.fsdp hands the model to FSDP" in errors["fsdp"]
     assert "optim='adagrad' is not served" in errors["optim_adagrad"]
     assert "['adamw_torch_fused', 'adamw_torch', 'sgd', 'adafactor']" in errors["optim_adagrad"]
     assert "pass optim='adamw_torch'" in errors["compile_fused"]

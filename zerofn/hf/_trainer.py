@@ -61,8 +61,8 @@ class ZeroTrainer(Trainer):
         trainers = set(inspect.signature(Trainer.__init__).parameters) - {"self"}
         options = {k: kwargs.pop(k) for k in list(kwargs) if k not in trainers}  # the rest is zerofn's, or a typo
         self.zero_options = IntegrationOptions.parse(WHO, options)
-        super().__init__(*args, **kwargs)
         self._zero: ZeroOptimizer | None = None
+        super().__init__(*args, **kwargs)
         check_trainer(self, self.zero_options, self.optimizer_cls_and_kwargs)
         self.accelerator.scaler = None  # fp16=True: zerofn's loss scaler, not a GradScaler per rank
 
@@ -79,8 +79,11 @@ class ZeroTrainer(Trainer):
         Collectives: on its first call, the ZeroOptimizer's construction (the layout's
         agreement, the broadcast of rank 0's params and buffers).
         """
-        if self._zero is not None:
+        if self._zero is not None and self.optimizer is not None:
             return self.optimizer
+        if self._zero is not None:  # model_init made a new model (train() dropped the optimizer): a new one for it
+            self._zero.close()
+            self._zero = None
         torch_opt = super().create_optimizer(model)
         kwargs = self.zero_options.facade_kwargs(fp16_mixed=bool(self.args.fp16), who=WHO)
         self._zero = zero_optimizer(torch_opt, self.model, self.zero_options.stage, kwargs)
@@ -98,10 +101,14 @@ class ZeroTrainer(Trainer):
         self.create_optimizer()
         if not isinstance(self.optimizer, ZeroAcceleratedOptimizer):
             self.optimizer = ZeroAcceleratedOptimizer(self._zero)
-            self.accelerator._optimizers.append(self.optimizer)
+            # The skip gate (optimizer_step_was_skipped) asks every wrapper: only this run's.
+            kept = [o for o in self.accelerator._optimizers if not isinstance(o, ZeroAcceleratedOptimizer)]
+            self.accelerator._optimizers = [*kept, self.optimizer]
         self.create_scheduler(num_training_steps=max_steps)
         self.model_wrapped = model
         if resume_from_checkpoint is not None:
+            # No _load_scaler: zerofn's loss-scale state is in its own checkpoint (a GradScaler's scaler.pt from a
+            # run without zerofn is not read; the loss scale then starts at initial_scale).
             self._load_optimizer_and_scheduler(resume_from_checkpoint)
         for attr in ("model", "optimizer", "lr_scheduler"):
             setattr(self.callback_handler, attr, getattr(self, attr))
