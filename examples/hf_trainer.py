@@ -31,3 +31,4 @@ args = TrainingArguments(
 trainer = ZeroTrainer(model=model, args=args, train_dataset=dataset)  # was: Trainer(...); stage=1 for ZeRO-1
 trainer.train()
 trainer.train(resume_from_checkpoint="hf-run/checkpoint-2")  # at this world size or another one
+trainer.accelerator.wait_for_everyone()  # every rank leaves once rank 0 wrote its last files (trainer_state.json)
