@@ -91,7 +91,11 @@ class ZeroTrainer(Trainer):
         return self._zero
 
     def _prepare_for_training(self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: Any) -> Any:
-        """The Trainer's preparation without DDP: autocast and placement, the ZeroOptimizer, scheduler, resume."""
+        """The Trainer's preparation without DDP: autocast and placement, the ZeroOptimizer, scheduler, resume.
+
+        Collectives: the ZeroOptimizer's construction (first call); on resume, its
+        ``load_checkpoint`` or ``load_state_dict``.
+        """
         if self._created_lr_scheduler:  # as the Trainer: a schedule it made is made again for this run
             self.lr_scheduler = None
             self._created_lr_scheduler = False
@@ -118,7 +122,11 @@ class ZeroTrainer(Trainer):
     # ------------------------------------------------------------------ a step
 
     def training_step(self, model: torch.nn.Module, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
-        """The Trainer's step; a micro-step that does not step accumulates under ``no_sync`` (no communication)."""
+        """The Trainer's step; a micro-step that does not step accumulates under ``no_sync`` (no communication).
+
+        Collectives: on the micro-step that steps, zerofn's gradient reductions (from its
+        hooks, during or at the end of the backward); none on the others.
+        """
         zero = self._zero
         assert zero is not None
         acc = self.accelerator
