@@ -253,6 +253,7 @@ def _refusals():
         "torch_compile": lambda: ZeroTrainer(model=net, args=args(torch_compile=True)),
         "auto_find_batch_size": lambda: ZeroTrainer(model=net, args=args(auto_find_batch_size=True)),
         "fsdp": lambda: ZeroTrainer(model=net, args=args(fsdp="shard_grad_op")),
+        "ddp_bucket_cap_mb": lambda: ZeroTrainer(model=net, args=args(ddp_bucket_cap_mb=25)),
         "optim_adagrad": lambda: ZeroTrainer(model=net, args=args(optim="adagrad")),
         "compile_fused": lambda: ZeroTrainer(model=net, args=args(), compile="aot_eager"),
         "own_adafactor": lambda: ZeroTrainer(
@@ -283,6 +284,7 @@ def test_what_zerofn_cannot_run_is_refused_at_construction_on_every_rank_saying_
     assert "ZeroTrainer(compile=True)" in errors["torch_compile"]
     assert "auto_find_batch_size=True reruns the training loop" in errors["auto_find_batch_size"]
     assert "args.fsdp hands the model to FSDP" in errors["fsdp"]
+    assert "ZeroTrainer(..., reduce_bucket_size=...)" in errors["ddp_bucket_cap_mb"]
     assert "optim='adagrad' is not served" in errors["optim_adagrad"]
     assert "['adamw_torch_fused', 'adamw_torch', 'sgd', 'adafactor']" in errors["optim_adagrad"]
     assert "pass optim='adamw_torch'" in errors["compile_fused"]

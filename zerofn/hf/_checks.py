@@ -95,6 +95,13 @@ def check_trainer(trainer: Any, options: IntegrationOptions, optimizer_cls_and_k
         _refuse(_WHY["fsdp"] + "; use one of the two")
     if getattr(args, "parallelism_config", None) is not None or (getattr(trainer.model, "tp_size", None) or 1) > 1:
         _refuse("tensor, context or sequence parallelism (parallelism_config, tp_size) is not combined with zerofn")
+    # DDP's own settings would be ignored without a word (there is no DDP): say what zerofn takes instead.
+    for flag, instead in (("ddp_bucket_cap_mb", "reduce_bucket_size"), ("ddp_broadcast_buffers", "broadcast_buffers")):
+        if getattr(args, flag, None) is not None:
+            _refuse(
+                f"{flag}={getattr(args, flag)!r} configures DistributedDataParallel, which ZeroTrainer does not use; "
+                f"drop it and pass zerofn's own option, ZeroTrainer(..., {instead}=...)"
+            )
     for flag in ("torch_compile", "auto_find_batch_size"):
         if getattr(args, flag):
             _refuse(_WHY[flag])
