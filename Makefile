@@ -9,7 +9,7 @@
 #   make docs-serve           # serve it at http://127.0.0.1:8000 while you edit
 #   make benchmarks           # every system on every model, into benchmarks/results/latest.* (the site's page)
 #
-# torch is installed first, pinned, so that `pip install -e .[test,docs,lowbit,data,lightning]` finds its `torch>=2.4`
+# torch is installed first, pinned, so that `pip install -e .[test,docs,lowbit,data,lightning,hf]` finds its `torch>=2.4`
 # already satisfied: an unpinned torch would pull a CUDA build of several GB on a machine
 # that only has a CPU. GPU users pick their build, e.g. make test TORCH_SPEC='torch==2.13.0'
 # TORCH_PIP_ARGS='--index-url <a PyTorch wheel index for your CUDA>'.
@@ -48,6 +48,8 @@ $(TORCH_STAMP): FORCE | $(PY)
 # has no dependencies of its own, so it leaves the pinned torch alone. So is the data extra
 # (torchdata, for zerofn.data's tests): its `torch>=2` is met by the pinned torch. So is the
 # lightning extra (zerofn.lightning's tests): lightning 2.6.6's `torch>=2.1,<4` is met too.
+# So is the hf extra (zerofn.hf's tests): transformers 5.23.0 requires no torch, and accelerate
+# 1.16.0's `torch>=2.6.0` is met by the pinned torch.
 # numpy beside torch: torch warns at import when numpy is missing ("Failed to initialize
 # NumPy"), which clutters the demo and is an error under pytest's filterwarnings=error.
 # pip installs without compiling bytecode, then compileall compiles site-packages on every
@@ -56,7 +58,7 @@ $(TORCH_STAMP): FORCE | $(PY)
 # sources), hence the `|| true`; what Python imports is compiled either way.
 $(STAMP): pyproject.toml $(TORCH_STAMP) | $(PY)
 	$(PIP) install --no-compile $(TORCH_PIP_ARGS) '$(TORCH_SPEC)' numpy
-	$(PIP) install --no-compile -e '.[test,docs,lowbit,data,lightning]'
+	$(PIP) install --no-compile -e '.[test,docs,lowbit,data,lightning,hf]'
 	$(PY) -m compileall -q -j 0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" > /dev/null 2>&1 || true
 	touch $@
 

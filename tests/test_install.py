@@ -6,7 +6,7 @@ them on a wheel built from this repository:
 1. build the wheel (``pip wheel --no-deps``) from a copy of the package's files;
 2. make a fresh virtualenv that already has the pinned torch of this environment (its
    files linked in, not downloaded again, so the check takes seconds);
-3. ``pip install zerofn-*.whl[test,docs,lowbit,data,lightning]`` into it: the extras that
+3. ``pip install zerofn-*.whl[test,docs,lowbit,data,lightning,hf]`` into it: the extras that
    come from the package index alone (``bench`` builds DeepSpeed from source: left out);
 4. from a folder outside the repository, run ``python -m zerofn demo --steps 5`` and one
    test that asks for the ``zerofn_world`` fixture of the pytest plugin;
@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-EXTRAS = "test,docs,lowbit,data,lightning"  # every extra but bench (DeepSpeed builds from its sdist)
+EXTRAS = "test,docs,lowbit,data,lightning,hf"  # every extra but bench (DeepSpeed builds from its sdist)
 
 pytestmark = pytest.mark.install
 

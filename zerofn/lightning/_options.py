@@ -1,10 +1,11 @@
-"""zerofn's options of both Lightning strategies: one list of names, defaults and checks.
+"""zerofn's options of both Lightning strategies: the integrations' options and the checkpoint's.
 
 :class:`~zerofn.lightning.ZeroStrategy` (Fabric) and
 :class:`~zerofn.lightning.ZeroTrainerStrategy` (Trainer) take the same zerofn keywords,
-next to their own Lightning ones, and hand them to :class:`ZeroOptions`: the names,
-meanings and defaults live here once (the precision keywords' defaults are the facade's
-``PRECISION_DEFAULTS``), and so does their translation into ``ZeroOptimizer``'s keywords.
+next to their own Lightning ones, and hand them to :class:`ZeroOptions`: every integration's
+keywords (:class:`zerofn._integration_options.IntegrationOptions`, shared with
+:mod:`zerofn.hf`: their names, meanings, defaults and translation into ``ZeroOptimizer``'s
+keywords live there once) and Lightning's checkpoint keywords.
 """
 
 from __future__ import annotations
@@ -12,57 +13,25 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
-import torch
-
-from zerofn._comm import CommPolicy
-from zerofn.facade._options import _SCALER_KEYS, PRECISION_DEFAULTS
-from zerofn.precision import DynamicLossScaler, GradAccumDtype, PrecisionPolicy
-from zerofn.stages import DEFAULT_BUCKET_NUMEL
+from zerofn._integration_options import IntegrationOptions
 
 __all__ = ["ZeroOptions"]
 
-_D = PRECISION_DEFAULTS
-_PRECISION = ("communication_dtype", "cpu_offload", "master_weights", "grad_accum_dtype", "nonfinite")
-_FACADE = (
-    "reduce_bucket_size",
-    "overlap_communication",
-    "overlap_allgather",
-    "sub_dp_size",
-    "broadcast_buffers",
-    "comm_policy",
-    "entry_timeout",
-    "compile",
-)
-
 
 @dataclasses.dataclass(frozen=True)
-class ZeroOptions:
+class ZeroOptions(IntegrationOptions):
     """zerofn's keywords of ``ZeroStrategy(...)`` and ``ZeroTrainerStrategy(...)``; ``ZeroOptions()`` is ZeRO-2.
 
+    Every keyword of the integrations (``stage``, ``reduce_bucket_size``,
+    ``overlap_communication``, ``overlap_allgather``, ``communication_dtype``,
+    ``cpu_offload``, ``master_weights``, ``grad_accum_dtype``, ``sub_dp_size``,
+    ``broadcast_buffers``, ``nonfinite``, the loss scaler's ``initial_scale``,
+    ``min_scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``,
+    ``hysteresis``, ``max_scale``, and ``comm_policy``, ``entry_timeout``, ``compile``:
+    ``ZeroOptimizer``'s meanings and defaults; ``initial_scale`` & co. apply under
+    ``precision="16-mixed"``), and:
+
     Args:
-      stage: 2 (optimizer state and gradients sharded) or 1 (optimizer state sharded).
-      reduce_bucket_size: as ``ZeroOptimizer``'s (padded elements per bucket).
-      overlap_communication: as ``ZeroOptimizer``'s (reduce buckets during backward).
-      overlap_allgather: as ``ZeroOptimizer``'s (gather params behind the next forward).
-      communication_dtype: as ``ZeroOptimizer``'s (the gradients' wire dtype).
-      cpu_offload: as ``ZeroOptimizer``'s (master shards and optimizer state on the CPU).
-      master_weights: as ``ZeroOptimizer``'s (float32 master shards for low-precision params).
-      grad_accum_dtype: as ``ZeroOptimizer``'s (the dtype micro-batches accumulate in).
-      sub_dp_size: as ``ZeroOptimizer``'s (hybrid sharding: that many shard groups).
-      broadcast_buffers: as ``ZeroOptimizer``'s (rank 0's buffers before each forward).
-      nonfinite: as ``ZeroOptimizer``'s (``"skip"`` or ``"raise"`` without loss scaling).
-      initial_scale: zerofn's dynamic loss scaler under ``precision="16-mixed"`` (and for
-        float16 params), with ``min_scale``, ``growth_factor``, ``backoff_factor``,
-        ``growth_interval``, ``hysteresis`` and ``max_scale``: the facade's settings and defaults.
-      min_scale: see ``initial_scale``.
-      growth_factor: see ``initial_scale``.
-      backoff_factor: see ``initial_scale``.
-      growth_interval: see ``initial_scale``.
-      hysteresis: see ``initial_scale`` (1: back off at every overflow, as ``GradScaler``).
-      max_scale: see ``initial_scale``.
-      comm_policy: as ``ZeroOptimizer``'s (collective realisations).
-      entry_timeout: as ``ZeroOptimizer``'s (the wait of a collective entry point).
-      compile: as ``ZeroOptimizer``'s (the step after backward as one compiled graph).
       state_dict_type: ``"sharded"``: a checkpoint is a zerofn sharded checkpoint (every
         rank writes its shards, DCP); ``"full"``: Lightning's one file with the optimizer in
         torch's format (gathered on every rank). Loading reads either.
@@ -74,70 +43,11 @@ class ZeroOptions:
         at save, naming its key path and type. Admit only classes of checkpoints you trust.
     """
 
-    stage: int = 2
-    reduce_bucket_size: int = DEFAULT_BUCKET_NUMEL
-    overlap_communication: bool = False
-    overlap_allgather: bool = False
-    communication_dtype: torch.dtype | None = _D["communication_dtype"]
-    cpu_offload: bool = _D["cpu_offload"]
-    master_weights: bool = _D["master_weights"]
-    grad_accum_dtype: GradAccumDtype = _D["grad_accum_dtype"]
-    sub_dp_size: int = 1
-    broadcast_buffers: bool = True
-    nonfinite: str = _D["nonfinite"]
-    initial_scale: float = _D["initial_scale"]
-    min_scale: float = _D["min_scale"]
-    growth_factor: float = _D["growth_factor"]
-    backoff_factor: float = _D["backoff_factor"]
-    growth_interval: int = _D["growth_interval"]
-    hysteresis: int = _D["hysteresis"]
-    max_scale: float = _D["max_scale"]
-    comm_policy: CommPolicy | None = None
-    entry_timeout: float | None = 300.0
-    compile: bool | str = False
     state_dict_type: Literal["sharded", "full"] = "sharded"
     safe_globals: tuple[Any, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "safe_globals", tuple(self.safe_globals))
-        if self.stage not in (1, 2):
-            raise ValueError(f"stage must be 1 or 2, got {self.stage!r}")
         if self.state_dict_type not in ("sharded", "full"):
             raise ValueError(f"state_dict_type must be 'sharded' or 'full', got {self.state_dict_type!r}")
-        DynamicLossScaler(**self._scaler())  # its settings checked now, not at the first setup
-
-    @classmethod
-    def parse(cls, who: str, options: dict[str, Any]) -> ZeroOptions:
-        """``ZeroOptions(**options)``, its errors naming the strategy ``who`` and the keywords it takes."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise TypeError(f"{who}: unknown option(s) {unknown}; zerofn's options are {sorted(known)}")
-        try:
-            return cls(**options)
-        except ValueError as e:
-            raise ValueError(f"{who}: {e}") from None
-
-    def _scaler(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in _SCALER_KEYS}
-
-    def facade_kwargs(self, *, fp16_mixed: bool, who: str) -> dict[str, Any]:
-        """``ZeroOptimizer``'s keywords (all but the optimizer, ``module=``, ``partition_grad=``, ``init_sync=``).
-
-        ``fp16_mixed``: Lightning's ``"16-mixed"`` (float32 params under float16 autocast):
-        the precision keywords become a ``PrecisionPolicy`` with zerofn's dynamic loss
-        scaler, which the facade would not turn on for float32 params by itself.
-        """
-        out: dict[str, Any] = {k: getattr(self, k) for k in _FACADE}
-        if not fp16_mixed:
-            return {**out, **{k: getattr(self, k) for k in _PRECISION}, **self._scaler()}
-        if self.nonfinite != "skip":
-            raise ValueError(f"{who}: precision='16-mixed' needs nonfinite='skip' (a dynamic loss scaler skips)")
-        out["precision"] = PrecisionPolicy(
-            comm_dtype=self.communication_dtype,
-            grad_accum_dtype=self.grad_accum_dtype,
-            master_weights=self.master_weights,
-            state_device="cpu" if self.cpu_offload else None,
-            loss_scaler=DynamicLossScaler(**self._scaler()),
-        )
-        return out
+        super().__post_init__()
