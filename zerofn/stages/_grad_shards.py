@@ -6,8 +6,11 @@ rank's flat gradient buffer of its group (bucket order is flat order,
 :mod:`zerofn.flat`), so the row is written there (cast back from the wire) with one copy
 per bucket; the result is a :class:`~zerofn.flat.FlatDict` on the rank's flat layout,
 what ``step_shards`` applies without packing. A whole param's shard (its full gradient on
-its owner) and the split shards of a group whose gradients come in two dtypes are cut
-per name (:func:`~zerofn.buckets.split_row`).
+its owner) is a loose entry of that FlatDict, cut per name
+(:func:`~zerofn.buckets.split_row`). A group whose gradients come in two dtypes (some in
+the accumulation dtype, some in the working dtype) has its buffer in the wider of them:
+the narrower rows are widened exactly, which is what ``step_shards`` does to them before
+it scales them anyway.
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ import torch
 
 from zerofn import _comm as comm
 from zerofn import flat
-from zerofn._tree import FrozenDict
 from zerofn.buckets import split_row
 from zerofn.layout import Bucket, ShardLayout
 
@@ -50,7 +52,7 @@ class GradShards:
     ) -> None:
         self.layout, self.rank, self.grad_dtypes, self.device = layout, rank, grad_dtypes, device
         self.fl = flat.flat_layout(layout, rank)
-        self.flat = _one_dtype_per_group(self.fl, grad_dtypes)
+        self.buffer_dtypes = _buffer_dtypes(self.fl, grad_dtypes)
         self.tracing = comm.tracing()
         self._buffers: dict[int, torch.Tensor] = {}
         self._written: dict[int, list[tuple[int, int]]] = {}
@@ -60,15 +62,18 @@ class GradShards:
     def put(self, bucket: Bucket, row: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
         """This rank's reduced ``(S,)`` row of ``bucket`` into the shards, cast to ``dtype``.
 
+        ``dtype`` is the bucket's gradient dtype; a split bucket's row goes into its group's
+        buffer, in :attr:`buffer_dtypes` (the wider dtype where the group's gradients mix).
         Returns the tensors kept that may share ``row``'s storage (for
         :meth:`~zerofn.buckets.StagingPool.give_unless_aliased`).
         """
         g, start, _ = self.fl.where.get(bucket.names[0], (-1, 0, 0))
-        if not self.flat or g < 0:
+        if g < 0:
             shards = split_row(row, self.layout, bucket, self.grad_dtypes, dtype=dtype, rank=self.rank)
             self._named.update(shards)
             return list(shards.values())
         stop = start + row.numel()
+        dtype = self.buffer_dtypes[g]
         if self.tracing:
             piece = row.to(dtype) if row.dtype != dtype else row.clone() if row._base is not None else row
             self._rows.setdefault(g, []).append((start, piece))
@@ -86,31 +91,24 @@ class GradShards:
         self._written.setdefault(g, []).append((start, stop))
         return []
 
-    def result(self) -> FrozenDict[torch.Tensor]:
+    def result(self) -> flat.FlatDict:
         """The shards of every name in ``grad_dtypes`` this rank holds, in layout order.
 
-        A :class:`~zerofn.flat.FlatDict` when some split name has a gradient and each
-        group's gradients share a dtype (the ranges of names without one are zero), else
-        a :class:`~zerofn.FrozenDict` of per-name shards. Empty params (in no bucket) get
-        an empty tensor.
+        A :class:`~zerofn.flat.FlatDict` on the rank's flat layout: the ranges of names
+        without a gradient are zero, a group none of whose names has one has no buffer,
+        and an empty loose param (in no bucket) gets an empty tensor.
         """
         fl, present = self.fl, self.grad_dtypes
-        if self.flat and any(fl.where[n][0] >= 0 for n in fl.names if n in present):
-            buffers = [self._buffer(gi, group) for gi, group in enumerate(fl.groups)]
-            loose = {n: self._named[n] if n in self._named else self._empty(n) for n in fl.loose if n in present}
-            return flat.FlatDict.from_buffers(fl, buffers, loose, tuple(n for n in fl.names if n in present))
-        out = self._named
-        for name in fl.names:
-            if name in present and name not in out and self.layout[name].numel == 0:
-                out[name] = self._empty(name)
-        return FrozenDict({name: out[name] for name in self.layout.names if name in out and name in present})
+        buffers = [self._buffer(gi, group) for gi, group in enumerate(fl.groups)]
+        loose = {n: self._named[n] if n in self._named else self._empty(n) for n in fl.loose if n in present}
+        return flat.FlatDict.from_buffers(fl, buffers, loose, tuple(n for n in fl.names if n in present))
 
     def _empty(self, name: str) -> torch.Tensor:
         return torch.empty(self.fl.shapes[name], dtype=self.grad_dtypes[name], device=self.device)
 
     def _buffer(self, gi: int, group: flat.FlatGroup) -> torch.Tensor | None:
         """Group ``gi``'s gradient buffer: the rows in their ranges, zeros where no bucket was sent."""
-        dtype = next((self.grad_dtypes[n] for n in group.names if n in self.grad_dtypes), None)
+        dtype = self.buffer_dtypes.get(gi)
         if dtype is None:
             return None
         if self.tracing:
@@ -137,11 +135,16 @@ class GradShards:
         return buf
 
 
-def _one_dtype_per_group(fl: flat.FlatLayout, grad_dtypes: Mapping[str, torch.dtype]) -> bool:
-    """True when the gradients of each flat group share a dtype (else they stay per name)."""
-    seen: dict[int, torch.dtype] = {}
+def _buffer_dtypes(fl: flat.FlatLayout, grad_dtypes: Mapping[str, torch.dtype]) -> dict[int, torch.dtype]:
+    """Each flat group's gradient buffer dtype: its gradients' dtype, the wider where they mix.
+
+    Groups none of whose names has a gradient are absent (they get no buffer).
+    """
+    out: dict[int, torch.dtype] = {}
     for name, dtype in grad_dtypes.items():
         g = fl.where.get(name, (-1,))[0]
-        if g >= 0 and seen.setdefault(g, dtype) != dtype:
-            return False
-    return True
+        if g >= 0:
+            seen = out.setdefault(g, dtype)
+            if seen != dtype:
+                out[g] = torch.promote_types(seen, dtype)
+    return out
