@@ -40,6 +40,6 @@ class AdamState(NamedTuple):
     exp_avg_sq: FrozenDict[torch.Tensor]
     max_exp_avg_sq: FrozenDict[torch.Tensor]
 
-    # Names with equal counts may share one count tensor (zerofn.flat's flatten_state makes
+    # Names with equal counts may share one count tensor (zerofn.flat's held_flat makes
     # them so): the updates copy a count before adding to it unless no other name holds it.
     shares_step_counts = True

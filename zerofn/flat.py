@@ -50,7 +50,7 @@ from zerofn._flat_layout import FlatLayout as FlatLayout
 from zerofn._flat_layout import flat_layout as flat_layout
 from zerofn._tree import FrozenDict
 
-__all__ = ["FlatDict", "FlatGroup", "FlatLayout", "flat_layout", "pack", "packable"]
+__all__ = ["FlatDict", "FlatGroup", "FlatLayout", "flat_layout", "held_flat", "pack", "packable"]
 
 
 class FlatDict(FrozenDict[torch.Tensor]):
@@ -252,6 +252,11 @@ def pack(flat: FlatLayout, mapping: Mapping[str, torch.Tensor]) -> FlatDict:
     return FlatDict.from_buffers(flat, buffers, loose, names)
 
 
+def pieces(mapping: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors of ``mapping``: a FlatDict's runs (:meth:`FlatDict.pieces`), a plain mapping's values."""
+    return mapping.pieces() if isinstance(mapping, FlatDict) else list(mapping.values())
+
+
 def zeros_like(d: FlatDict, dtype: torch.dtype | None = None) -> FlatDict:
     """Zeros with ``d``'s names, layout and devices (one allocation per buffer and loose tensor)."""
     return FlatDict.from_buffers(
@@ -300,17 +305,37 @@ def run_view(d: FlatDict, run: tuple[int, int, int, tuple[str, ...]]) -> torch.T
     return d._loose[members[0]] if g < 0 else d._buffers[g][start:stop]  # type: ignore[index]
 
 
-def flatten_state(state: Any) -> Any:
-    """A :class:`~zerofn.state.ZeroState` with its master shards and optimizer state held flat
-    (:func:`pack`, :func:`flatten_like`) where they can be; the state itself if they are already."""
-    master = state.master
-    if isinstance(master, FlatDict):
-        return state
-    fl = flat_layout(state.layout, state.rank)
-    if master and not packable(fl, master):
-        return state
-    master = pack(fl, master)
-    return state.replace(master=master, opt_state=_share_steps(flatten_like(master, state.opt_state)))
+def held_flat(layout: Any, rank: int, master: Mapping[str, torch.Tensor], opt_state: Any) -> tuple[FlatDict, Any]:
+    """``rank``'s master shards under ``layout`` (a :class:`~zerofn.layout.ShardLayout`) as a
+    :class:`FlatDict` on its :func:`flat_layout`, and its optimizer state over them.
+
+    What every :class:`~zerofn.state.ZeroState` holds: shards that are a FlatDict on that
+    layout already come back as they are (with ``opt_state``, untouched). Per-name shards
+    (a state built by hand, or read from a checkpoint) are packed once (:func:`pack`: one
+    ``cat`` per buffer), and so is every per-name mapping of ``opt_state`` that fits them
+    (:func:`flatten_like`); equal 0-d step counts become one tensor (a host read per count).
+
+    Raises:
+      ValueError: the shards are not plain tensors of the layout's names and shard shapes,
+        one dtype and device per buffer.
+    """
+    if isinstance(master, FlatDict) and master._flat.rank == rank and master._flat.fingerprint == layout.fingerprint:
+        return master, opt_state
+    flat = flat_layout(layout, rank)
+    if master and not packable(flat, master):
+        raise ValueError(
+            f"zerofn.ZeroState: the master shards {_describe(master)} do not fit rank {flat.rank}'s flat layout "
+            f"(plain tensors of the shard shapes {dict(flat.shapes)}, one dtype and device per buffer); build the "
+            "state with zerofn.shard_params or a checkpoint load"
+        )
+    packed = pack(flat, master)
+    return packed, _share_steps(flatten_like(packed, opt_state))
+
+
+def _describe(mapping: Mapping[str, Any]) -> str:
+    return str(
+        {n: (type(t).__name__, tuple(getattr(t, "shape", ())), getattr(t, "dtype", None)) for n, t in mapping.items()}
+    )
 
 
 def _share_steps(tree: Any) -> Any:

@@ -8,8 +8,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.utils._pytree as pytree
 
+from zerofn import flat
 from zerofn._torch_driver import state_for_compile
-from zerofn._tree import FrozenDict
 from zerofn.layout import ShardLayout
 from zerofn.lowbit import state_nbytes
 from zerofn.optim import Optimizer
@@ -70,12 +70,20 @@ class ZeroState:
     layout: ShardLayout
     optimizer: Optimizer
     rank: int
-    master: FrozenDict[torch.Tensor]
+    master: flat.FlatDict
     opt_state: Any
     step: torch.Tensor | int = 0  # a state built by hand may pass numbers: see as_tensors
     loss_scale: LossScaleState = NO_LOSS_SCALE
     precision: PrecisionPolicy = DEFAULT_POLICY
     param_device: str | None = None
+
+    def __post_init__(self) -> None:
+        # One representation: the master shards are a FlatDict on the rank's flat layout. Shards
+        # given per name (a state built by hand, or read from a checkpoint) are packed here, once.
+        master, opt_state = flat.held_flat(self.layout, self.rank, self.master, self.opt_state)
+        if master is not self.master:
+            object.__setattr__(self, "master", master)
+            object.__setattr__(self, "opt_state", opt_state)
 
     def replace(self, **changes: Any) -> ZeroState:
         return dataclasses.replace(self, **changes)

@@ -24,7 +24,6 @@ from zerofn.checkpoint._format import read_meta
 from zerofn.checkpoint._manifest import Manifest
 from zerofn.checkpoint._optimizer import from_per_param, with_loss_scale
 from zerofn.checkpoint._validate import check_buffers, check_fits, check_placements, layout_and_masters
-from zerofn.flat import flatten_state
 from zerofn.layout import ParamSpec, ShardLayout
 from zerofn.precision import PrecisionPolicy
 from zerofn.state import DEFAULT_POLICY, ZeroState
@@ -336,4 +335,4 @@ def _assemble(
     state = ZeroState(
         plan.layout, plan.optimizer, plan.rank, master_fd, opt_state, saved.step, precision=precision or DEFAULT_POLICY
     )
-    return flatten_state(with_loss_scale(state, saved.loss_scale))  # flat, as shard_params makes it
+    return with_loss_scale(state, saved.loss_scale)  # (ZeroState packs the per-name shards flat)

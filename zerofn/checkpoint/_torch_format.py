@@ -38,7 +38,6 @@ from zerofn.checkpoint._validate import (
     layout_and_masters,
     matrix_only_problem,
 )
-from zerofn.flat import flatten_state
 from zerofn.layout import ParamSpec, ShardLayout, make_layout
 from zerofn.precision import PrecisionPolicy
 from zerofn.stages import DEFAULT_BUCKET_NUMEL
@@ -387,7 +386,7 @@ def _shard_state_dict(
         int(zmeta["step"]) if zmeta is not None else max((int(e.get("step", 0)) for e in entries.values()), default=0)
     )
     state = ZeroState(layout, fopt, rank, master_fd, opt_state, step, precision=precision or DEFAULT_POLICY)
-    return flatten_state(with_loss_scale(state, zmeta.get("loss_scale") if zmeta else None))  # flat
+    return with_loss_scale(state, zmeta.get("loss_scale") if zmeta else None)  # (ZeroState packs them flat)
 
 
 def _load_one(
@@ -491,4 +490,4 @@ def _shard_state_dicts(
         step,
         precision=precision or DEFAULT_POLICY,
     )
-    return flatten_state(with_loss_scale(state, zmeta.get("loss_scale") if zmeta else None))  # flat
+    return with_loss_scale(state, zmeta.get("loss_scale") if zmeta else None)  # (ZeroState packs them flat)

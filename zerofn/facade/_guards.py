@@ -54,7 +54,6 @@ import torch
 
 from zerofn._tree import FrozenDict
 from zerofn.buckets import cut_shard
-from zerofn.flat import flatten_state
 from zerofn.state import ZeroState
 
 __all__ = [
@@ -302,7 +301,7 @@ def adopt_params(state: ZeroState, params: Mapping[str, torch.Tensor], names: It
         rounded = old.to(work.dtype)
         keep = _bits(rounded) == _bits(work)
         master[name] = torch.where(keep, old, work.to(old.dtype))
-    return flatten_state(state.replace(master=FrozenDict(master)))  # flat again, as shard_params made it
+    return state.replace(master=FrozenDict(master))  # (ZeroState packs the shards flat again)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

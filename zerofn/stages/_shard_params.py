@@ -113,9 +113,7 @@ def shard_params(
     }
     fl = flat.flat_layout(layout, rank)
     master = flat.pack(fl, shards)  # every shard this rank holds (none: an empty FlatDict)
-    opt_state = optimizer.init(master, layout=layout)
-    if isinstance(master, flat.FlatDict):
-        opt_state = flat.flatten_like(master, opt_state)
+    opt_state = flat.flatten_like(master, optimizer.init(master, layout=layout))
     step, loss_scale = tensor_numbers(0, policy.loss_scaler.init(), param_device)
     return ZeroState(
         layout,

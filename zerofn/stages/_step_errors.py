@@ -72,12 +72,7 @@ def _metadata_to_check(
     (what ``reduce_grads`` returns) are right in names and shapes by construction: only each
     buffer (as its first name) and the loose tensors are checked, so a compiled step traces
     no loop over the names."""
-    master = state.master
-    if not (
-        isinstance(grad_shards, flat.FlatDict)
-        and isinstance(master, flat.FlatDict)
-        and grad_shards.flat_layout is master.flat_layout
-    ):
+    if not (isinstance(grad_shards, flat.FlatDict) and grad_shards.flat_layout is state.master.flat_layout):
         yield from _shard_metadata(grad_shards)
         return
     fl = grad_shards.flat_layout

@@ -119,7 +119,7 @@ def step_shards(
     policy, loss_scale = state.precision, state.loss_scale
     refused = failure is not None or veto is not None
     device = state.work_device
-    pieces = grad_shards.pieces() if isinstance(grad_shards, flat.FlatDict) else grad_shards.values()
+    pieces = flat.pieces(grad_shards)
     local = local_norm_term(pieces if failure is None else [], norm_type, device)
     finite = torch.isfinite(local)
     packed = torch.stack(
@@ -149,11 +149,8 @@ def step_shards(
             skipped = state if new_loss_scale is loss_scale else state.replace(loss_scale=new_loss_scale)
             return skipped, info
         found = None
-    flat_grads = _as_flat(state, grad_shards)
-    if flat_grads is not None:
-        grads = _scaled(state, flat_grads, coef, donate or flat_grads is not grad_shards)
-    else:
-        grads = _scaled(state, grad_shards, coef, donate)
+    flat_grads = flat.pack(state.master.flat_layout, grad_shards)  # a per-name mapping: one cat per buffer
+    grads = _scaled(state, flat_grads, coef, donate or flat_grads is not grad_shards)
     new_master, new_opt_state = state.optimizer.update(
         grads, state.opt_state, state.master, donate=donate and not tracing
     )
@@ -167,27 +164,11 @@ def step_shards(
     return new_state, info
 
 
-def _as_flat(state: ZeroState, grad_shards: Mapping[str, torch.Tensor]) -> flat.FlatDict | None:
-    """The gradient shards over the master's flat layout: themselves, packed from a plain mapping
-    (one ``cat`` per buffer), or ``None`` when the master is not flat or they cannot be held flat."""
-    master = state.master
-    if not isinstance(master, flat.FlatDict):
-        return None
-    fl = master.flat_layout
-    if isinstance(grad_shards, flat.FlatDict):
-        return grad_shards if grad_shards.flat_layout == fl else None
-    if not grad_shards or not flat.packable(fl, grad_shards):
-        return None
-    return flat.pack(fl, grad_shards)
-
-
-def _scaled(
-    state: ZeroState, grads: Mapping[str, torch.Tensor], coef: float | torch.Tensor, owned: bool
-) -> Mapping[str, torch.Tensor]:
+def _scaled(state: ZeroState, grads: flat.FlatDict, coef: float | torch.Tensor, owned: bool) -> flat.FlatDict:
     """The gradient shards on the state device (CPU offload), times ``coef`` in the wider of
-    their dtype and the master's, cast to the master's dtype: once per flat buffer (and loose
-    tensor) of a FlatDict, else per name. ``owned``: the tensors are this call's to change
-    in place (donated, or packed here). Zero ranges stay zero."""
+    their dtype and the master's, cast to the master's dtype: once per flat buffer and loose
+    tensor. ``owned``: the tensors are this call's to change in place (donated, or packed
+    here). Zero ranges stay zero."""
     device = state.state_device
 
     def scale(g: torch.Tensor, target: torch.dtype) -> torch.Tensor:
@@ -201,16 +182,9 @@ def _scaled(
         return moved.to(target)
 
     master = state.master
-    if isinstance(grads, flat.FlatDict):
-        buffers = [None if g is None else scale(g, _buffer_dtype(master, i, g)) for i, g in enumerate(grads.buffers)]
-        loose = {n: scale(g, master[n].dtype) for n, g in grads.loose.items()}
-        return grads.with_buffers(buffers, loose)
-    return {name: scale(g, master[name].dtype) for name, g in grads.items()}
-
-
-def _buffer_dtype(master: Mapping[str, torch.Tensor], i: int, g: torch.Tensor) -> torch.dtype:
-    b = master.buffers[i] if isinstance(master, flat.FlatDict) else None
-    return g.dtype if b is None else b.dtype
+    buffers = [None if g is None else scale(g, b.dtype) for g, b in zip(grads.buffers, master.buffers, strict=True)]
+    loose = {n: scale(g, master[n].dtype) for n, g in grads.loose.items()}
+    return grads.with_buffers(buffers, loose)
 
 
 _NOT_TENSORS = (
@@ -300,31 +274,22 @@ def _select_unless(
             "in a step (a buffer created on the first step); run one step eagerly before compiling"
         )
     opt_state = pytree.tree_unflatten([select(o, n) for o, n in zip(old_leaves, new_leaves, strict=True)], spec)
-    if isinstance(new_master, flat.FlatDict) and isinstance(state.master, flat.FlatDict):
-        return pytree.tree_map(select, state.master, new_master), opt_state
-    return FrozenDict({n: select(state.master[n], t) for n, t in new_master.items()}), opt_state
+    return pytree.tree_map(select, state.master, new_master), opt_state
 
 
 def _keep_flat(
     state: ZeroState, new_master: Mapping[str, torch.Tensor], new_opt_state: Any
-) -> tuple[Mapping[str, torch.Tensor], Any]:
-    """The optimizer's results held flat again when the state was (one ``cat`` per buffer for an
-    optimizer that returns per-name tensors; nothing to do for one that returns FlatDicts).
+) -> tuple[flat.FlatDict, Any]:
+    """The optimizer's results held flat (one ``cat`` per buffer for an optimizer that returns
+    per-name tensors; nothing to do for one that returns FlatDicts).
 
     Eagerly every name -> shard mapping of the new optimizer state that can be held flat is
-    (so a state loaded per name, or SGD's momentum made at the first step, becomes flat);
-    in a compiled step the state keeps its structure exactly: flat where it was flat.
+    (so SGD's momentum made at the first step becomes flat); in a compiled step the state
+    keeps its structure exactly: flat where it was flat.
     """
-    master = state.master
-    if isinstance(master, flat.FlatDict) and not isinstance(new_master, flat.FlatDict):
-        fl = master.flat_layout
-        new_master = flat.pack(fl, new_master) if flat.packable(fl, new_master) else new_master
+    new_master = flat.pack(state.master.flat_layout, new_master)
     if comm.tracing():
-        if not isinstance(master, flat.FlatDict) or not isinstance(new_master, flat.FlatDict):
-            new_master = FrozenDict(dict(new_master.items()))
         return new_master, _match_flat(state.opt_state, new_opt_state)
-    if not isinstance(new_master, flat.FlatDict):
-        return FrozenDict(new_master), new_opt_state
     return new_master, flat.flatten_like(new_master, new_opt_state)
 
 
