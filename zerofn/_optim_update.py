@@ -1,18 +1,18 @@
 """SGD and Adam/AdamW over a rank's shards: the one ``init`` and ``update`` of each optimizer.
 
-The params are a :class:`~zerofn.flat.FlatDict` (what the stages hand an optimizer) or
-any ``name -> tensor`` mapping (a user's own call, a part of a
-:func:`~zerofn.optim.partition`). An update takes the names that have a gradient, groups
-them by param group, and applies the rule of :mod:`zerofn._optim_rules` once per *run*
-of each group: a range of consecutive params of one flat buffer (one run per buffer when
-every param has a gradient), or one tensor (a loose whole param, or a param of a plain
-mapping). The same code runs eagerly and inside a ``torch.compile`` graph.
+The params are a :class:`~zerofn.flat.FlatDict`: what the stages hand an optimizer, or a
+plain ``name -> tensor`` mapping (a user's own call, a part of a
+:func:`~zerofn.optim.partition`) taken as one whose every name is loose
+(:func:`~zerofn.flat.as_flat`, no copy). An update takes the names that have a gradient,
+groups them by param group, and applies the rule of :mod:`zerofn._optim_rules` once per
+*run* of each group: a range of consecutive params of one flat buffer (one run per buffer
+when every param has a gradient), or one loose tensor. The same code runs eagerly and
+inside a ``torch.compile`` graph.
 
-The state takes the params' form: over flat params every state tensor is a FlatDict on
-the same layout (a state held per name, as a checkpoint load builds it, is packed here
-once); over a plain mapping it is per name. Unless ``donate``, nothing given changes: the
-rules write into copies (the whole buffers of a FlatDict, the updated entries of a
-mapping). No collectives.
+Every state tensor mapping is a FlatDict on the params' layout (a state held per name, as
+a checkpoint load builds it, is packed here once; over loose params packing copies
+nothing). Unless ``donate``, nothing given changes: the rules write into copies (the
+whole buffers, and the loose tensors of the names updated). No collectives.
 """
 
 from __future__ import annotations
@@ -43,20 +43,17 @@ FIRST_STEP_SGD = (
 # --------------------------------------------------------------------------- forms
 
 
-def _runs(params: Params, names: list[str], cut: Callable[[str], object] | None = None) -> list[Run]:
+def _runs(params: FlatDict, names: list[str], cut: Callable[[str], object] | None = None) -> list[Run]:
     """``names`` of one group as runs ``(group, start, stop, members)``: ranges of a flat buffer
     (group ``>= 0``) or single tensors (group ``-1``); cut where ``cut(member)`` changes.
     Each name is its own run where the rules need that (:func:`one_tensor_at_a_time`)."""
-    if not isinstance(params, FlatDict):
-        runs: list[Run] = [(-1, 0, 0, (n,)) for n in names]
-    elif names and one_tensor_at_a_time(params[names[0]].dtype):
-        where = params.flat_layout.where
+    where = params.flat_layout.where
+    if names and one_tensor_at_a_time(params[names[0]].dtype):
         runs = [(where[n][0], where[n][1], where[n][1] + where[n][2], (n,)) for n in names]
     else:
         runs = list(params.flat_layout.runs(tuple(names)))
     if cut is None:
         return runs
-    where = params.flat_layout.where if isinstance(params, FlatDict) else {}
     out = []
     for g, start, stop, members in runs:
         first, at = 0, start
@@ -69,39 +66,26 @@ def _runs(params: Params, names: list[str], cut: Callable[[str], object] | None 
 
 
 def _view(d: Mapping[str, torch.Tensor], run: Run) -> torch.Tensor:
-    """The tensor of ``run`` in ``d``: a range of a flat buffer, or one entry."""
-    g, start, stop, members = run
-    return d.buffers[g][start:stop] if g >= 0 else d[members[0]]  # type: ignore[attr-defined,index]
+    """The tensor of ``run`` in ``d`` (a FlatDict; gradients of loose names may be a plain
+    mapping): a range of a flat buffer, or one entry."""
+    return flat.run_view(d, run) if run[0] >= 0 else d[run[3][0]]  # type: ignore[arg-type]
 
 
-def _like(params: Params, kind: Any) -> Any:
-    """A state tensor mapping in ``params``' form: a FlatDict on their layout (``None`` entries
-    dropped), or a plain mapping of per-name views."""
-    if isinstance(params, FlatDict):
-        fl = params.flat_layout
-        if isinstance(kind, FlatDict) and kind.flat_layout == fl:
-            return kind
-        entries = {n: t for n, t in kind.items() if t is not None}
-        if entries and not flat.packable(fl, entries):
-            raise ValueError(
-                "zerofn.optim: the optimizer state does not fit the params' flat layout (names, shapes, one "
-                "dtype and device per buffer); pass the state init or a checkpoint load made for these params"
-            )
-        return flat.pack(fl, entries)
-    if isinstance(kind, FlatDict):
-        return FrozenDict(dict(kind.items()))
-    return kind
+def _like(params: FlatDict, kind: Mapping[str, torch.Tensor | None]) -> FlatDict:
+    """A state tensor mapping as a FlatDict on ``params``' layout (:func:`zerofn.flat.pack_state`)."""
+    return flat.pack_state(params.flat_layout, kind, "zerofn.optim")
 
 
-def _owned(d: Any, names: list[str], donate: bool) -> Any:
-    """What a rule may write into: ``d`` itself when donated; else copies of a FlatDict's buffers,
-    or of the entries of ``names`` in a plain mapping (the others stay the same objects)."""
-    if isinstance(d, FlatDict):
-        return flat.owned(d, donate)
-    if donate:
-        return dict(d)
-    copied = set(names)
-    return {n: t.clone() if n in copied and t is not None else t for n, t in d.items()}
+def _owned(d: FlatDict, names: list[str], donate: bool) -> FlatDict:
+    """What a rule may write into: ``d`` itself when donated; else copies of its buffers and of
+    the loose tensors of ``names`` (the other loose tensors stay the same objects)."""
+    return flat.owned(d, donate, names)
+
+
+def _in_form_of(given: Params, params: FlatDict, new_params: FlatDict) -> Mapping[str, torch.Tensor]:
+    """The new params in the form the caller gave: the FlatDict when ``params`` is what was
+    given, else (a plain mapping, held loose) a plain dict of its tensors, nothing copied."""
+    return new_params if given is params else dict(new_params)
 
 
 def _refs(steps: Mapping[str, torch.Tensor]) -> dict[int, int]:
@@ -125,7 +109,12 @@ def sgd_init(opt: Optimizer, params: Params) -> SGDState:
 def sgd_update(
     opt: Optimizer, grads: Params, state: SGDState, params: Params, donate: bool
 ) -> tuple[Mapping[str, torch.Tensor], SGDState]:
-    """``torch.optim.SGD``'s step of the names in ``grads``; the others keep params and buffers."""
+    """``torch.optim.SGD``'s step of the names in ``grads``; the others keep params and buffers.
+
+    Over a plain mapping the momentum buffers come back per name, ``None`` for a param that
+    has none yet (as ``torch.optim.SGD``'s state has no entry for it).
+    """
+    given, params = params, flat.as_flat(params)
     names = _grads_in_order(opt, grads, params)
     groups = _by_group(opt, names)
     new_params = _owned(params, names, donate)
@@ -140,10 +129,9 @@ def sgd_update(
                 [_view(grads, r) for r in runs],
                 [None] * len(runs),
             )
-        return new_params, state
+        return _in_form_of(given, params, new_params), state
     bufs = _like(params, state.momentum_buffer)
     new_bufs = _owned(bufs, names, donate)
-    is_flat = isinstance(params, FlatDict)
     created: list[tuple[Run, torch.Tensor]] = []
     for group_names in groups.values():
         hp = opt.hyperparams(group_names[0])
@@ -157,13 +145,10 @@ def sgd_update(
         run_bufs = [_view(new_bufs, r) if momentum and not f else None for r, f in zip(runs, fresh, strict=True)]
         sgd_(hp, [_view(new_params, r) for r in runs], [_view(grads, r) for r in runs], run_bufs)
         created += [(r, b) for r, b, f in zip(runs, run_bufs, fresh, strict=True) if f]  # type: ignore[misc]
-    if not created:
-        return new_params, SGDState(new_bufs if is_flat else FrozenDict(new_bufs))
-    if not is_flat:
-        for run, b in created:
-            new_bufs[run[3][0]] = b
-        return new_params, SGDState(FrozenDict(new_bufs))
-    return new_params, SGDState(_with_created(new_bufs, created))
+    held = _with_created(new_bufs, created) if created else new_bufs
+    if given is not params:  # the caller's per-name form: every name, None where no buffer exists yet
+        return _in_form_of(given, params, new_params), SGDState(FrozenDict({n: held.get(n) for n in params}))
+    return new_params, SGDState(held)
 
 
 def _has(bufs: Mapping[str, torch.Tensor | None], name: str) -> bool:
@@ -203,14 +188,8 @@ def adam_init(opt: Optimizer, params: Params) -> AdamState:
             return torch.zeros((), dtype=torch.float32, device=p.device)
         return torch.tensor(0.0, dtype=torch.float32)
 
+    params = flat.as_flat(params)
     amsgrad = tuple(n for n in params if opt.hyperparams(n)["amsgrad"])
-    if not isinstance(params, FlatDict):
-        return AdamState(
-            step=FrozenDict({n: count(n, p) for n, p in params.items()}),
-            exp_avg=FrozenDict({n: torch.zeros_like(p) for n, p in params.items()}),
-            exp_avg_sq=FrozenDict({n: torch.zeros_like(p) for n, p in params.items()}),
-            max_exp_avg_sq=FrozenDict({n: torch.zeros_like(params[n]) for n in amsgrad}),
-        )
     first: dict[int, torch.Tensor] = {}
     steps = {}
     for n, p in params.items():
@@ -231,6 +210,7 @@ def adam_update(
 ) -> tuple[Mapping[str, torch.Tensor], AdamState]:
     """``torch.optim.Adam`` / ``AdamW``'s step of the names in ``grads``; the others keep params,
     moments and step counts."""
+    given, params = params, flat.as_flat(params)
     names = _grads_in_order(opt, grads, params)
     groups = _by_group(opt, names)
     amsgrad = any(opt.hyperparams(ns[0])["amsgrad"] for ns in groups.values())
@@ -272,7 +252,4 @@ def adam_update(
                 renewed.append((old_count, s))
             for n in r[3]:
                 steps[n] = s if shared is None else shared
-    if not isinstance(params, FlatDict):
-        exp_avg, exp_avg_sq = FrozenDict(exp_avg), FrozenDict(exp_avg_sq)
-        max_sq = max_sq if isinstance(max_sq, FrozenDict) else FrozenDict(max_sq)
-    return new_params, AdamState(FrozenDict(steps), exp_avg, exp_avg_sq, max_sq)
+    return _in_form_of(given, params, new_params), AdamState(FrozenDict(steps), exp_avg, exp_avg_sq, max_sq)

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from zerofn import flat
 from zerofn._tree import FrozenDict
 from zerofn.flat import FlatDict
 
@@ -253,11 +254,12 @@ class PartitionState(NamedTuple):
     states: tuple[Any, ...]
 
 
-def _split_names(opt: Optimizer, tree: Params) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = [{} for _ in opt.parts]
-    for name, value in tree.items():
-        out[opt.part_index(name)][name] = value
-    return out
+def _split_names(opt: Optimizer, tree: Params) -> list[Mapping[str, Any]]:
+    """``tree`` cut by part (:func:`zerofn.flat.split`: a FlatDict into FlatDicts over its buffers)."""
+    names: list[list[str]] = [[] for _ in opt.parts]
+    for name in tree:
+        names[opt.part_index(name)].append(name)
+    return flat.split(tree, names)
 
 
 def _partition_init(opt: Optimizer, params: Params, layout: Any = None) -> PartitionState:

@@ -39,6 +39,7 @@ No collectives here.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -50,7 +51,7 @@ from zerofn._flat_layout import FlatLayout as FlatLayout
 from zerofn._flat_layout import flat_layout as flat_layout
 from zerofn._tree import FrozenDict
 
-__all__ = ["FlatDict", "FlatGroup", "FlatLayout", "flat_layout", "held_flat", "pack", "packable"]
+__all__ = ["FlatDict", "FlatGroup", "FlatLayout", "as_flat", "flat_layout", "held_flat", "pack", "packable"]
 
 
 class FlatDict(FrozenDict[torch.Tensor]):
@@ -252,9 +253,69 @@ def pack(flat: FlatLayout, mapping: Mapping[str, torch.Tensor]) -> FlatDict:
     return FlatDict.from_buffers(flat, buffers, loose, names)
 
 
+def as_flat(mapping: Mapping[str, torch.Tensor]) -> FlatDict:
+    """``mapping`` as a :class:`FlatDict`: itself if it is one, else its tensors held loose.
+
+    A plain ``name -> tensor`` mapping (a user's own call of an optimizer, a part of a
+    :func:`~zerofn.optim.partition`) becomes a FlatDict whose every name is loose: each keeps
+    its own tensor and shape, nothing is copied, and an update runs once per tensor, as
+    over per-name shards.
+    """
+    if isinstance(mapping, FlatDict):
+        return mapping
+    tensors = dict(mapping)
+    return FlatDict.from_buffers(loose_layout(tuple((n, tuple(t.shape)) for n, t in tensors.items())), (), tensors)
+
+
+@functools.lru_cache(maxsize=256)
+def loose_layout(shapes: tuple[tuple[str, tuple[int, ...]], ...]) -> FlatLayout:
+    """The :class:`FlatLayout` of tensors that are all loose: ``(name, shape)`` pairs, in order."""
+    names = tuple(n for n, _ in shapes)
+    where = {n: (-1, 0, math.prod(shape)) for n, shape in shapes}
+    runs = tuple((-1, 0, where[n][2], (n,)) for n in names)
+    return FlatLayout(1, 0, f"loose:{shapes!r}", (), names, names, where, dict(shapes), runs)
+
+
+def split(mapping: Mapping[str, Any], parts: Iterable[Iterable[str]]) -> list[Mapping[str, Any]]:
+    """``mapping`` cut into one mapping per part's names (each a subset of its names, in order).
+
+    A FlatDict's parts are FlatDicts on its layout over the same buffers (nothing copied; a
+    group none of whose names a part holds has no buffer there); a plain mapping's are
+    plain dicts.
+    """
+    out = []
+    for names in parts:
+        wanted = set(names)
+        if not isinstance(mapping, FlatDict):
+            out.append({n: v for n, v in mapping.items() if n in wanted})
+            continue
+        held = tuple(n for n in mapping._names if n in wanted)
+        fl = mapping._flat
+        used = {fl.where[n][0] for n in held}
+        buffers = [b if g in used else None for g, b in enumerate(mapping._buffers)]
+        loose = {n: t for n, t in mapping._loose.items() if n in wanted}
+        out.append(FlatDict.from_buffers(fl, buffers, loose, held))
+    return out
+
+
 def pieces(mapping: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
     """The tensors of ``mapping``: a FlatDict's runs (:meth:`FlatDict.pieces`), a plain mapping's values."""
     return mapping.pieces() if isinstance(mapping, FlatDict) else list(mapping.values())
+
+
+def pack_state(flat: FlatLayout, mapping: Mapping[str, torch.Tensor | None], who: str) -> FlatDict:
+    """An optimizer-state mapping over ``flat``'s names as a FlatDict: itself if it is one on
+    ``flat``, else its tensors packed (:func:`pack`; ``None`` entries, a buffer not made yet,
+    are left out). Raises ``ValueError`` naming ``who`` when they do not fit the layout."""
+    if isinstance(mapping, FlatDict) and mapping._flat == flat:
+        return mapping
+    entries = {n: t for n, t in mapping.items() if t is not None}
+    if entries and not packable(flat, entries):
+        raise ValueError(
+            f"{who}: the optimizer state does not fit the params' flat layout (names, shapes, one dtype and device "
+            "per buffer); pass the state init or a checkpoint load made for these params"
+        )
+    return pack(flat, entries)
 
 
 def zeros_like(d: FlatDict, dtype: torch.dtype | None = None) -> FlatDict:
@@ -290,13 +351,14 @@ def flatten_like(master: FlatDict, tree: Any) -> Any:
     return tree
 
 
-def owned(d: FlatDict, donate: bool) -> FlatDict:
-    """``d`` itself when donated, else a FlatDict over fresh copies of its buffers and loose tensors."""
+def owned(d: FlatDict, donate: bool, names: Iterable[str] | None = None) -> FlatDict:
+    """``d`` itself when donated, else a FlatDict over fresh copies of its buffers and of its
+    loose tensors (those of ``names`` only, when given: the others stay the same objects)."""
     if donate:
         return d
-    return d.with_buffers(
-        [None if b is None else b.clone() for b in d._buffers], {n: t.clone() for n, t in d._loose.items()}
-    )
+    copied = None if names is None else set(names)
+    loose = {n: t.clone() if copied is None or n in copied else t for n, t in d._loose.items()}
+    return d.with_buffers([None if b is None else b.clone() for b in d._buffers], loose)
 
 
 def run_view(d: FlatDict, run: tuple[int, int, int, tuple[str, ...]]) -> torch.Tensor:
