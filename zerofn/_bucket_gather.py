@@ -14,10 +14,9 @@ from collections.abc import Mapping
 import torch
 
 from zerofn import _comm as comm
-from zerofn import _placement
+from zerofn import _placement, flat
 from zerofn._bucket_plan import BucketPlan, _bucket_plan
 from zerofn._comm import Group
-from zerofn.flat import FlatDict, run_view
 from zerofn.layout import Bucket, ParamSpec, ShardLayout
 
 
@@ -66,7 +65,7 @@ def pack_shards(
     plan = _bucket_plan(layout, bucket)
     if plan.split_width < bucket.shard_numel:
         return _pack_whole_row(shards, plan, bucket, dtype=dtype, device=device, out=out, rank=rank)
-    lone = _flat_range(shards, bucket)
+    lone = flat.bucket_range(shards, bucket.names)
     if lone is not None:  # flat shards: the bucket is one range of a flat buffer, read in place
         device = torch.device(device) if device is not None else lone.device
         if lone.device != device:
@@ -83,17 +82,6 @@ def pack_shards(
     if out is not None:
         return torch.cat(parts, out=out)
     return torch.cat(parts)
-
-
-def _flat_range(shards: Mapping[str, torch.Tensor], bucket: Bucket) -> torch.Tensor | None:
-    """The range of a flat buffer that holds a split bucket's shards side by side, or ``None``
-    (``shards`` not flat, or the members not one run of one buffer)."""
-    if not isinstance(shards, FlatDict) or not shards.holds_all:
-        return None
-    runs = shards.flat_layout.runs(bucket.names)
-    if len(runs) != 1 or runs[0][0] < 0:
-        return None
-    return run_view(shards, runs[0])
 
 
 def _pack_whole_row(

@@ -19,7 +19,6 @@ import torch
 
 from zerofn import flat
 from zerofn._tree import FrozenDict
-from zerofn.flat import FlatDict
 
 __all__ = ["NameSelector", "Optimizer", "ParamGroup", "Params", "PartitionState", "partition"]
 
@@ -234,11 +233,7 @@ def _grads_in_order(opt: Optimizer, grads: Params, params: Params) -> list[str]:
     unknown = [n for n in grads if n not in params]
     if unknown:
         raise KeyError(f"zerofn.optim.{opt.name}.update: gradients for unknown params {unknown}")
-    if isinstance(grads, FlatDict):  # its values are tensors: no view per name to look at
-        if grads.holds_all and isinstance(params, FlatDict) and params.names == grads.names:
-            return list(grads.names)  # every name (a compiled step traces no loop over them)
-        return [n for n in params if n in grads]
-    return [n for n in params if n in grads and grads[n] is not None]
+    return flat.names_with_values(grads, params)
 
 
 # --------------------------------------------------------------------------- partition

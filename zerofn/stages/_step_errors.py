@@ -11,7 +11,7 @@ the handler of :func:`zerofn._traced.verdict`.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -67,35 +67,13 @@ def validate_step(
 
 def _metadata_to_check(
     state: ZeroState, grad_shards: Mapping[str, torch.Tensor]
-) -> Iterator[tuple[str, tuple[int, ...], torch.dtype]]:
+) -> Iterable[tuple[str, tuple[int, ...], torch.dtype]]:
     """What :func:`_validate_step` checks per name. Shards on the master's own flat layout
     (what ``reduce_grads`` returns) are right in names and shapes by construction: only each
     buffer (as its first name) and the loose tensors are checked, so a compiled step traces
     no loop over the names."""
-    if not (isinstance(grad_shards, flat.FlatDict) and grad_shards.flat_layout is state.master.flat_layout):
-        yield from _shard_metadata(grad_shards)
-        return
-    fl = grad_shards.flat_layout
-    for group, buf in zip(fl.groups, grad_shards.buffers, strict=True):
-        if buf is not None:
-            name = group.names[0]
-            yield name, fl.shapes[name] if buf.numel() == group.numel else tuple(buf.shape), buf.dtype
-    for name, t in grad_shards.loose.items():
-        yield name, tuple(t.shape), t.dtype
-
-
-def _shard_metadata(grad_shards: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, tuple[int, ...], torch.dtype]]:
-    """``(name, shape, dtype)`` of every gradient shard; for a FlatDict from its layout and
-    buffers, without making a view per name."""
-    if not isinstance(grad_shards, flat.FlatDict):
-        for name, g in grad_shards.items():
-            yield name, tuple(g.shape), g.dtype
-        return
-    fl, buffers, loose = grad_shards.flat_layout, grad_shards.buffers, grad_shards.loose
-    for name in grad_shards.names:
-        g = fl.where[name][0]
-        t = loose[name] if g < 0 else buffers[g]
-        yield name, tuple(t.shape) if g < 0 else fl.shapes[name], t.dtype  # type: ignore[union-attr]
+    by_buffer = flat.buffer_metadata(grad_shards, state.master.flat_layout)
+    return flat.metadata(grad_shards) if by_buffer is None else by_buffer
 
 
 def traced_verdict(
@@ -116,13 +94,7 @@ def traced_verdict(
     grow with the tensor count), or per name; the names travel as one string and the layout
     as its fingerprint (a tuple per name would cost a compiled step's trace per name).
     """
-    is_flat = isinstance(grad_shards, flat.FlatDict)
-    if is_flat:
-        names = grad_shards.names
-        tensors = grad_shards.pieces()
-    else:
-        names = tuple(grad_shards)
-        tensors = [grad_shards[n] for n in names]
+    names, tensors, is_flat = flat.named_pieces(grad_shards)
     desc = (
         comm.group_name(group),
         _traced.failure_desc(failure),

@@ -154,7 +154,8 @@ def step_shards(
     new_master, new_opt_state = state.optimizer.update(
         grads, state.opt_state, state.master, donate=donate and not tracing
     )
-    new_master, new_opt_state = _keep_flat(state, new_master, new_opt_state)
+    # Held flat again (an optimizer may return per-name tensors); compiled, in the state's own structure.
+    new_master, new_opt_state = flat.keep_flat(state.master, state.opt_state, new_master, new_opt_state, tracing)
     if found is None:
         master, opt_state, step = new_master, new_opt_state, state.step + 1
     else:  # compiled: a skipped step selects the old state (the update ran, its results are dropped)
@@ -275,34 +276,3 @@ def _select_unless(
         )
     opt_state = pytree.tree_unflatten([select(o, n) for o, n in zip(old_leaves, new_leaves, strict=True)], spec)
     return pytree.tree_map(select, state.master, new_master), opt_state
-
-
-def _keep_flat(
-    state: ZeroState, new_master: Mapping[str, torch.Tensor], new_opt_state: Any
-) -> tuple[flat.FlatDict, Any]:
-    """The optimizer's results held flat (one ``cat`` per buffer for an optimizer that returns
-    per-name tensors; nothing to do for one that returns FlatDicts).
-
-    Eagerly every name -> shard mapping of the new optimizer state that can be held flat is
-    (so SGD's momentum made at the first step becomes flat); in a compiled step the state
-    keeps its structure exactly: flat where it was flat.
-    """
-    new_master = flat.pack(state.master.flat_layout, new_master)
-    if comm.tracing():
-        return new_master, _match_flat(state.opt_state, new_opt_state)
-    return new_master, flat.flatten_like(new_master, new_opt_state)
-
-
-def _match_flat(old: Any, new: Any) -> Any:
-    """``new`` with FlatDicts exactly where ``old`` has them (packed, or unpacked to per-name views)."""
-    if isinstance(old, flat.FlatDict):
-        fl = old.flat_layout
-        if isinstance(new, flat.FlatDict) or not isinstance(new, Mapping) or not flat.packable(fl, new):
-            return new
-        return flat.pack(fl, new)
-    if isinstance(new, flat.FlatDict):
-        return FrozenDict(dict(new.items()))
-    if isinstance(old, tuple) and isinstance(new, tuple) and len(old) == len(new):
-        matched = [_match_flat(o, n) for o, n in zip(old, new, strict=True)]
-        return type(new)(*matched) if hasattr(new, "_fields") else tuple(matched)
-    return new

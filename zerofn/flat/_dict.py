@@ -1,39 +1,6 @@
-"""Flat shards: a rank's shards of every split param of one group in one contiguous buffer.
+"""``FlatDict``: a rank's shards of one flat layout as named views of few buffers, and packing into it.
 
-Note: the flat vocabulary
--------------------------
-flat group
-    The split (and ``blocked(B)``) params of one working dtype, in layout order (which is
-    bucket order: a bucket is a run of consecutive same-dtype split params, so its
-    members are consecutive in their flat group too). On every rank the group's shards
-    lie side by side in one 1-D buffer of ``sum(shard_numel)`` elements: the shard of the
-    ``k``-th member starts where the ``(k-1)``-th ends. No alignment padding is added
-    between shards: a buffer holds the shards' own padding (zero, see
-    :mod:`zerofn.layout`) and nothing else, so a rank's state bytes are the formula's and
-    the buffer is the concatenation of the per-param shards, bit for bit.
-loose
-    A whole param this rank owns (``placement="whole"``): it keeps its full shape and its
-    own tensor (per-matrix math: Muon, Adafactor), outside every buffer.
-:class:`FlatLayout`
-    Static, hashable metadata: the groups (names, offsets, shard sizes), the loose names
-    and the view shape of every name this rank holds. A pure function of the
-    :class:`~zerofn.layout.ShardLayout` and the rank (:func:`flat_layout`), so reduce_grads
-    (which knows no optimizer) and shard_params agree on it without talking.
-:class:`FlatDict`
-    A read-only ``Mapping[str, Tensor]`` over a :class:`FlatLayout`: ``d[name]`` is a view
-    of its group's buffer (``buf[off:off + shard_numel]``) or the loose tensor. A pytree
-    node whose leaves are the buffers (and the loose tensors) and whose context is the
-    layout, so ``tree_map`` over a state touches a handful of tensors and a compiled graph
-    receives a handful of inputs. A FlatDict may hold a subset of the layout's names (the
-    gradients of a step in which some params got none): the ranges of the names it does
-    not hold are zero (gradients) or unspecified (never read), and a group none of whose
-    names it holds has no buffer (``None``).
-
-Padding stays zero: every buffer's padding elements (the tails of the last ranks' shards)
-are zero in masters, gradients and optimizer state, and the element-wise updates keep
-them so (a zero gradient moves nothing).
-
-No collectives here.
+The vocabulary is :mod:`zerofn.flat`'s. No collectives here.
 """
 
 from __future__ import annotations
@@ -46,12 +13,10 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from zerofn._flat_layout import FlatGroup as FlatGroup
-from zerofn._flat_layout import FlatLayout as FlatLayout
-from zerofn._flat_layout import flat_layout as flat_layout
 from zerofn._tree import FrozenDict
+from zerofn.flat._layout import FlatLayout
 
-__all__ = ["FlatDict", "FlatGroup", "FlatLayout", "as_flat", "flat_layout", "held_flat", "pack", "packable"]
+__all__ = ["FlatDict", "as_flat", "owned", "pack", "packable", "pieces", "run_view", "split", "zeros_like"]
 
 
 class FlatDict(FrozenDict[torch.Tensor]):
@@ -303,21 +268,6 @@ def pieces(mapping: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
     return mapping.pieces() if isinstance(mapping, FlatDict) else list(mapping.values())
 
 
-def pack_state(flat: FlatLayout, mapping: Mapping[str, torch.Tensor | None], who: str) -> FlatDict:
-    """An optimizer-state mapping over ``flat``'s names as a FlatDict: itself if it is one on
-    ``flat``, else its tensors packed (:func:`pack`; ``None`` entries, a buffer not made yet,
-    are left out). Raises ``ValueError`` naming ``who`` when they do not fit the layout."""
-    if isinstance(mapping, FlatDict) and mapping._flat == flat:
-        return mapping
-    entries = {n: t for n, t in mapping.items() if t is not None}
-    if entries and not packable(flat, entries):
-        raise ValueError(
-            f"{who}: the optimizer state does not fit the params' flat layout (names, shapes, one dtype and device "
-            "per buffer); pass the state init or a checkpoint load made for these params"
-        )
-    return pack(flat, entries)
-
-
 def zeros_like(d: FlatDict, dtype: torch.dtype | None = None) -> FlatDict:
     """Zeros with ``d``'s names, layout and devices (one allocation per buffer and loose tensor)."""
     return FlatDict.from_buffers(
@@ -326,29 +276,6 @@ def zeros_like(d: FlatDict, dtype: torch.dtype | None = None) -> FlatDict:
         {n: torch.zeros_like(t, dtype=dtype) for n, t in d._loose.items()},
         d._names,
     )
-
-
-def flatten_like(master: FlatDict, tree: Any) -> Any:
-    """``tree`` (an optimizer state) with every name -> tensor mapping over ``master``'s names
-    held flat (:func:`pack`), where it can be; everything else as it is.
-
-    Walks NamedTuples, tuples and lists; a mapping whose values are plain tensors of the
-    shard shapes (a subset of the names is fine) becomes a :class:`FlatDict`; a mapping
-    of 0-d step counts, of ``None`` or of low-bit tensors stays.
-    """
-    if isinstance(tree, FlatDict):
-        return tree
-    if isinstance(tree, Mapping):
-        if tree and packable(master._flat, tree) and any(master._flat.where[n][0] >= 0 for n in tree):
-            return pack(master._flat, tree)
-        return tree
-    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
-        return type(tree)(*(flatten_like(master, v) for v in tree))
-    if isinstance(tree, tuple):
-        return tuple(flatten_like(master, v) for v in tree)
-    if isinstance(tree, list):
-        return [flatten_like(master, v) for v in tree]
-    return tree
 
 
 def owned(d: FlatDict, donate: bool, names: Iterable[str] | None = None) -> FlatDict:
@@ -365,59 +292,3 @@ def run_view(d: FlatDict, run: tuple[int, int, int, tuple[str, ...]]) -> torch.T
     """The tensor of one run of :meth:`FlatLayout.runs` in ``d``: a buffer range, or a loose tensor."""
     g, start, stop, members = run
     return d._loose[members[0]] if g < 0 else d._buffers[g][start:stop]  # type: ignore[index]
-
-
-def held_flat(layout: Any, rank: int, master: Mapping[str, torch.Tensor], opt_state: Any) -> tuple[FlatDict, Any]:
-    """``rank``'s master shards under ``layout`` (a :class:`~zerofn.layout.ShardLayout`) as a
-    :class:`FlatDict` on its :func:`flat_layout`, and its optimizer state over them.
-
-    What every :class:`~zerofn.state.ZeroState` holds: shards that are a FlatDict on that
-    layout already come back as they are (with ``opt_state``, untouched). Per-name shards
-    (a state built by hand, or read from a checkpoint) are packed once (:func:`pack`: one
-    ``cat`` per buffer), and so is every per-name mapping of ``opt_state`` that fits them
-    (:func:`flatten_like`); equal 0-d step counts become one tensor (a host read per count).
-
-    Raises:
-      ValueError: the shards are not plain tensors of the layout's names and shard shapes,
-        one dtype and device per buffer.
-    """
-    if isinstance(master, FlatDict) and master._flat.rank == rank and master._flat.fingerprint == layout.fingerprint:
-        return master, opt_state
-    flat = flat_layout(layout, rank)
-    if master and not packable(flat, master):
-        raise ValueError(
-            f"zerofn.ZeroState: the master shards {_describe(master)} do not fit rank {flat.rank}'s flat layout "
-            f"(plain tensors of the shard shapes {dict(flat.shapes)}, one dtype and device per buffer); build the "
-            "state with zerofn.shard_params or a checkpoint load"
-        )
-    packed = pack(flat, master)
-    return packed, _share_steps(flatten_like(packed, opt_state))
-
-
-def _describe(mapping: Mapping[str, Any]) -> str:
-    return str(
-        {n: (type(t).__name__, tuple(getattr(t, "shape", ())), getattr(t, "dtype", None)) for n, t in mapping.items()}
-    )
-
-
-def _share_steps(tree: Any) -> Any:
-    """An optimizer state whose per-name 0-d ``step`` counts of equal value are one tensor (as
-    ``init`` over a FlatDict makes them), so a flat update runs once per group, not per name.
-
-    Only states whose class says ``shares_step_counts = True`` (an update that never adds
-    to a shared count in place) are changed: the container knows that protocol, not the
-    optimizers. Reads every count (host): for states built per name (a checkpoint load), once.
-    """
-    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
-        fields = {f: _share_steps(v) for f, v in zip(tree._fields, tree, strict=True)}
-        step = fields.get("step")
-        counts = isinstance(step, Mapping) and all(isinstance(t, torch.Tensor) and t.dim() == 0 for t in step.values())
-        if getattr(type(tree), "shares_step_counts", False) and step and counts:
-            shared: dict[tuple[Any, ...], torch.Tensor] = {}
-            fields["step"] = FrozenDict(
-                {n: shared.setdefault((t.item(), t.dtype, t.device), t) for n, t in step.items()}
-            )
-        return type(tree)(**fields)
-    if isinstance(tree, tuple):
-        return tuple(_share_steps(v) for v in tree)
-    return tree

@@ -1,0 +1,224 @@
+"""Where the one representation is kept: what becomes a :class:`FlatDict`, and how code reads either form.
+
+Every representation test of zerofn is here or in :mod:`zerofn.flat._dict`: a
+:class:`~zerofn.state.ZeroState` holds its master shards flat (:func:`held_flat`, at its
+construction), an optimizer's per-name results are packed back (:func:`keep_flat`), and
+the few places that take a user's per-name mapping at the boundary read it through
+:func:`metadata`, :func:`named_pieces` and :func:`names_with_values`. No collectives here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from zerofn._tree import FrozenDict
+from zerofn.flat._dict import FlatDict, pack, packable, run_view
+from zerofn.flat._layout import FlatLayout, flat_layout
+
+__all__ = [
+    "bucket_range",
+    "buffer_metadata",
+    "flatten_like",
+    "held_flat",
+    "keep_flat",
+    "metadata",
+    "named_pieces",
+    "names_with_values",
+    "pack_state",
+]
+
+
+def names_with_values(grads: Mapping[str, Any], params: Mapping[str, Any]) -> list[str]:
+    """The names of ``params`` (in their order) that ``grads`` holds a value for (not ``None``).
+
+    A FlatDict holds tensors only, so it is not read per name: when it holds every name of
+    ``params``' own layout, those are the names (a compiled step traces no loop over them).
+    """
+    if isinstance(grads, FlatDict):
+        if grads.holds_all and isinstance(params, FlatDict) and params.names == grads.names:
+            return list(grads.names)
+        return [n for n in params if n in grads]
+    return [n for n in params if n in grads and grads[n] is not None]
+
+
+def bucket_range(shards: Mapping[str, torch.Tensor], names: tuple[str, ...]) -> torch.Tensor | None:
+    """The range of a flat buffer that holds ``names``' shards side by side, or ``None``
+    (``shards`` not a FlatDict of every name, or ``names`` not one run of one buffer)."""
+    if not isinstance(shards, FlatDict) or not shards.holds_all:
+        return None
+    runs = shards.flat_layout.runs(names)
+    if len(runs) != 1 or runs[0][0] < 0:
+        return None
+    return run_view(shards, runs[0])
+
+
+def metadata(mapping: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, tuple[int, ...], torch.dtype]]:
+    """``(name, shape, dtype)`` of every entry; for a FlatDict from its layout and buffers,
+    without making a view per name."""
+    if not isinstance(mapping, FlatDict):
+        for name, t in mapping.items():
+            yield name, tuple(t.shape), t.dtype
+        return
+    fl, buffers, loose = mapping.flat_layout, mapping.buffers, mapping.loose
+    for name in mapping.names:
+        g = fl.where[name][0]
+        t = loose[name] if g < 0 else buffers[g]
+        yield name, tuple(t.shape) if g < 0 else fl.shapes[name], t.dtype  # type: ignore[union-attr]
+
+
+def buffer_metadata(
+    mapping: Mapping[str, torch.Tensor], flat: FlatLayout
+) -> list[tuple[str, tuple[int, ...], torch.dtype]] | None:
+    """For a FlatDict on ``flat``: ``(name, shape, dtype)`` of each buffer (as its group's first
+    name; a buffer of the wrong size gives its own shape) and each loose tensor, which is all
+    that can be wrong in it; ``None`` for any other mapping (check it per name: :func:`metadata`)."""
+    if not (isinstance(mapping, FlatDict) and mapping.flat_layout is flat):
+        return None
+    out = []
+    for group, buf in zip(flat.groups, mapping.buffers, strict=True):
+        if buf is not None:
+            name = group.names[0]
+            out.append((name, flat.shapes[name] if buf.numel() == group.numel else tuple(buf.shape), buf.dtype))
+    out += [(name, tuple(t.shape), t.dtype) for name, t in mapping.loose.items()]
+    return out
+
+
+def named_pieces(mapping: Mapping[str, torch.Tensor]) -> tuple[tuple[str, ...], list[torch.Tensor], bool]:
+    """``(names, tensors, by_runs)``: a FlatDict's names and its runs (:meth:`FlatDict.pieces`,
+    ``by_runs`` True), or a plain mapping's names and one tensor per name."""
+    if isinstance(mapping, FlatDict):
+        return mapping.names, mapping.pieces(), True
+    names = tuple(mapping)
+    return names, [mapping[n] for n in names], False
+
+
+def pack_state(flat: FlatLayout, mapping: Mapping[str, torch.Tensor | None], who: str) -> FlatDict:
+    """An optimizer-state mapping over ``flat``'s names as a FlatDict: itself if it is one on
+    ``flat``, else its tensors packed (:func:`pack`; ``None`` entries, a buffer not made yet,
+    are left out). Raises ``ValueError`` naming ``who`` when they do not fit the layout."""
+    if isinstance(mapping, FlatDict) and mapping.flat_layout == flat:
+        return mapping
+    entries = {n: t for n, t in mapping.items() if t is not None}
+    if entries and not packable(flat, entries):
+        raise ValueError(
+            f"{who}: the optimizer state does not fit the params' flat layout (names, shapes, one dtype and device "
+            "per buffer); pass the state init or a checkpoint load made for these params"
+        )
+    return pack(flat, entries)
+
+
+def flatten_like(master: FlatDict, tree: Any) -> Any:
+    """``tree`` (an optimizer state) with every name -> tensor mapping over ``master``'s names
+    held flat (:func:`pack`), where it can be; everything else as it is.
+
+    Walks NamedTuples, tuples and lists; a mapping whose values are plain tensors of the
+    shard shapes (a subset of the names is fine) becomes a :class:`FlatDict`; a mapping
+    of 0-d step counts, of ``None`` or of low-bit tensors stays.
+    """
+    if isinstance(tree, FlatDict):
+        return tree
+    if isinstance(tree, Mapping):
+        if tree and packable(master.flat_layout, tree) and any(master.flat_layout.where[n][0] >= 0 for n in tree):
+            return pack(master.flat_layout, tree)
+        return tree
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        return type(tree)(*(flatten_like(master, v) for v in tree))
+    if isinstance(tree, tuple):
+        return tuple(flatten_like(master, v) for v in tree)
+    if isinstance(tree, list):
+        return [flatten_like(master, v) for v in tree]
+    return tree
+
+
+def held_flat(layout: Any, rank: int, master: Mapping[str, torch.Tensor], opt_state: Any) -> tuple[FlatDict, Any]:
+    """``rank``'s master shards under ``layout`` (a :class:`~zerofn.layout.ShardLayout`) as a
+    :class:`FlatDict` on its :func:`flat_layout`, and its optimizer state over them.
+
+    What every :class:`~zerofn.state.ZeroState` holds: shards that are a FlatDict on that
+    layout already come back as they are (with ``opt_state``, untouched). Per-name shards
+    (a state built by hand, or read from a checkpoint) are packed once (:func:`pack`: one
+    ``cat`` per buffer), and so is every per-name mapping of ``opt_state`` that fits them
+    (:func:`flatten_like`); equal 0-d step counts become one tensor (a host read per count).
+
+    Raises:
+      ValueError: the shards are not plain tensors of the layout's names and shard shapes,
+        one dtype and device per buffer.
+    """
+    if (
+        isinstance(master, FlatDict)
+        and master.flat_layout.rank == rank
+        and master.flat_layout.fingerprint == layout.fingerprint
+    ):
+        return master, opt_state
+    flat = flat_layout(layout, rank)
+    if master and not packable(flat, master):
+        raise ValueError(
+            f"zerofn.ZeroState: the master shards {_describe(master)} do not fit rank {flat.rank}'s flat layout "
+            f"(plain tensors of the shard shapes {dict(flat.shapes)}, one dtype and device per buffer); build the "
+            "state with zerofn.shard_params or a checkpoint load"
+        )
+    packed = pack(flat, master)
+    return packed, _share_steps(flatten_like(packed, opt_state))
+
+
+def _describe(mapping: Mapping[str, Any]) -> str:
+    return str(
+        {n: (type(t).__name__, tuple(getattr(t, "shape", ())), getattr(t, "dtype", None)) for n, t in mapping.items()}
+    )
+
+
+def _share_steps(tree: Any) -> Any:
+    """An optimizer state whose per-name 0-d ``step`` counts of equal value are one tensor (as
+    ``init`` over a FlatDict makes them), so a flat update runs once per group, not per name.
+
+    Only states whose class says ``shares_step_counts = True`` (an update that never adds
+    to a shared count in place) are changed: the container knows that protocol, not the
+    optimizers. Reads every count (host): for states built per name (a checkpoint load), once.
+    """
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        fields = {f: _share_steps(v) for f, v in zip(tree._fields, tree, strict=True)}
+        step = fields.get("step")
+        counts = isinstance(step, Mapping) and all(isinstance(t, torch.Tensor) and t.dim() == 0 for t in step.values())
+        if getattr(type(tree), "shares_step_counts", False) and step and counts:
+            shared: dict[tuple[Any, ...], torch.Tensor] = {}
+            fields["step"] = FrozenDict(
+                {n: shared.setdefault((t.item(), t.dtype, t.device), t) for n, t in step.items()}
+            )
+        return type(tree)(**fields)
+    if isinstance(tree, tuple):
+        return tuple(_share_steps(v) for v in tree)
+    return tree
+
+
+def keep_flat(
+    master: FlatDict, opt_state: Any, new_master: Mapping[str, torch.Tensor], new_opt_state: Any, tracing: bool
+) -> tuple[FlatDict, Any]:
+    """An optimizer's results held flat on ``master``'s layout: one ``cat`` per buffer for an
+    optimizer that returns per-name tensors, nothing to do for one that returns FlatDicts.
+
+    Eagerly every name -> shard mapping of the new optimizer state that can be held flat is
+    (:func:`flatten_like`: SGD's momentum made at the first step becomes flat); ``tracing``
+    (a compiled step) the new state keeps ``opt_state``'s structure exactly, flat where it
+    was flat, so the graph's outputs have its inputs' structure.
+    """
+    packed = pack(master.flat_layout, new_master)
+    if tracing:
+        return packed, _match_flat(opt_state, new_opt_state)
+    return packed, flatten_like(packed, new_opt_state)
+
+
+def _match_flat(old: Any, new: Any) -> Any:
+    """``new`` with FlatDicts exactly where ``old`` has them (packed, or unpacked to per-name views)."""
+    if isinstance(old, FlatDict):
+        if isinstance(new, FlatDict) or not isinstance(new, Mapping) or not packable(old.flat_layout, new):
+            return new
+        return pack(old.flat_layout, new)
+    if isinstance(new, FlatDict):
+        return FrozenDict(dict(new.items()))
+    if isinstance(old, tuple) and isinstance(new, tuple) and len(old) == len(new):
+        matched = [_match_flat(o, n) for o, n in zip(old, new, strict=True)]
+        return type(new)(*matched) if hasattr(new, "_fields") else tuple(matched)
+    return new
