@@ -49,6 +49,7 @@ __all__ = ["main", "parse_args", "run"]
 ALL_SYSTEMS = (
     "ddp-fused",
     "ddp-foreach",
+    "ddp-compiled",
     "zero-redundancy",
     "fsdp2",
     "deepspeed-z1",
@@ -68,7 +69,7 @@ ALL_SYSTEMS = (
 )
 REFERENCE = "ddp-fused"
 # Run only when named (--systems): inductor compiles the step for minutes on a small CPU.
-SLOW_TO_BUILD = ("zerofn-fn-compiled-inductor",)
+SLOW_TO_BUILD = ("zerofn-fn-compiled-inductor", "ddp-compiled")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

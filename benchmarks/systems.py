@@ -67,6 +67,13 @@ SYSTEMS: dict[str, SystemInfo] = {
     for s in (
         SystemInfo("ddp-fused", "DDP + torch.optim.AdamW(fused=True)", "ddp", False, False),
         SystemInfo("ddp-foreach", "DDP + torch.optim.AdamW(foreach=True)", "ddp", False, False),
+        SystemInfo(
+            "ddp-compiled",
+            "torch.compile(DDP(model)) (inductor) + torch.optim.AdamW(fused=True): the model's own compile cost",
+            "ddp",
+            False,
+            False,
+        ),
         SystemInfo("zero-redundancy", "DDP + ZeroRedundancyOptimizer(AdamW, fused=True)", "peer", True, False),
         SystemInfo("fsdp2", "fully_shard(reshard_after_forward=False) + AdamW(fused=True)", "peer", True, True),
         SystemInfo("deepspeed-z1", "DeepSpeed ZeRO-1 + AdamW(fused=True) (client optimizer)", "peer", True, True),
@@ -282,6 +289,76 @@ class DDPSystem(System):
         return {n: p.detach() for n, p in self.model.named_parameters()}
 
 
+def cold_compiles(rank: int) -> None:
+    """Make this process's next compile start from nothing: a fresh inductor cache directory,
+    and inductor's FX-graph cache and AOTAutograd's cache off (a warm cache turns minutes into
+    seconds). :func:`warm_compiles` turns the caches back on."""
+    import torch._functorch.config
+    import torch._inductor.config
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"zerofn-bench-inductor-r{rank}-")
+    torch._inductor.config.fx_graph_cache = False
+    torch._functorch.config.enable_autograd_cache = False
+
+
+def warm_compiles() -> None:
+    """Inductor's FX-graph cache and AOTAutograd's cache on again (torch's defaults)."""
+    import torch._functorch.config
+    import torch._inductor.config
+
+    torch._inductor.config.fx_graph_cache = True
+    torch._functorch.config.enable_autograd_cache = True
+
+
+class DDPCompiled(DDPSystem):
+    """``torch.compile(DDP(model))`` with inductor, and fused AdamW eagerly: the reference for
+    zerofn's compile time (the same model's first forward, backward and optimizer step).
+
+    Compile times, measured at build as ``zerofn-s2-compiled``'s: *cold*, a throwaway
+    system's first step in this process from nothing (:func:`cold_compiles`) minus its
+    second; *warm*, after ``torch._dynamo.reset()`` with the caches on, the first step of
+    the system that is then timed, minus its second.
+    """
+
+    def __init__(self, info: SystemInfo, ctx: Context) -> None:
+        cold_compiles(ctx.rank)
+        torch._dynamo.reset()
+        self._cold = self._first_minus_second(DDPSystem(info, ctx, "fused"), ctx)
+        warm_compiles()
+        torch._dynamo.reset()
+        super().__init__(info, ctx, "fused")
+        self.forward = torch.compile(self.ddp)
+        self._firsts: list[float] = []
+
+    def _first_minus_second(self, system: DDPSystem, ctx: Context) -> float:
+        compiled = torch.compile(system.ddp)
+        firsts = []
+        for x, y in ctx.batches[:2]:
+            t0 = time.perf_counter()
+            system.loss(compiled(x), y).backward()
+            system.opt.step()
+            system.opt.zero_grad(set_to_none=True)
+            firsts.append(time.perf_counter() - t0)
+        return firsts[0] - firsts[1]
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
+        with _phase("forward"):
+            loss = self.loss(self.forward(x), y)
+        with _phase("backward"):
+            loss.backward()
+        with _phase("optimizer"):
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+        if len(self._firsts) < 2:
+            self._firsts.append(time.perf_counter() - t0)
+        return loss.detach()
+
+    def compile_times(self) -> dict[str, float] | None:
+        warm = self._firsts[0] - self._firsts[1] if len(self._firsts) == 2 else None
+        return {"cold_s": self._cold, "warm_s": warm}  # type: ignore[dict-item]
+
+
 class FSDP2System(System):
     def __init__(self, info: SystemInfo, ctx: Context, kernel: str) -> None:
         super().__init__(info, ctx)
@@ -466,10 +543,12 @@ class ZerofnFunctionalCompiled(ZerofnFunctional):
         import torch._dynamo
 
         if self.compiled is None:  # cold, then warm (a throwaway step on copies)
+            cold_compiles(self.ctx.rank)
             self.compiled = self._compile()
             t0 = time.perf_counter()
             self.compiled(_clone_tree(self.state), {n: p.clone() for n, p in self.params.items()}, x, y)
             self.compile_s["cold"] = time.perf_counter() - t0
+            warm_compiles()
             if os.environ.get("ZEROFN_BENCH_WARM_COMPILE") != "0":  # "0": compile once (e.g. a --profile run)
                 torch._dynamo.reset()
                 self.compiled = self._compile()
@@ -572,7 +651,7 @@ class ZerofnFacadeCompiled(ZerofnFacade):
     """
 
     def __init__(self, info: SystemInfo, ctx: Context) -> None:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"zerofn-bench-inductor-r{ctx.rank}-")
+        cold_compiles(ctx.rank)
         torch._dynamo.reset()
         backend = os.environ.get("ZEROFN_BENCH_COMPILE_BACKEND") or True  # run.py's --compile-backend
         model, opt = _facade(ctx, None, 2, False, compile_=backend)
@@ -586,6 +665,7 @@ class ZerofnFacadeCompiled(ZerofnFacade):
         opt.close()
         del model, opt
         self._cold = firsts[0] - firsts[1]
+        warm_compiles()
         torch._dynamo.reset()
         super().__init__(info, ctx, None, 2, overlap=False, compile_=backend)
         self._firsts: list[float] = []
@@ -608,6 +688,7 @@ def _make(name: str, ctx: Context) -> System:
     builders: dict[str, Callable[[], System]] = {
         "ddp-fused": lambda: DDPSystem(info, ctx, "fused"),
         "ddp-foreach": lambda: DDPSystem(info, ctx, "foreach"),
+        "ddp-compiled": lambda: DDPCompiled(info, ctx),
         "zero-redundancy": lambda: DDPSystem(info, ctx, k, zero=True),
         "fsdp2": lambda: FSDP2System(info, ctx, k),
         "deepspeed-z1": lambda: DeepSpeedSystem(info, ctx, k, 1),
