@@ -241,3 +241,36 @@ def test_the_plan_a_compiled_step_reads_is_the_eager_plan_for_split_and_whole_me
         )
         rebuilt = BucketPlan(widths, tuple(MemberPlan(*m) for m in members), split_width, chunked)
         assert rebuilt == buckets.bucket_plan(layout, bucket)
+
+
+def _gather_of_one_lone_param(numel_per_rank: int, extra: int) -> dict[str, Any]:
+    """gather_params of a state with one split param of ``N * numel_per_rank + extra`` elements."""
+    n = dist.get_world_size()
+    full = {"w": torch.arange(n * numel_per_rank + extra, dtype=torch.float32)}
+    state = zf.shard_params(full, zf.optim.sgd(lr=0.1))
+    pool = buckets.StagingPool()
+    out = {"w": torch.empty_like(full["w"])}
+    ptr = out["w"].data_ptr()
+    got = zf.gather_params(state, staging=pool, out=out)
+    fresh = zf.gather_params(state)
+    return {
+        "got": got["w"],
+        "fresh": fresh["w"],
+        "full": full["w"],
+        "same": got["w"].data_ptr() == ptr,
+        "pooled": len(pool.buffers()),
+        "n": n,
+    }
+
+
+@pytest.mark.parametrize("extra", [0, 1])
+def test_a_lone_unpadded_param_is_gathered_into_its_own_storage(world, extra):
+    """Row r of such a bucket is the param's r-th chunk: its storage receives the gather, no
+    staging buffer is taken and nothing is unpacked; a padded one (``extra`` elements over a
+    multiple of N, N > 1) goes through one staging buffer, given back to the pool."""
+    for res in world.run(_gather_of_one_lone_param, 8, extra):
+        assert_bitwise_equal(res["got"], res["full"], "w (into out)")
+        assert_bitwise_equal(res["fresh"], res["full"], "w (fresh)")
+        assert res["same"]
+        padded = extra and res["n"] > 1
+        assert res["pooled"] == (1 if padded else 0), res

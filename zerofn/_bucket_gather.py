@@ -137,6 +137,27 @@ def launch_gather(
     return comm.gather_rows(row, group, how, async_op=async_op, out=out)
 
 
+def rows_in_place(layout: ShardLayout, bucket: Bucket, dest: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+    """``bucket``'s ``(N, S)`` gathered rows as a view of its one member's own tensor in ``dest``.
+
+    Where a bucket is one split param with no padding (``numel == N * S``), row ``r`` of the
+    gathered buffer is the param's ``r``-th chunk, so the param's own contiguous storage can
+    receive the gather and nothing is left to unpack. ``None`` for any other bucket (more
+    members, a whole or padded param, a destination missing, of another dtype than the
+    param's working one, or not contiguous). Collectives: none.
+    """
+    if len(bucket.names) != 1:
+        return None
+    name = bucket.names[0]
+    spec, n = layout[name], layout.world_size
+    t = dest.get(name)
+    if spec.is_whole or spec.numel != n * bucket.shard_numel or t is None:
+        return None
+    if t.dtype != spec.dtype or not t.is_contiguous():
+        return None
+    return t.detach().view(n, bucket.shard_numel)
+
+
 def cut_shard(
     full: torch.Tensor,
     spec: ParamSpec,

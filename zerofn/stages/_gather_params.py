@@ -8,6 +8,7 @@ import torch
 
 from zerofn import _checks as checks
 from zerofn import _comm as comm
+from zerofn._bucket_gather import rows_in_place
 from zerofn._comm import CommPolicy, Group, Pending
 from zerofn.buckets import StagingPool, launch_gather, pack_shards, unpack_rows
 from zerofn.layout import Bucket, ShardLayout
@@ -54,6 +55,9 @@ def gather_params(
       caller owns fresh tensors that nothing in ``state`` aliases; with ``out`` the
       values are ``out``'s tensors.
 
+    A bucket that is one param without padding is gathered straight into that param's
+    tensor (eagerly): nothing is staged or unpacked for it.
+
     Collectives: one tiny ``all_gather`` (rank agreement, unless ``check=False``), then
     per bucket one ``all_gather`` (NCCL) or one ``broadcast`` per rank (gloo) of ``S``
     elements each.
@@ -73,20 +77,28 @@ def gather_params(
     # (Under torch.compile the compiler plans buffers: a caller's pool is left alone.)
     pool = staging if staging is not None and not comm.tracing() else StagingPool(keep=MAX_IN_FLIGHT + 1)
 
-    def write(item: tuple[Bucket, torch.Tensor], pending: Pending) -> None:
+    def write(item: tuple[Bucket, torch.Tensor | None], pending: Pending) -> None:
         bucket, borrowed = item
+        rows = pending.wait()
+        if borrowed is None:  # gathered into the param itself
+            return
         with torch.no_grad():  # `out` may be leaf params that require grad
-            unpack_rows(pending.wait(), layout, bucket, result)  # copied out of the (N, S) buffer
+            unpack_rows(rows, layout, bucket, result)  # copied out of the (N, S) buffer
         pool.give(borrowed)
 
     # Pipelined: earlier buckets' rows are written into the params while this one is on
     # the wire; at most MAX_IN_FLIGHT + 1 gathered buffers exist at once.
-    in_flight: InFlight[tuple[Bucket, torch.Tensor]] = InFlight(write, pool)
+    in_flight: InFlight[tuple[Bucket, torch.Tensor | None]] = InFlight(write, pool)
     n = layout.world_size
+    tracing = comm.tracing()
     for bucket in layout.buckets(bucket_numel):
         dtype, n_s = layout[bucket.names[0]].dtype, n * bucket.shard_numel
-        borrowed = pool.take(n_s, dtype, device)
-        recv = borrowed[:n_s].view(n, bucket.shard_numel)
+        # A lone unpadded param receives its gather in its own storage (eagerly: a graph plans its buffers).
+        recv = None if tracing else rows_in_place(layout, bucket, result)
+        borrowed = None
+        if recv is None:
+            borrowed = pool.take(n_s, dtype, device)
+            recv = borrowed[:n_s].view(n, bucket.shard_numel)
         in_place = recv[state.rank] if how == "broadcast" else None
         row = pack_shards(state.master, layout, bucket, dtype=dtype, device=device, out=in_place, rank=state.rank)
         in_flight.push((bucket, borrowed), launch_gather(row, group, how, async_op=True, out=recv))
