@@ -147,7 +147,7 @@ class StateDictMethods:
         fields = ("optimizer", "master", "opt_state", "step", "loss_scale")
         self._state = self._state.replace(**{f: getattr(new, f) for f in fields if hasattr(new, f)})
         self._hp_cache = None
-        self._reducer.shards = {}
+        self._reducer.drop_shards()
 
     def state_dict_shard(self: _Host, max_shard_size: int = 1024) -> Iterator[tuple[dict[Any, dict[str, Any]], int]]:
         """Yield ``(block, numel)``: the torch-format ``state`` entries in size-bounded blocks.
