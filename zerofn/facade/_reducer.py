@@ -49,23 +49,17 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from types import MappingProxyType
+from typing import Any
 
 import torch
 
 from zerofn import _checks as checks
 from zerofn import _comm as comm
-from zerofn import flat
 from zerofn._comm import CommPolicy, Group
-from zerofn.buckets import (
-    StagingPool,
-    launch_gather,
-    launch_reduce,
-    pack_grads,
-    split_row,
-    unpack_rows,
-    wire_dtype,
-)
+from zerofn.buckets import StagingPool, launch_gather, launch_reduce, pack_grads, unpack_rows, wire_dtype
+from zerofn.facade._held import Averaged, HeldGrads
+from zerofn.facade._settle import Launched, Settler
 from zerofn.facade._sharded_grad import ShardedGrad, ShardedGradError, sharded_grad
 from zerofn.facade._step_grads import StepGrads
 from zerofn.layout import Bucket, ShardLayout
@@ -92,45 +86,7 @@ def _names(names: list[str], limit: int = 3) -> str:
     return ", ".join(repr(n) for n in names[:limit]) + (f" ({len(names)} params)" if len(names) > limit else "")
 
 
-class _InFlight:
-    """One bucket whose reduction is launched: its handle, who was present, the buffer it reads.
-
-    ``outs``: stage 1, the local gradients just packed, reused as the full averaged
-    gradients' storage (name -> tensor of the param's shape and working dtype). ``buf``
-    is the staging buffer to give back once settled (None: not a staging buffer).
-    """
-
-    __slots__ = ("bucket", "buf", "dtype", "outs", "present", "rows")
-
-    def __init__(
-        self,
-        bucket: Bucket,
-        present: set[str],
-        dtype: torch.dtype,
-        buf: torch.Tensor,
-        outs: dict[str, torch.Tensor],
-    ) -> None:
-        self.bucket, self.present, self.dtype = bucket, present, dtype
-        self.buf: torch.Tensor | None = buf
-        self.outs = outs
-        self.rows: torch.Tensor | None = None  # hybrid: what waits for the replicas' sum
-
-
-class _Averaged(NamedTuple):
-    """Stage 1: the averaged gradient the reducer left in ``p.grad``.
-
-    ``grad`` and ``version`` tell whether the user changed it since (then ``step`` cuts
-    ``p.grad``, not the exact shard kept aside); ``dtype`` is the dtype the local gradient
-    was reduced in (the accumulation dtype after ``no_sync`` micro-steps), the dtype of
-    the shard ``step`` gets.
-    """
-
-    grad: torch.Tensor
-    version: int
-    dtype: torch.dtype
-
-
-class GradReducer(StepGrads):
+class GradReducer:
     """Full local gradients in; averaged gradients in ``p.grad`` (stage 1) or shards (stage 2) out.
 
     Args:
@@ -144,6 +100,10 @@ class GradReducer(StepGrads):
       loss_scale: returns the loss scale the next reduced gradients carry (the state's;
         1.0 without loss scaling). Stage 1 divides ``p.grad`` by it, so users see true
         gradients, as after ``GradScaler.unscale_``.
+
+    It holds its collaborators: the gradients (:class:`~._held.HeldGrads`, ``held``), the
+    bucket settling (:class:`~._settle.Settler`) and the step's view of the gradients
+    (:class:`~._step_grads.StepGrads`, ``step_grads``), which all work on ``held``.
 
     Collectives: per bucket one reduction (see :func:`zerofn.buckets.launch_reduce`), one
     tiny rank-agreement all-gather per backward (and per :meth:`settle` that finds local
@@ -171,34 +131,14 @@ class GradReducer(StepGrads):
         self._group, self._replicate = group, replicate
         self._rank = comm.group_rank(group)
         self._replicas = comm.group_size(replicate) if replicate is not None else 1
-        self._stage, self._bucket_numel, self._overlap = stage, bucket_numel, overlap
-        self._comm_policy = comm_policy
+        self._stage, self._overlap = stage, overlap
         self._loss_scale = loss_scale
         self._how = reduce_realisation(stage, group, comm_policy)
         self._buckets = layout.buckets(bucket_numel)
         self._bucket_of = {name: i for i, b in enumerate(self._buckets) for name in b.names}
         self._position = {name: i for i, name in enumerate(layout.names)}  # layout order, for sorting
         self.require_sync = True  # False inside no_sync()
-        # Stage 2: the reduced shards, waiting for step(). Stage 1: the exact shards of the
-        # averaged gradients where p.grad cannot hold them bit for bit (loss-scaled, or a
-        # wire dtype finer than the working one); used while p.grad is untouched.
-        self.shards: dict[str, torch.Tensor] = {}
-        # Stage 2: where the shards of split buckets are written (one buffer per group of this
-        # rank's flat layout, allocated at a step's first bucket) and the views handed out of
-        # them; ``take_step_grads`` hands the buffers to ``step`` as a FlatDict when every
-        # split shard held is still such a view (see :meth:`_settle_flat`).
-        self._flat = flat.flat_layout(layout, self._rank)
-        self._grad_bufs: dict[int, torch.Tensor] = {}
-        self._grad_views: dict[str, torch.Tensor] = {}
-        self._averaged: dict[str, _Averaged] = {}  # stage 1: p.grad holds this step's mean gradient
-        self._aside: dict[str, torch.Tensor] = {}  # stage 1: a mean gradient set aside while more accumulates
-        self._edited: set[str] = set()  # stage 1: its mean gradient was changed by the user; no exact shard
-        self._used: dict[str, torch.Tensor] = {}  # p.grad tensors a step applied (kept, as DDP, until zeroed)
-        self._check_carry = False  # a step left gradients that cannot carry exactly: the next backward checks
-        self._placed: set[str] = set()  # stage 2: p.grad holds the placeholder
-        self._placeholders: dict[str, ShardedGrad] = {}
-        self._local: set[str] = set()  # local, unreduced gradient in p.grad or an accumulator
-        self._taken: tuple[Any, ...] | None = None  # what the last take_step_grads consumed (give_back)
+        self.held = HeldGrads(params, layout, precision)
         # Hook-path bookkeeping for the backward pass in progress.
         self._ready: list[set[str]] = [set() for _ in self._buckets]
         self._sent: list[set[str]] = [set() for _ in self._buckets]
@@ -206,15 +146,11 @@ class GradReducer(StepGrads):
         # One staging buffer without overlap: every reduction (and the facade's gathers, which
         # borrow this pool) is settled as it is launched.
         self.staging = StagingPool(keep=MAX_IN_FLIGHT + 1 if overlap else 1, min_numel=bucket_numel)
-        self._inflight: InFlight[_InFlight] = InFlight(self._harvest, self.staging)
-        self._replica_rows: list[_InFlight] = []
+        self._settler = Settler(self.held, layout, stage, self._rank, self.staging, loss_scale)
+        self.step_grads = StepGrads(self.held, layout, stage, self._rank, loss_scale)
+        self._inflight: InFlight[Launched] = InFlight(self._harvest, self.staging)
+        self._replica_rows: list[Launched] = []
         self._callback_queued = False
-        # Accumulation in another dtype than the working one (float32 under fp16/bf16):
-        # micro-step gradients are moved out of p.grad into these by the hooks.
-        self._accum_dtype = {n: precision.grad_accum_dtype_for(layout[n].dtype) for n in params}
-        self._accum_names = {n for n, d in self._accum_dtype.items() if d != layout[n].dtype}
-        self.accum: dict[str, torch.Tensor] = {}
-        self._accumulating = False  # a no_sync backward folded gradients since the last reduction
         self._hooks: list[Any] = []
         self._accumulators: list[Any] = []  # the AccumulateGrad nodes: they must live for their hooks
         me = weakref.ref(self)  # hooks live on the model's params; they must not keep us alive
@@ -229,32 +165,64 @@ class GradReducer(StepGrads):
 
     # ------------------------------------------------------------------ state
 
+    @property
+    def shards(self) -> Mapping[str, torch.Tensor]:
+        """The shards held now (name -> 1-D shard), read-only: see :class:`~._held.HeldGrads`."""
+        return MappingProxyType(self.held.shards)
+
+    @property
+    def accum(self) -> Mapping[str, torch.Tensor]:
+        """The local-gradient accumulators (name -> param-shaped tensor in the accumulation dtype)."""
+        return MappingProxyType(self.held.accum)
+
     def clear(self) -> None:
         """Forget every gradient (``zero_grad``): accumulators, shards, averaged and used marks.
 
         The caller has cleared or zeroed ``p.grad``; placeholders are dropped here.
         """
-        for name in self._placed:
-            p = self._params[name]
-            if p.grad is self._placeholders.get(name):
-                p.grad = None
-        self.accum = {}
-        self._accumulating = False
-        self.shards = {}
-        self._grad_bufs, self._grad_views = {}, {}
-        self._averaged = {}
-        self._aside = {}
-        self._edited = set()
-        self._used = {}
-        self._check_carry = False
-        self._placed = set()
-        self._local = set()
-        self._taken = None
+        self.held.clear()
+        self._settler.clear()
+
+    def drop_shards(self) -> None:
+        """Forget the shards held (a loaded state replaced the one they were reduced for)."""
+        self.held.shards = {}
 
     def holds_grads(self) -> bool:
         """Whether any gradient arrived since the last step or ``zero_grad`` (reduced or local)."""
-        # _placed: stage 2, alike on every rank (a rank whose whole params got no gradient holds no shard)
-        return bool(self.shards or self._placed or self._averaged or self._aside or self._local or self._foreign())
+        return self.held.holds()
+
+    def settle(self) -> None:
+        """Reduce local gradients still waiting (after ``no_sync`` micro-steps, or set by hand).
+
+        Collectives: when this rank holds such gradients, the rank-agreement all-gather and
+        the buckets' reductions (every rank must be in the same situation, as after the
+        same backward calls).
+        """
+        self.held.drop_cleared()
+        if self.held.local or self.held.foreign():
+            self._flush()
+
+    # The step's view (StepGrads): what the facade and the tests call on the reducer.
+
+    def take_step_grads(self) -> Mapping[str, torch.Tensor]:
+        """:meth:`~._step_grads.StepGrads.take_step_grads`; call :meth:`settle` first."""
+        return self.step_grads.take_step_grads()
+
+    def give_back(self, shards: Mapping[str, torch.Tensor]) -> None:
+        """:meth:`~._step_grads.StepGrads.give_back`: the step applied nothing."""
+        self.step_grads.give_back(shards)
+
+    def peek_step_grads(self) -> dict[str, torch.Tensor]:
+        """:meth:`~._step_grads.StepGrads.peek_step_grads`: the shards without consuming them."""
+        return self.step_grads.peek_step_grads()
+
+    def norm_pieces(self) -> tuple[dict[str, torch.Tensor], float]:
+        """:meth:`~._step_grads.StepGrads.norm_pieces`; call :meth:`settle` first."""
+        return self.step_grads.norm_pieces()
+
+    def scale_grads_(self, factor: float) -> None:
+        """:meth:`~._step_grads.StepGrads.scale_grads_` (clipping); call :meth:`settle` first."""
+        self.step_grads.scale_grads_(factor)
 
     def full_grad(self, name: str, how: str) -> torch.Tensor | None:
         """The full averaged gradient of ``name``, unscaled (param shape), or None.
@@ -265,12 +233,12 @@ class GradReducer(StepGrads):
         whole param, which only its owner holds (the other ranks send zeros in its place).
         """
         if self._stage == 1:
-            g = self._params[name].grad if name in self._averaged else None
+            g = self._params[name].grad if name in self.held.averaged else None
             return None if g is None else g.detach().clone()
-        if name not in self._placed:  # no gradient since the last step (alike on every rank)
+        if name not in self.held.placed:  # no gradient since the last step (alike on every rank)
             return None
         spec = self._layout[name]
-        shard = self.shards.get(name)
+        shard = self.held.shards.get(name)
         if spec.is_whole:
             wide = torch.promote_types(spec.dtype, torch.float32)  # the same dtype on every rank
             row = torch.zeros(spec.numel, dtype=wide, device=self._params[name].device)
@@ -289,9 +257,7 @@ class GradReducer(StepGrads):
 
     def grad_bytes(self) -> int:
         """Bytes held for gradients beyond ``p.grad``: accumulators, buckets in flight, shards, set aside."""
-        total = sum(a.numel() * a.element_size() for a in self.accum.values())
-        total += sum(s.numel() * s.element_size() for s in self.shards.values())
-        total += sum(a.numel() * a.element_size() for a in self._aside.values())
+        total = self.held.nbytes() + self._settler.nbytes()
         n = self._layout.world_size
         total += sum(f.bucket.shard_numel * n * f.buf.element_size() for f in self._inflight if f.buf is not None)
         return total + sum(f.rows.numel() * f.rows.element_size() for f in self._replica_rows if f.rows is not None)
@@ -307,57 +273,8 @@ class GradReducer(StepGrads):
             h.remove()
         self._hooks = []
         self._accumulators = []
-        for name in self._placed:
-            p = self._params[name]
-            if p.grad is self._placeholders.get(name):
-                p.grad = None
-        self._placed = set()
+        self.held.remove_placeholders()
         self.staging.clear()
-
-    # step's view of the gradients (settle, take_step_grads, give_back, ...): zerofn.facade._step_grads
-
-    # ------------------------------------------------------------------ local gradients
-
-    def _foreign(self) -> list[str]:
-        """Names whose ``p.grad`` holds a tensor the facade did not produce or consume (set by hand)."""
-        out = []
-        for name, p in self._params.items():
-            g = p.grad
-            if g is None or type(g) is ShardedGrad or name in self._local or name in self._averaged:
-                continue
-            if self._used.get(name) is g:
-                continue
-            out.append(name)
-        return out
-
-    def _merge(self, shards: Mapping[str, torch.Tensor]) -> None:
-        for name, shard in shards.items():
-            have = self.shards.get(name)
-            self.shards[name] = shard if have is None else have + shard
-
-    def _fold(self, name: str) -> None:
-        """Move ``p.grad`` into the param's accumulator (accumulation dtype) and free it."""
-        p = self._params[name]
-        if p.grad is None:
-            return
-        acc = self.accum.get(name)
-        if acc is None:
-            self.accum[name] = p.grad.to(self._accum_dtype[name])
-        else:
-            acc.add_(p.grad)
-        p.grad = None
-
-    def _take_grad(self, name: str) -> torch.Tensor | None:
-        """The local gradient to reduce for ``name`` (accumulated or ``p.grad``); frees it here."""
-        self._local.discard(name)
-        if self._accumulating and name in self._accum_names:
-            self._fold(name)
-        acc = self.accum.pop(name, None)
-        if acc is not None:
-            return acc
-        p = self._params[name]
-        g, p.grad = p.grad, None
-        return g
 
     # ------------------------------------------------------------------ hook path
 
@@ -373,54 +290,54 @@ class GradReducer(StepGrads):
         running the same script. Cost: one look at each ``p.grad``, once per backward, and
         only after a step at stage 2 or under loss scaling.
         """
-        self._check_carry = False
+        self.held.check_carry = False
         stale = [
             n
             for n, p in self._params.items()
-            if (type(p.grad) is ShardedGrad and n not in self._placed)
-            or (p.grad is not None and self._used.get(n) is p.grad)
+            if (type(p.grad) is ShardedGrad and n not in self.held.placed)
+            or (p.grad is not None and self.held.used.get(n) is p.grad)
         ]
         if stale:
-            self._check_carry = True  # still there at the next try
+            self.held.check_carry = True  # still there at the next try
             raise RuntimeError(CARRY_MESSAGE.format(how=CARRY_HOW[self._stage], names=_names(stale)))
 
     def before_accumulate(self, name: str) -> None:
         """Autograd is about to accumulate a gradient into ``p.grad``: make ``p.grad`` ready for it."""
-        if self._check_carry:
+        if self.held.check_carry:
             self._refuse_carry()
         p = self._params[name]
         g = p.grad
-        if type(g) is ShardedGrad and name not in self._placed:  # a stale placeholder: holds nothing
+        if type(g) is ShardedGrad and name not in self.held.placed:  # a stale placeholder: holds nothing
             p.grad = None
             return
-        if name in self._placed:  # stage 2
-            self._placed.discard(name)
-            if g is self._placeholders[name]:
+        if name in self.held.placed:  # stage 2
+            self.held.placed.discard(name)
+            if g is self.held.placeholders[name]:
                 p.grad = None  # the shard stays: the new gradient's is added to it
             else:
-                self.shards.pop(name, None)  # the user cleared or replaced it: start from that
+                self.held.shards.pop(name, None)  # the user cleared or replaced it: start from that
             return
         if g is None:
-            if self._averaged.pop(name, None) is not None:  # cleared by the user: start from zero
-                self.shards.pop(name, None)
+            if self.held.averaged.pop(name, None) is not None:  # cleared by the user: start from zero
+                self.held.shards.pop(name, None)
             return
-        if self._used.get(name) is g:  # the step's averaged gradient, not zeroed: accumulate into it, as DDP
-            del self._used[name]
+        if self.held.used.get(name) is g:  # the step's averaged gradient, not zeroed: accumulate into it, as DDP
+            del self.held.used[name]
             return
-        if name in self._averaged:  # stage 1, a second backward before step: sum the means
-            if not self._untouched(name):
-                self.shards.pop(name, None)
-                self._edited.add(name)
-            del self._averaged[name]
-            self._aside[name] = g
+        if name in self.held.averaged:  # stage 1, a second backward before step: sum the means
+            if not self.held.untouched(name):
+                self.held.shards.pop(name, None)
+                self.held.edited.add(name)
+            del self.held.averaged[name]
+            self.held.aside[name] = g
             p.grad = None
 
     def on_grad_ready(self, name: str) -> None:
         """A param's gradient was accumulated into ``p.grad`` by autograd."""
-        self._local.add(name)
-        if name in self._accum_names and (not self.require_sync or self._accumulating):
-            self._fold(name)
-            self._accumulating = True
+        self.held.local.add(name)
+        if name in self.held.accum_names and (not self.require_sync or self.held.accumulating):
+            self.held.fold(name)
+            self.held.accumulating = True
         if not self.require_sync:
             return
         if not self._callback_queued:
@@ -440,8 +357,8 @@ class GradReducer(StepGrads):
         bucket = self._buckets[b]
         present = self._ready[b] - self._sent[b]
         self._sent[b] |= present
-        fresh = present & self._local  # autograd's own gradients (not tensors the user set)
-        grads = {n: self._take_grad(n) for n in bucket.names if n in present}
+        fresh = present & self.held.local  # autograd's own gradients (not tensors the user set)
+        grads = {n: self.held.take_local(n) for n in bucket.names if n in present}
         first = next(g for g in grads.values() if g is not None)
         n, s = self._layout.world_size, bucket.shard_numel
         buf = self.staging.take(n * s, first.dtype, first.device)
@@ -471,10 +388,10 @@ class GradReducer(StepGrads):
                     outs[name] = g
         # Each bucket in flight holds an (N, S) buffer; settling finished ones early is what
         # keeps a rank's gradient memory at its shards plus a few buckets (stage 2).
-        self._inflight.push(_InFlight(bucket, present, first.dtype, buf, outs), pending)
+        self._inflight.push(Launched(bucket, present, first.dtype, buf, outs), pending)
         self._inflight.settle_finished()
 
-    def _harvest(self, f: _InFlight, pending: comm.Pending) -> None:
+    def _harvest(self, f: Launched, pending: comm.Pending) -> None:
         """Turn one reduced bucket into gradients (hybrid: keep what the replicas' sum needs)."""
         row = pending.wait()
         if self._replicate is not None:
@@ -492,92 +409,13 @@ class GradReducer(StepGrads):
             f.rows = row
             self._replica_rows.append(f)
             return
-        self._settle_bucket(f, row)
-
-    def _settle_bucket(self, f: _InFlight, summed: torch.Tensor) -> None:
-        """A reduced bucket (this rank's row, or the whole ``(N, S)`` sum at stage 1) into gradients."""
-        if self._stage == 2:
-            if self._settle_flat(f, summed):
-                return
-            shards = split_row(summed, self._layout, f.bucket, f.present, dtype=f.dtype, rank=self._rank)
-            self._merge(shards)
-            if f.buf is not None:
-                self.staging.give_unless_aliased(f.buf, shards.values())
-            return
-        self._settle_whole(f, summed)
-        if f.buf is not None:
-            self.staging.give(f.buf)
-
-    def _settle_flat(self, f: _InFlight, row: torch.Tensor) -> bool:
-        """Stage 2: a split bucket's row into its range of this rank's flat gradient buffer.
-
-        One copy (the cast back from the wire), the members' shards views of the buffer,
-        as ``reduce_grads`` writes them (:class:`~zerofn.stages._grad_shards.GradShards`),
-        so ``step`` gets them flat without packing. Only when none of the bucket's members
-        holds a shard already (a second backward before ``step`` adds to it: per name, in
-        :meth:`_merge`) and the group's buffer has the row's dtype; False otherwise.
-        """
-        g, start, _ = self._flat.where.get(f.bucket.names[0], (-1, 0, 0))
-        if g < 0 or any(n in self.shards for n in f.bucket.names):
-            return False
-        buf = self._grad_bufs.get(g)
-        if buf is None:
-            buf = self._grad_bufs[g] = torch.empty(self._flat.groups[g].numel, dtype=f.dtype, device=row.device)
-        elif buf.dtype != f.dtype:
-            return False
-        buf[start : start + row.numel()].copy_(row)  # absent members' slots are zeros in the row
-        where = self._flat.where
-        for name in f.present:
-            _, off, k = where[name]
-            self.shards[name] = self._grad_views[name] = buf[off : off + k]
-        if f.buf is not None:
-            self.staging.give(f.buf)  # copied out
-        return True
-
-    def _settle_whole(self, f: _InFlight, rows: torch.Tensor) -> None:
-        """Stage 1: the ``(N, S)`` sum into full averaged gradients in ``p.grad``.
-
-        The exact shards are kept aside too where ``p.grad`` cannot hold the reduced values
-        bit for bit: under loss scaling (``p.grad`` is unscaled) or when the gradients are
-        accumulated in a dtype wider than the working one (``f.dtype``). Nowhere else: a
-        shard kept aside is trusted while ``p.grad``'s version counter has not moved, and
-        some in-place writes do not move it (``GradScaler.unscale_``'s kernel), so a wide
-        wire alone (float64 for fp32 params, rounded to fp32 here as in the shard) keeps
-        none and ``step`` cuts ``p.grad`` as the user left it.
-        """
-        layout, bucket = self._layout, f.bucket
-        working = layout[bucket.names[0]].dtype
-        scale = self._loss_scale()
-        if scale != 1.0 or f.dtype != working:
-            exact = split_row(rows[self._rank], layout, bucket, f.present, dtype=f.dtype, rank=self._rank)
-            self._merge({n: s for n, s in exact.items() if n not in self._edited})
-        dests = {
-            n: f.outs.get(n) if n in f.outs else torch.empty(layout[n].shape, dtype=working, device=rows.device)
-            for n in bucket.names
-            if n in f.present
-        }
-        unpack_rows(rows, layout, bucket, dests, names=dests)
-        if scale != 1.0:
-            mul_grads_(dests.values(), 1.0 / scale)  # what the user sees: true gradients
-        for name, g in dests.items():
-            self._set_averaged(name, g, f.dtype)
-
-    def _set_averaged(self, name: str, g: torch.Tensor, dtype: torch.dtype) -> None:
-        aside = self._aside.pop(name, None)
-        if aside is not None:
-            g.add_(aside)  # the earlier backward's mean: two backwards before step sum their means
-        p = self._params[name]
-        if p.dtype == g.dtype and p.device == g.device and p.shape == g.shape:
-            p.grad = g
-        # else the param was cast, moved or replaced since construction: p.grad stays None and
-        # step raises for the param itself (ParamsChangedError), not for its gradient.
-        self._averaged[name] = _Averaged(g, g._version, dtype)
+        self._settler.settle(f, row)
 
     def _sum_replica_rows(self) -> None:
         """Hybrid only: add the replicas' sums, in bucket launch order (the same on every rank)."""
         for f in self._replica_rows:
             assert f.rows is not None  # set by _harvest
-            self._settle_bucket(f, sum_over_replicas(f.rows, self._replicate))
+            self._settler.settle(f, sum_over_replicas(f.rows, self._replicate))
         self._replica_rows = []
 
     def _finish_backward(self) -> None:
@@ -593,7 +431,7 @@ class GradReducer(StepGrads):
         after backward every gradient is averaged.
         """
         ready = set().union(*self._ready) | self._ready_empty
-        leftovers = (self._local | set(self._foreign())) - ready
+        leftovers = (self.held.local | set(self.held.foreign())) - ready
         for name in leftovers:
             b = self._bucket_of.get(name)
             if b is None:
@@ -610,27 +448,29 @@ class GradReducer(StepGrads):
                 self._launch(b)
         self._inflight.settle()
         self._sum_replica_rows()
+        self._settler.finish()  # stage 2: this reduction's flat buffers become the shards
         for name in self._ready_empty:  # empty params travel in no bucket
-            g = self._take_grad(name)
+            g = self.held.take_local(name)
             if g is None:
                 continue
             if self._stage == 2:
-                self._merge({name: g.new_empty(0)})
+                self.held.merge({name: g.new_empty(0)})
             else:
-                self._set_averaged(name, g, g.dtype)
+                self._settler.set_averaged(name, g, g.dtype)
         if self._stage == 2:
             for name in present:
                 p = self._params[name]
                 if p.grad is None:
-                    if name not in self._placeholders:
-                        self._placeholders[name] = sharded_grad(p)
-                    p.grad = self._placeholders[name]
-                    self._placed.add(name)
-        for name, used in self._used.items():  # the step's gradient, not zeroed and not added to: DDP applies it again
+                    if name not in self.held.placeholders:
+                        self.held.placeholders[name] = sharded_grad(p)
+                    p.grad = self.held.placeholders[name]
+                    self.held.placed.add(name)
+        # The step's gradient, not zeroed and not added to: DDP applies it again.
+        for name, used in self.held.used.items():
             if self._params[name].grad is used:
-                self._averaged[name] = _Averaged(used, used._version, used.dtype)
-        self._used = {}
-        self._accumulating = bool(self.accum)
+                self.held.averaged[name] = Averaged(used, used._version, used.dtype)
+        self.held.used = {}
+        self.held.accumulating = bool(self.held.accum)
         self._ready = [set() for _ in self._buckets]
         self._sent = [set() for _ in self._buckets]
         self._ready_empty = set()

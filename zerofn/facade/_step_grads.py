@@ -1,21 +1,22 @@
 """What ``step`` and the gradient idioms take from the reducer: the averaged gradients as shards.
 
-A mixin of :class:`~zerofn.facade._reducer.GradReducer` (kept apart so the reducer reads
-as the hook path: which bucket is ready, when it launches, what ``p.grad`` holds). Here the
-gradients a backward left are handed to ``step`` (stage 1: ``p.grad`` as the user left it,
-cut into this rank's shards; stage 2: the shards), given back when the step applied
-nothing, measured and scaled for clipping, and peeked at without being consumed.
+:class:`StepGrads` is held by :class:`~zerofn.facade._reducer.GradReducer` (which keeps
+the hook path: which bucket is ready, when it launches, what ``p.grad`` holds) and works
+on the same :class:`~zerofn.facade._held.HeldGrads`. Here the gradients a backward left
+are handed to ``step`` (stage 1: ``p.grad`` as the user left it, cut into this rank's
+shards; stage 2: the shards), given back when the step applied nothing, measured and
+scaled for clipping, and peeked at without being consumed. Nothing here communicates.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
 
 import torch
 
 from zerofn import flat
 from zerofn.buckets import cut_shard
+from zerofn.facade._held import HeldGrads
 from zerofn.layout import ShardLayout
 from zerofn.precision import mul_grads_
 
@@ -23,54 +24,31 @@ __all__ = ["StepGrads"]
 
 
 class StepGrads:
-    """``settle`` / ``take_step_grads`` / ``give_back`` / ``peek_step_grads`` / ``norm_pieces`` / ``scale_grads_``."""
+    """``take_step_grads`` / ``give_back`` / ``peek_step_grads`` / ``norm_pieces`` / ``scale_grads_``.
 
-    # What the methods below read and write of the GradReducer they are mixed into.
-    _params: Mapping[str, torch.Tensor]
-    _layout: ShardLayout
-    _stage: int
-    _rank: int
-    _loss_scale: Any
-    shards: dict[str, torch.Tensor]
-    _averaged: dict[str, Any]
-    _edited: set[str]
-    _used: dict[str, torch.Tensor]
-    _placed: set[str]
-    _placeholders: dict[str, Any]
-    _local: set[str]
-    _taken: tuple[Any, ...] | None
-    _check_carry: bool
-    _flat: flat.FlatLayout
-    _grad_bufs: dict[int, torch.Tensor]
-    _grad_views: dict[str, torch.Tensor]
+    Args:
+      held: the reducer's gradients (changed in place by these methods).
+      layout: the state's layout; stage: 1 or 2; rank: this rank in the sharding group.
+      loss_scale: returns the loss scale the held gradients carry (1.0 without scaling).
 
-    def _flush(self) -> None: ...
-    def _foreign(self) -> list[str]: ...
-    def _merge(self, shards: Mapping[str, torch.Tensor]) -> None: ...
+    Shards handed out are 1-D, this rank's slice of each param's averaged gradient, in the
+    dtype it was reduced in, still multiplied by the loss scale (``step_shards`` unscales).
+    """
 
-    def settle(self) -> None:
-        """Reduce local gradients still waiting (after ``no_sync`` micro-steps, or set by hand).
-
-        Collectives: when this rank holds such gradients, the rank-agreement all-gather and
-        the buckets' reductions (every rank must be in the same situation, as after the
-        same backward calls).
-        """
-        self._drop_cleared()
-        if self._local or self._foreign():
-            self._flush()
-
-    def _drop_cleared(self) -> None:
-        """Stage 2: a placeholder the user cleared or replaced (``p.grad = None``) drops its shard."""
-        for name in [n for n in self._placed if self._params[n].grad is not self._placeholders[n]]:
-            self._placed.discard(name)
-            self.shards.pop(name, None)
+    def __init__(
+        self, held: HeldGrads, layout: ShardLayout, stage: int, rank: int, loss_scale: Callable[[], float]
+    ) -> None:
+        self._held, self._layout, self._stage, self._rank = held, layout, stage, rank
+        self._params = held.params
+        self._loss_scale = loss_scale
+        self._flat = flat.flat_layout(layout, rank)
 
     def norm_pieces(self) -> tuple[dict[str, torch.Tensor], float]:
         """This rank's shards of the current averaged gradients and the loss scale they carry.
 
         Exactly what :meth:`take_step_grads` would hand to ``step`` now (stage 1: cut from
         ``p.grad`` as the user left it), so a norm of them is the norm the step measures.
-        Call :meth:`settle` first.
+        Call the reducer's ``settle`` first.
         """
         return self.peek_step_grads(), self._loss_scale()
 
@@ -78,22 +56,18 @@ class StepGrads:
         """Multiply the current averaged gradients in place by ``factor`` (clipping).
 
         Stage 1: ``p.grad`` and the exact shards kept aside alike (an untouched ``p.grad``
-        stays untouched); stage 2: the shards. Call :meth:`settle` first.
+        stays untouched); stage 2: the shards. Call the reducer's ``settle`` first.
         """
+        h = self._held
         if self._stage == 2:
-            mul_grads_(self.shards.values(), factor)
+            mul_grads_(h.shards.values(), factor)
             return
-        grads = [g for n in self._averaged if (g := self._params[n].grad) is not None]
-        exact = [n for n in self.shards if self._untouched(n)]
-        mul_grads_(grads + [self.shards[n] for n in exact], factor)
+        grads = [g for n in h.averaged if (g := self._params[n].grad) is not None]
+        exact = [n for n in h.shards if h.untouched(n)]
+        mul_grads_(grads + [h.shards[n] for n in exact], factor)
         for name in exact:
-            av = self._averaged[name]
-            self._averaged[name] = av._replace(version=av.grad._version)
-
-    def _untouched(self, name: str) -> bool:
-        av = self._averaged.get(name)
-        g = self._params[name].grad
-        return av is not None and g is av.grad and g._version == av.version
+            av = h.averaged[name]
+            h.averaged[name] = av._replace(version=av.grad._version)
 
     def take_step_grads(self) -> Mapping[str, torch.Tensor]:
         """:meth:`_take`, at stage 2 over the flat gradient buffers (see there)."""
@@ -107,7 +81,7 @@ class StepGrads:
         kept aside when ``p.grad`` is untouched; ``p.grad = None`` leaves the param out, as
         torch.optim does. ``p.grad`` keeps its values after the step (as with DDP) until
         the next backward or ``zero_grad``. Stage 2: the shards; a placeholder the user
-        cleared drops its shard. Call :meth:`settle` first. :meth:`give_back` undoes it.
+        cleared drops its shard. Call the reducer's ``settle`` first. :meth:`give_back` undoes it.
 
         Stage 2 hands over a :class:`~zerofn.flat.FlatDict` over the flat gradient buffers
         the buckets were written into (:meth:`_flat_shards`), which ``step`` applies
@@ -115,37 +89,38 @@ class StepGrads:
         with ``peek`` (:meth:`peek_step_grads`) the same FlatDict, the buffers kept and
         nothing zeroed (the ranges of names it does not hold are then unspecified).
         """
-        self._drop_cleared()
-        self._taken = (dict(self._averaged), set(self._edited), dict(self.shards), dict(self._used), set(self._placed))
+        h = self._held
+        h.drop_cleared()
+        h.taken = h.snapshot()
         if self._stage == 2:
             # Consumed: the placeholders left in p.grad are stale from here on (the next
             # backward or zero_grad clears them), and holds_grads() is False again, alike on
             # every rank.
-            shards, self.shards, self._placed = self.shards, {}, set()
-            self._check_carry = True
+            shards, h.shards, h.placed = h.shards, {}, set()
+            h.check_carry = True
             return self._flat_shards(shards, peek) if flatten else shards
         scale = self._loss_scale()
-        self._check_carry = scale != 1.0
+        h.check_carry = scale != 1.0
         out: dict[str, torch.Tensor] = {}
         cut: list[torch.Tensor] = []
-        for name, av in self._averaged.items():
+        for name, av in h.averaged.items():
             g = self._params[name].grad
             spec = self._layout[name]
             if g is None:
                 continue
-            self._used[name] = g
+            h.used[name] = g
             if not spec.holds(self._rank):
                 continue
-            if name in self.shards and self._untouched(name):
-                out[name] = self.shards[name]
+            if name in h.shards and h.untouched(name):
+                out[name] = h.shards[name]
                 continue
             out[name] = cut_shard(g, spec, self._rank, dtype=av.dtype)
             cut.append(out[name])
         if scale != 1.0 and cut:
             mul_grads_(cut, scale)  # step_shards unscales what it gets
-        self._averaged = {}
-        self._edited = set()
-        self.shards = {}
+        h.averaged = {}
+        h.edited = set()
+        h.shards = {}
         return {n: out[n] for n in self._layout.names if n in out}
 
     def _flat_shards(self, shards: dict[str, torch.Tensor], peek: bool = False) -> Mapping[str, torch.Tensor]:
@@ -157,9 +132,10 @@ class StepGrads:
         got one), whole params ride as loose tensors. Otherwise ``shards`` as they are
         (``step`` packs them).
         """
-        bufs, views = self._grad_bufs, self._grad_views
+        h = self._held
+        bufs, views = h.grad_bufs, h.grad_views
         if not peek:
-            self._grad_bufs, self._grad_views = {}, {}
+            h.grad_bufs, h.grad_views = {}, {}
         fl = self._flat
         held = [0] * len(fl.groups)
         loose: dict[str, torch.Tensor] = {}
@@ -191,30 +167,27 @@ class StepGrads:
         The gradients wait for the next ``step``, as if never taken (stage 1: ``p.grad``
         is again the current averaged gradient; stage 2: ``shards`` are held again).
         """
-        if self._taken is None:
+        h = self._held
+        if h.taken is None:
             raise RuntimeError("GradReducer.give_back: nothing was taken")
-        self._averaged, self._edited, held, self._used, self._placed = self._taken
-        self._taken = None
+        h.averaged, h.edited, held, h.used, h.placed = h.taken
+        h.taken = None
         if self._stage == 2:
             held = dict(shards)
             if isinstance(shards, flat.FlatDict):  # its buffers are the reducer's again, its views the shards
-                self._grad_bufs = {g: b for g, b in enumerate(shards.buffers) if b is not None}
-                self._grad_views = {n: t for n, t in held.items() if n not in shards.loose}
-        self._merge_under(held)
-
-    def _merge_under(self, earlier: Mapping[str, torch.Tensor]) -> None:
-        """Put ``earlier`` shards back under whatever arrived since (summed where both hold one)."""
-        later, self.shards = self.shards, dict(earlier)
-        self._merge(later)
+                h.grad_bufs = {g: b for g, b in enumerate(shards.buffers) if b is not None}
+                h.grad_views = {n: t for n, t in held.items() if n not in shards.loose}
+        h.merge_under(held)
 
     def peek_step_grads(self) -> dict[str, torch.Tensor]:
         """What :meth:`take_step_grads` would hand over now, without consuming anything (for inspection)."""
-        saved = (dict(self._averaged), set(self._edited), dict(self.shards), dict(self._used), set(self._placed))
-        taken, bufs, views = self._taken, self._grad_bufs, self._grad_views
+        h = self._held
+        saved = h.snapshot()
+        taken, bufs, views = h.taken, h.grad_bufs, h.grad_views
         try:
             # As step will get them (a FlatDict's names in layout order), so a norm of these
             # pieces sums in the order the step's does; nothing zeroed, the buffers kept.
             return dict(self._take(flatten=True, peek=True))
         finally:
-            self._averaged, self._edited, self.shards, self._used, self._placed = saved
-            self._taken, self._grad_bufs, self._grad_views = taken, bufs, views
+            h.averaged, h.edited, h.shards, h.used, h.placed = saved
+            h.taken, h.grad_bufs, h.grad_views = taken, bufs, views
