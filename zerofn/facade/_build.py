@@ -13,7 +13,9 @@ and the buffer sync read the facade without keeping it alive.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import sys
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
@@ -38,7 +40,17 @@ from zerofn.precision import PrecisionPolicy
 from zerofn.stages import shard_params
 from zerofn.state import ZeroState
 
-__all__ = ["Built", "HostScale", "Options", "Parts", "assemble", "build", "weak_call", "world_size"]
+__all__ = [
+    "Built",
+    "HostScale",
+    "Options",
+    "Parts",
+    "assemble",
+    "build",
+    "close_when_collected",
+    "weak_call",
+    "world_size",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,10 +77,6 @@ class Options:
     broadcast_buffers: bool
     entry_timeout: float | None
     compile: bool | str
-
-    @classmethod
-    def names(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in dataclasses.fields(cls))
 
     @property
     def stage(self) -> int:
@@ -298,3 +306,17 @@ def weak_call(obj: Any, read: Callable[[Any], Any], default: Any) -> Callable[[]
         return default if me is None else read(me)
 
     return call
+
+
+def close_when_collected(parts: Parts | None, group: comm.Group) -> None:
+    """What garbage collection of a ZeroOptimizer does: :meth:`Parts.close`, leaving background saves alone.
+
+    Nothing for an optimizer that was never built (``parts`` None), or at interpreter
+    teardown: the model's tensors may be half torn down already, and writing pending gathers
+    into them aborts the process (a torch internal assert in ``THPVariable_clear``); nobody
+    reads the params any more.
+    """
+    if parts is None or sys.is_finalizing():
+        return
+    with contextlib.suppress(Exception):
+        parts.close(group, True)

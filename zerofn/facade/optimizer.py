@@ -9,7 +9,6 @@ package docstring lists them), each given what it needs. Mixed precision is
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -94,14 +93,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         :class:`~zerofn.precision.NonFiniteGradError` on every rank.
       grad_accum_dtype: dtype micro-batch gradients are summed in under ``no_sync``
         (``"auto"``: float32 for float16/bfloat16 params).
-      initial_scale: the first scale of float16's dynamic loss scaler; this and the next
-        six are its settings (:class:`~zerofn.precision.DynamicLossScaler`).
-      min_scale: the smallest scale a backoff may reach.
-      growth_factor: the scale's factor after ``growth_interval`` good steps.
-      backoff_factor: the scale's factor after ``hysteresis`` overflows.
-      growth_interval: good steps before the scale grows.
-      hysteresis: overflows tolerated before the scale backs off.
-      max_scale: the largest scale growth may reach.
+      initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis,
+        max_scale: float16's dynamic loss scaler, :class:`~zerofn.precision.DynamicLossScaler`'s
+        settings of the same names (the first scale, the backoff floor, ...).
       precision: a full :class:`~zerofn.precision.PrecisionPolicy` instead of the
         options above (then leave those at their defaults). Params of several dtypes
         raise :class:`~zerofn.precision.MixedDtypeError` naming them unless
@@ -147,9 +141,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
         entry_timeout: float | None = 300.0,
         compile: bool | str = False,
     ) -> None:
-        given = locals()  # the keywords, by the names the options' records list
-        keywords = _options.PrecisionKeywords(**{k: given[k] for k in _options.PRECISION_DEFAULTS})
-        opts = _build.Options(**{k: given[k] for k in _build.Options.names()})
+        keywords = _options.PrecisionKeywords(
+            communication_dtype=communication_dtype, cpu_offload=cpu_offload, forced_dtype=forced_dtype,
+            master_weights=master_weights, nonfinite=nonfinite, grad_accum_dtype=grad_accum_dtype,
+            initial_scale=initial_scale, min_scale=min_scale, growth_factor=growth_factor,
+            backoff_factor=backoff_factor, growth_interval=growth_interval, hysteresis=hysteresis, max_scale=max_scale,
+        )  # fmt: skip
+        opts = _build.Options(
+            clip_grad_norm=clip_grad_norm, norm_type=norm_type, verbose=verbose, reduce_bucket_size=reduce_bucket_size,
+            overlap_communication=overlap_communication, overlap_allgather=overlap_allgather,
+            partition_grad=partition_grad, dp_process_group=dp_process_group, sub_dp_size=sub_dp_size,
+            replicate_group=replicate_group, comm_policy=comm_policy, module=module, precision=precision,
+            init_sync=init_sync, broadcast_buffers=broadcast_buffers, entry_timeout=entry_timeout, compile=compile,
+        )  # fmt: skip
         built = _build.build(optimizer, functional_optimizer, keywords, opts)
         self._group, self._replicate, self._entry = built.group, built.replicate, built.entry
         self._params, self._module, self._state = built.params, module, built.state
@@ -479,18 +483,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._parts.close(self._group, collected)
 
     def __del__(self) -> None:
-        if "_reducer" not in vars(self):
-            # Not a ZeroOptimizer that was built, but an object that borrowed the class: Lightning's
-            # LightningOptimizer and Fabric's _FabricOptimizer subclass the optimizer they wrap and forward
-            # attribute reads to it. Closing through one would take the real optimizer's hooks off the model.
-            return
-        if sys.is_finalizing():
-            # Interpreter teardown: the model's tensors may be half torn down already, and
-            # writing pending gathers into them aborts the process (a torch internal assert
-            # in THPVariable_clear). Nobody reads the params any more: leave everything.
-            return
-        with contextlib.suppress(Exception):
-            self._close(collected=True)
+        # An object that borrowed the class without being built (Lightning's and Fabric's optimizer
+        # wrappers subclass what they wrap) has no parts: closing through it would unhook the real one.
+        _build.close_when_collected(vars(self).get("_parts"), vars(self).get("_group"))
 
     def __repr__(self) -> str:
         layout = self._state.layout
