@@ -132,7 +132,6 @@ class Settler:
         held = self._held
         for g, shards in self._open.items():
             result = shards.result()
-            assert isinstance(result, flat.FlatDict)  # one dtype per group, split names only
             views = {n: result[n] for n in self._flat.groups[g].names if n in self._open_names[g]}
             held.grad_bufs[g] = result.buffers[g]  # type: ignore[assignment]
             held.grad_views.update(views)
