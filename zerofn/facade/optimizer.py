@@ -93,9 +93,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         :class:`~zerofn.precision.NonFiniteGradError` on every rank.
       grad_accum_dtype: dtype micro-batch gradients are summed in under ``no_sync``
         (``"auto"``: float32 for float16/bfloat16 params).
-      initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis,
-        max_scale: float16's dynamic loss scaler, :class:`~zerofn.precision.DynamicLossScaler`'s
-        settings of the same names (the first scale, the backoff floor, ...).
+      initial_scale: the first scale of float16's dynamic loss scaler; ``min_scale``,
+        ``growth_factor``, ``backoff_factor``, ``growth_interval``, ``hysteresis`` and
+        ``max_scale`` are its other settings, by their names in
+        :class:`~zerofn.precision.DynamicLossScaler`.
       precision: a full :class:`~zerofn.precision.PrecisionPolicy` instead of the
         options above (then leave those at their defaults). Params of several dtypes
         raise :class:`~zerofn.precision.MixedDtypeError` naming them unless
