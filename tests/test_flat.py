@@ -127,3 +127,26 @@ def test_a_flatdict_cannot_be_changed():
         flat.FlatDict({"a": torch.zeros(1)})
     new = d.replace({"a": torch.full_like(d["a"], -9.0)})
     assert isinstance(new, flat.FlatDict) and new["a"].eq(-9).all() and not d["a"].eq(-9).any()
+
+
+@pytest.mark.parametrize("opt", [zf.optim.adamw(lr=0.1), zf.optim.sgd(lr=0.1, momentum=0.9)], ids=["adamw", "sgd"])
+def test_an_update_over_flat_shards_takes_per_name_gradients_as_the_same_flatdict(opt):
+    """Per-name gradient shards (``None`` for a param without one) given with flat params are
+    packed on the params' layout: the update is bitwise the one of the packed FlatDict."""
+    layout = _layout(3)
+    rank = layout["w"].owner
+    fl = flat.flat_layout(layout, rank)
+    gen = torch.Generator().manual_seed(3)
+    shards = {n: torch.randn(fl.shapes[n], generator=gen).to(layout[n].dtype) for n in fl.names}
+    grads = {n: torch.randn(fl.shapes[n], generator=gen).to(layout[n].dtype) for n in fl.names}
+    grads["c"] = None  # a param without a gradient this step
+    params = flat.pack(fl, shards)
+    state = opt.init(params)
+    by_name = opt.update(grads, state, params)
+    packed = opt.update(flat.pack(fl, {n: g for n, g in grads.items() if g is not None}), state, params)
+    assert pytree.tree_structure(by_name) == pytree.tree_structure(packed)
+    for a, b in zip(pytree.tree_leaves(by_name), pytree.tree_leaves(packed), strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(by_name[0]["c"], shards["c"])  # no gradient: unchanged
+    with pytest.raises(ValueError, match=r"gradients of shapes \{'a': \(2,\)\}"):
+        opt.update({"a": torch.zeros(2)}, state, params)

@@ -116,6 +116,7 @@ def sgd_update(
     """
     given, params = params, flat.as_flat(params)
     names = _grads_in_order(opt, grads, params)
+    grads = flat.grads_on(params.flat_layout, grads, f"zerofn.optim.{opt.name}.update")
     groups = _by_group(opt, names)
     new_params = _owned(params, names, donate)
     if not any(opt.hyperparams(ns[0])["momentum"] != 0 for ns in groups.values()):
@@ -212,6 +213,7 @@ def adam_update(
     moments and step counts."""
     given, params = params, flat.as_flat(params)
     names = _grads_in_order(opt, grads, params)
+    grads = flat.grads_on(params.flat_layout, grads, f"zerofn.optim.{opt.name}.update")
     groups = _by_group(opt, names)
     amsgrad = any(opt.hyperparams(ns[0])["amsgrad"] for ns in groups.values())
     new_params = _owned(params, names, donate)

@@ -22,6 +22,7 @@ __all__ = [
     "bucket_range",
     "buffer_metadata",
     "flatten_like",
+    "grads_on",
     "held_flat",
     "keep_flat",
     "metadata",
@@ -93,6 +94,21 @@ def named_pieces(mapping: Mapping[str, torch.Tensor]) -> tuple[tuple[str, ...], 
         return mapping.names, mapping.pieces(), True
     names = tuple(mapping)
     return names, [mapping[n] for n in names], False
+
+
+def grads_on(flat: FlatLayout, grads: Mapping[str, torch.Tensor | None], who: str) -> FlatDict:
+    """Gradients for params held on ``flat`` as a FlatDict there: themselves if they are one on
+    ``flat``, else the tensors of a plain mapping packed (``None`` entries left out; loose names
+    keep their tensors, nothing copied). Raises ``ValueError`` naming ``who`` and the names
+    whose shapes are not the params'."""
+    if isinstance(grads, FlatDict) and grads.flat_layout == flat:
+        return grads
+    entries = {n: g for n, g in grads.items() if g is not None}
+    wrong = {n: tuple(g.shape) for n, g in entries.items() if n in flat.shapes and tuple(g.shape) != flat.shapes[n]}
+    if wrong:
+        expected = {n: flat.shapes[n] for n in wrong}
+        raise ValueError(f"{who}: gradients of shapes {wrong} for params of shapes {expected}")
+    return pack(flat, entries)
 
 
 def pack_state(flat: FlatLayout, mapping: Mapping[str, torch.Tensor | None], who: str) -> FlatDict:
