@@ -55,5 +55,6 @@ from zerofn.flat._forms import named_pieces as named_pieces
 from zerofn.flat._forms import names_with_values as names_with_values
 from zerofn.flat._forms import pack_state as pack_state
 from zerofn.flat._layout import FlatGroup, FlatLayout, flat_layout
+from zerofn.flat._layout import full_param_offsets as full_param_offsets
 
 __all__ = ["FlatDict", "FlatGroup", "FlatLayout", "as_flat", "flat_layout", "pack", "packable"]

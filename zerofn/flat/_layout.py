@@ -3,7 +3,8 @@
 :class:`FlatGroup` (one buffer's plan), :class:`FlatLayout` (every group of a rank, the
 loose whole params, each name's range and view shape, the contiguous runs of any names)
 and :func:`flat_layout`, a pure, cached function of a :class:`~zerofn.layout.ShardLayout`
-and a rank. The vocabulary is in :mod:`zerofn.flat`, which exports these names. No
+and a rank; and :func:`full_param_offsets`, where each full param of a gather's fresh
+buffers starts. The vocabulary is in :mod:`zerofn.flat`, which exports these names. No
 tensors, no collectives.
 """
 
@@ -20,7 +21,7 @@ import torch
 from zerofn import _traced
 from zerofn.layout import ShardLayout, layout_by_fingerprint
 
-__all__ = ["FlatGroup", "FlatLayout", "flat_layout"]
+__all__ = ["FULL_ALIGN", "FlatGroup", "FlatLayout", "flat_layout", "full_param_offsets"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,3 +187,24 @@ def _flat_layout(layout: ShardLayout, rank: int) -> FlatLayout:
         shapes,
         _runs_in(where, held),
     )
+
+
+#: Each full param in a gather's fresh buffers starts at a multiple of this many elements.
+FULL_ALIGN = 16
+
+
+@functools.lru_cache(maxsize=256)
+def full_param_offsets(layout: ShardLayout) -> tuple[tuple[tuple[torch.dtype, int], ...], Mapping[str, int]]:
+    """Where the full params of ``layout`` lie in one fresh buffer per working dtype (cached).
+
+    Returns ``(sizes, offsets)``: each dtype's buffer size in elements (dtypes in order of
+    first appearance) and each param's start in its dtype's buffer, in layout order, every
+    start a multiple of :data:`FULL_ALIGN`.
+    """
+    offsets: dict[str, int] = {}
+    sizes: dict[torch.dtype, int] = {}
+    for s in layout.params:
+        at = sizes.get(s.dtype, 0)
+        offsets[s.name] = at
+        sizes[s.dtype] = at + -(-s.numel // FULL_ALIGN) * FULL_ALIGN
+    return tuple(sizes.items()), offsets

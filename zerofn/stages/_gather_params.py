@@ -8,6 +8,7 @@ import torch
 
 from zerofn import _checks as checks
 from zerofn import _comm as comm
+from zerofn import flat
 from zerofn._bucket_gather import rows_in_place
 from zerofn._comm import CommPolicy, Group, Pending
 from zerofn.buckets import StagingPool, launch_gather, pack_shards, unpack_rows
@@ -106,10 +107,6 @@ def gather_params(
     return result
 
 
-#: Each fresh param starts at a multiple of this many elements of its dtype's buffer.
-_ALIGN = 16
-
-
 def _fresh_params(layout: ShardLayout, device: torch.device, *, separate: bool = False) -> dict[str, torch.Tensor]:
     """New full params (layout order): views of one new buffer per dtype, each param at an
     aligned offset, so a gather allocates once per dtype, not once per param.
@@ -120,11 +117,6 @@ def _fresh_params(layout: ShardLayout, device: torch.device, *, separate: bool =
     """
     if separate:
         return {s.name: torch.empty(s.shape, dtype=s.dtype, device=device) for s in layout.params}
-    offsets: dict[str, int] = {}
-    sizes: dict[torch.dtype, int] = {}
-    for s in layout.params:
-        at = sizes.get(s.dtype, 0)
-        offsets[s.name] = at
-        sizes[s.dtype] = at + -(-s.numel // _ALIGN) * _ALIGN
-    buffers = {dtype: torch.empty(size, dtype=dtype, device=device) for dtype, size in sizes.items()}
+    sizes, offsets = flat.full_param_offsets(layout)
+    buffers = {dtype: torch.empty(size, dtype=dtype, device=device) for dtype, size in sizes}
     return {s.name: buffers[s.dtype][offsets[s.name] : offsets[s.name] + s.numel].view(s.shape) for s in layout.params}
