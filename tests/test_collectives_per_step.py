@@ -4,9 +4,10 @@ step sends").
 A step of the facade is at the minimum a ZeRO step needs: one small rank-agreement
 all-gather (before any bucket, so ranks with other layouts raise instead of sending other
 sizes), one reduction per bucket, one scalar all-reduce (norm and verdicts) and one gather
-per bucket. The functional loop's stages are separate calls with their own settings, so
-``reduce_grads`` and ``gather_params`` each agree (``gather_params(check=False)`` skips the
-second). A group of one sends nothing.
+per bucket. The functional loop reaches the same minimum: ``reduce_grads`` agrees, and the
+state ``step_shards`` returns was confirmed in its scalar all-reduce, so ``gather_params`` on
+the state's buckets sends no agreement; given a ``bucket_numel`` of its own, the gather
+agrees on it. A group of one sends nothing.
 """
 
 from __future__ import annotations
@@ -48,14 +49,17 @@ def _counted_steps() -> dict[str, tuple[int, dict[str, int]]]:
             )
     model = _model()
     params = {k: v.detach() for k, v in model.named_parameters()}
-    state = zf.shard_params(params, zf.optim.adamw())
+    state = zf.shard_params(params, zf.optim.adamw(), bucket_numel=BUCKET)
     grad_fn = torch.func.grad(lambda p: torch.func.functional_call(model, p, (x,)).square().mean())
-    for check in (True, False):
+    for gather_bucket in (None, BUCKET):
         with zf.count_bytes() as counter:
             shards = zf.reduce_grads(grad_fn(params), state.layout, bucket_numel=BUCKET)
             state, _ = zf.step_shards(state, shards, max_norm=1.0)
-            params = zf.gather_params(state, bucket_numel=BUCKET, check=check)
-        out[f"functional check={check}"] = (len(state.layout.buckets(BUCKET)), counter.calls_by_collective)
+            params = zf.gather_params(state, bucket_numel=gather_bucket)
+        out[f"functional gather bucket_numel={gather_bucket}"] = (
+            len(state.layout.buckets(BUCKET)),
+            counter.calls_by_collective,
+        )
     return out
 
 
@@ -68,6 +72,7 @@ def test_a_step_sends_one_agreement_one_collective_per_bucket_each_way_and_one_s
                 assert calls == {}, loop
                 continue
             # gloo's default realisations: all_reduce to reduce, one broadcast per rank to gather
-            agreements = 2 if loop == "functional check=True" else 1
+            # an explicit bucket size of the gather's own is agreed on by the gather itself
+            agreements = 2 if loop == f"functional gather bucket_numel={BUCKET}" else 1
             expected = {"check": agreements, "all_reduce": buckets, "scalars": 1, "broadcast": buckets}
             assert calls == expected, loop

@@ -193,3 +193,63 @@ def _one_plain_step() -> int:
     state = zf.shard_params({"w": torch.ones(6)}, zf.optim.sgd(lr=0.1))
     state, _ = zf.step_shards(state, zf.reduce_grads({"w": torch.ones(6)}, state.layout))
     return state.step
+
+
+# --------------------------------------------------------------------------- the step confirms the gather
+
+
+def _step_then_gather(case: str) -> str:
+    """The last rank steps a state of another layout (``"layout"``) or bucket size (``"bucket"``):
+    ``step_shards`` must make every rank raise, since the gather after it skips its agreement."""
+    odd = dist.get_rank() == dist.get_world_size() - 1
+    params = _params("shape" if odd and case == "layout" else None)
+    bucket = BUCKET // 2 if odd and case == "bucket" else BUCKET
+    state = zf.shard_params(params, zf.optim.sgd(lr=0.1), bucket_numel=bucket, check=False)
+    fl = zf.flat.flat_layout(state.layout, state.rank)
+    shards = zf.flat.pack(fl, {n: torch.ones_like(state.master[n]) for n in state.master})
+    snap = Snapshot(state)
+    with zf.count_bytes() as counter:
+        try:
+            zf.step_shards(state, shards)
+        finally:
+            snap.assert_unchanged(state, "the state after the mismatch")
+            assert not set(counter.by_collective) & BUCKET_COLLECTIVES, counter.by_collective
+    return "no error"
+
+
+@pytest.mark.parametrize("case", ["layout", "bucket"])
+def test_step_shards_confirms_every_ranks_layout_and_bucket_size_for_the_gather(multi_world, case):
+    n = multi_world.world_size
+    results = multi_world.run(_step_then_gather, case, return_exceptions=True)
+    expected = "'b.weight'" if case == "layout" else f"bucket_numel: rank 0 has {BUCKET}, rank {n - 1} has {BUCKET // 2}"
+    for rank, r in enumerate(results):
+        assert isinstance(r, RankFailure) and r.type_name == "RankMismatchError", (rank, r)
+        assert "step_shards" in r.message and expected in r.message, (rank, r.message)
+    assert len({r.message for r in results}) == 1
+    for params, info in multi_world.run(_normal_step):
+        assert not info.skipped and info.grad_norm > 0
+
+
+def _confirmation() -> dict[str, object]:
+    state = zf.shard_params(_params(), zf.optim.sgd(lr=0.1))
+    grads = {n: torch.full_like(p, 0.5) for n, p in _params().items()}
+    stepped, _ = zf.step_shards(state, zf.reduce_grads(grads, state.layout))
+    rebuilt = torch.utils._pytree.tree_map(lambda t: t, stepped)
+    return {
+        "fresh": state.agreed_in,
+        "stepped": stepped.agreed_in,
+        "same layout": stepped.replace(step=stepped.step).agreed_in,
+        "other bucket size": stepped.replace(bucket_numel=BUCKET).agreed_in,
+        "rebuilt from its leaves": rebuilt.agreed_in,
+    }
+
+
+def test_only_a_state_the_step_confirmed_skips_the_gathers_agreement(world):
+    for got in world.run(_confirmation):
+        assert got == {
+            "fresh": None,
+            "stepped": "",  # the default group
+            "same layout": "",
+            "other bucket size": None,
+            "rebuilt from its leaves": None,
+        }

@@ -9,7 +9,7 @@ of collectives. Errors name the rank, the parameter and the shapes, and say what
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -152,6 +152,42 @@ def text_hash(text: str) -> int:
 @_traced.constant_result  # static metadata: hashed once per trace
 def _names_hash(names: Iterable[str]) -> int:
     return int(hashlib.sha256("\0".join(names).encode()).hexdigest()[:15], 16)
+
+
+#: Bits per piece of a value that :func:`agreement_terms` spreads over a scalar all-reduce.
+_PIECE_BITS = 12
+_PIECES = 5  # 60 bits: a layout fingerprint (:attr:`~zerofn.layout.ShardLayout.fingerprint_int`)
+#: Up to this many ranks, ``N * sum(v**2)`` and ``sum(v)**2`` of 12-bit pieces stay below
+#: ``2**53``: exact in float64, so :func:`agreement_holds` is exact.
+MAX_AGREEMENT_RANKS = 2**14
+
+
+def agreement_terms(values: Sequence[int], op: str) -> list[float]:
+    """Terms that let a scalar all-reduce with ``op`` (``"sum"`` or ``"max"``) tell whether every
+    rank passed the same ``values`` (non-negative ints, 60 bits each are compared).
+
+    Each value is cut into five 12-bit pieces ``v``; with ``"sum"`` the terms are the pieces
+    and their squares (all ranks equal iff ``N * sum(v**2) == sum(v)**2``, Cauchy-Schwarz),
+    with ``"max"`` the pieces and their negatives (equal iff ``max(v) == -max(-v)``). The
+    verdict, :func:`agreement_holds`, is computed from the reduced sums alike on every rank.
+    """
+    mask = (1 << _PIECE_BITS) - 1
+    pieces = [float((v >> (_PIECE_BITS * k)) & mask) for v in values for k in range(_PIECES)]
+    return pieces + [p * p if op == "sum" else -p for p in pieces]
+
+
+def agreement_holds(reduced: Sequence[float], n: int, op: str) -> bool:
+    """Whether the all-reduced :func:`agreement_terms` of ``n`` ranks say every rank's values were equal."""
+    half = len(reduced) // 2
+    pieces, second = reduced[:half], reduced[half:]
+    if op == "sum":
+        return all(n * sq == p * p for p, sq in zip(pieces, second, strict=True))
+    return all(p == -neg for p, neg in zip(pieces, second, strict=True))
+
+
+def agreement_key(group: comm.Group) -> str:
+    """What :attr:`~zerofn.state.ZeroState.agreed_in` records for ``group`` (``""``: the default group)."""
+    return comm.group_name(group) or ""
 
 
 def check_ranks_agree(

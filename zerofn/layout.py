@@ -339,6 +339,11 @@ def _plan_split_buckets(layout: ShardLayout, names: tuple[str, ...], bucket_nume
     return tuple(buckets)
 
 
+#: Padded elements per bucket (16 MiB in float32; DDP's buckets are 25 MiB). Every collective
+#: costs a fixed overhead beside its bytes (on gloo a large one), so fewer, larger buckets move
+#: the same bytes in less time; the figures are in docs/functional-loop.md.
+DEFAULT_BUCKET_NUMEL = 2**22
+
 PLACEMENTS = ("split", "whole", "blocked(B)")
 
 

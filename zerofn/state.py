@@ -10,7 +10,7 @@ import torch.utils._pytree as pytree
 
 from zerofn import flat
 from zerofn._torch_driver import state_for_compile
-from zerofn.layout import ShardLayout
+from zerofn.layout import DEFAULT_BUCKET_NUMEL, ShardLayout
 from zerofn.lowbit import state_nbytes
 from zerofn.optim import Optimizer
 from zerofn.precision import LossScaleState, PrecisionPolicy
@@ -37,8 +37,8 @@ class ZeroState:
     """One rank's ZeRO state: its master shards, optimizer-state shards and loss scale.
 
     A pytree whose leaves are the tensors, the step count and the three 0-d tensors of the
-    loss-scale state; ``layout``, ``optimizer``, ``rank``, ``precision`` and ``param_device``
-    are static metadata carried in the tree's context, so ``tree_map`` over a state
+    loss-scale state; ``layout``, ``optimizer``, ``rank``, ``precision``, ``param_device`` and
+    ``bucket_numel`` are static metadata carried in the tree's context, so ``tree_map`` over a state
     touches tensors only.
 
     Attributes:
@@ -65,6 +65,14 @@ class ZeroState:
         (static): its loss scaler, ``nonfinite`` rule and dtypes drive ``step_shards``.
       param_device: where the full (working) params live, as a string: gradients come
         from there and ``gather_params`` puts params there. ``None``: the master's device.
+      bucket_numel: padded elements per bucket of ``gather_params`` when it is not given
+        one (static; ``shard_params(bucket_numel=...)`` sets it).
+      agreed_in: not ``None`` when every rank of a group confirmed, in the scalar all-reduce
+        of the ``step_shards`` that returned this state, that it holds a state of this
+        layout and ``bucket_numel``: the group's name (``""`` for the default group). Then
+        ``gather_params`` with the state's buckets needs no agreement of its own. Not part
+        of the pytree (a state rebuilt from its leaves is unconfirmed), nor compared;
+        :meth:`replace` drops it when the layout, rank or bucket size changes.
     """
 
     layout: ShardLayout
@@ -76,6 +84,8 @@ class ZeroState:
     loss_scale: LossScaleState = NO_LOSS_SCALE
     precision: PrecisionPolicy = DEFAULT_POLICY
     param_device: str | None = None
+    bucket_numel: int = DEFAULT_BUCKET_NUMEL
+    agreed_in: str | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         # One representation: the master shards are a FlatDict on the rank's flat layout. Shards
@@ -86,6 +96,8 @@ class ZeroState:
             object.__setattr__(self, "opt_state", opt_state)
 
     def replace(self, **changes: Any) -> ZeroState:
+        if "agreed_in" not in changes and changes.keys() & {"layout", "rank", "bucket_numel"}:
+            changes["agreed_in"] = None  # what the ranks confirmed no longer describes the state
         return dataclasses.replace(self, **changes)
 
     # A torch optimizer's ``state`` is a dict param -> {key: tensor}; code ported from one
@@ -187,9 +199,11 @@ pytree.register_pytree_node(
     ZeroState,
     lambda s: (
         [s.master, s.opt_state, s.step, s.loss_scale],
-        (s.layout, s.optimizer, s.rank, s.precision, s.param_device),
+        (s.layout, s.optimizer, s.rank, s.precision, s.param_device, s.bucket_numel),
     ),
-    lambda children, ctx: ZeroState(ctx[0], ctx[1], ctx[2], *children, precision=ctx[3], param_device=ctx[4]),
+    lambda children, ctx: ZeroState(
+        ctx[0], ctx[1], ctx[2], *children, precision=ctx[3], param_device=ctx[4], bucket_numel=ctx[5]
+    ),
     serialized_type_name="zerofn.ZeroState",
 )
 

@@ -21,7 +21,7 @@ def gather_params(
     state: ZeroState,
     group: Group = None,
     *,
-    bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+    bucket_numel: int | None = None,
     comm_policy: CommPolicy | None = None,
     out: Mapping[str, torch.Tensor] | None = None,
     check: bool = True,
@@ -38,14 +38,19 @@ def gather_params(
     Args:
       state: the current state.
       group: the sharding process group (``None``: default).
-      bucket_numel: padded elements per bucket.
+      bucket_numel: padded elements per bucket; ``None``: ``state.bucket_numel``.
       comm_policy: how collectives are realised; default :class:`CommPolicy` (per backend).
       out: explicit donation of destination tensors: name -> tensor of the param's
         shape and dtype (e.g. the model's own parameters) to write into in place instead
         of allocating new ones. Validated before any collective.
       check: confirm with one tiny all-gather that every rank has the same layout and
-        bucket size (the default). A caller that has confirmed it once for this layout
-        and group, as the facade does at construction, may pass False to save the round trip.
+        bucket size (the default), unless ``state`` comes from a ``step_shards`` over
+        ``group`` that confirmed both (``state.agreed_in``) and ``bucket_numel`` is
+        ``None``: then the step's own scalar all-reduce has, and a functional step runs one
+        agreement in all. A caller that has confirmed it once for this layout and group, as
+        the facade does at construction, may pass False to save the round trip. (Which
+        path a gather takes must be the same on every rank: pass ``bucket_numel`` on all
+        ranks or on none.)
       staging: explicit buffer reuse: a :class:`~zerofn.buckets.StagingPool` the ``(N, S)``
         receive buffers are taken from and given back to (with the broadcast
         realisation this rank's row is packed straight into its slot); ``None``: fresh
@@ -59,18 +64,21 @@ def gather_params(
     A bucket that is one param without padding is gathered straight into that param's
     tensor (eagerly): nothing is staged or unpacked for it.
 
-    Collectives: one tiny ``all_gather`` (rank agreement, unless ``check=False``), then
+    Collectives: one tiny ``all_gather`` (rank agreement, unless ``check=False`` or the
+    state's step confirmed it), then
     per bucket one ``all_gather`` (NCCL) or one ``broadcast`` per rank (gloo) of ``S``
     elements each.
     """
     layout = state.layout
     checks.validate_world(layout, group, "gather_params")
+    confirmed = bucket_numel is None and state.agreed_in == checks.agreement_key(group)
+    bucket_numel = state.bucket_numel if bucket_numel is None else bucket_numel
     check_bucket_numel(bucket_numel, "gather_params")
     device = state.work_device
     _check_staging(staging, "gather_params")
     if out is not None:
         checks.validate_out(out, layout, "gather_params")
-    if check:
+    if check and not confirmed:
         checks.check_ranks_agree(layout, group, "gather_params", settings={"bucket_numel": bucket_numel}, device=device)
     how = (comm_policy or CommPolicy()).resolve(group)[1]
     result = dict(out) if out is not None else _fresh_params(layout, device, separate=comm.tracing())

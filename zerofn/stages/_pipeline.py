@@ -13,12 +13,8 @@ from typing import Any, Generic, TypeVar
 
 from zerofn._comm import Pending
 from zerofn.buckets import StagingPool
+from zerofn.layout import DEFAULT_BUCKET_NUMEL as DEFAULT_BUCKET_NUMEL  # the bucket plan's own default
 from zerofn.precision import PrecisionPolicy
-
-#: Padded elements per bucket (16 MiB in float32; DDP's buckets are 25 MiB). Every collective
-#: costs a fixed overhead beside its bytes (on gloo a large one), so fewer, larger buckets move
-#: the same bytes in less time; the figures are in docs/functional-loop.md.
-DEFAULT_BUCKET_NUMEL = 2**22
 
 #: Bucket collectives a path keeps pending while it packs the next bucket or settles the
 #: last: each holds an ``(N, S)`` staging buffer, so this bounds a pipeline's extra memory

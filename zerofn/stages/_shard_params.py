@@ -14,6 +14,7 @@ from zerofn.buckets import cut_shard
 from zerofn.layout import block_of, make_layout
 from zerofn.optim import Optimizer
 from zerofn.precision import PrecisionPolicy, resolve_param_dtypes
+from zerofn.stages._pipeline import DEFAULT_BUCKET_NUMEL, check_bucket_numel
 from zerofn.state import DEFAULT_POLICY, ZeroState, tensor_numbers
 
 
@@ -41,6 +42,7 @@ def shard_params(
     placement: Mapping[str, str] | Callable[[str, torch.Tensor], str] | None = None,
     sync: bool = False,
     check: bool = True,
+    bucket_numel: int = DEFAULT_BUCKET_NUMEL,
 ) -> ZeroState:
     """The first ZeroState: this rank's master shards of ``params`` and fresh optimizer state.
 
@@ -77,6 +79,10 @@ def shard_params(
         checksum per param, compared in one tiny all-gather), and raise
         :class:`~zerofn.RankMismatchError` naming the first param that differs and what
         to write instead. ``False`` skips it (no collective at all).
+      bucket_numel: padded elements per bucket of ``gather_params`` when it is given
+        none (``state.bucket_numel``). Every ``step_shards`` confirms it equal on every
+        rank with the layout, inside its scalar all-reduce, so a gather of its result
+        needs no agreement of its own.
 
     Returns:
       A :class:`ZeroState` whose ``master[name]`` is, for a split param, chunk ``rank`` of
@@ -93,6 +99,7 @@ def shard_params(
     ``gather_params`` (or call :func:`zerofn.check_ranks_agree` yourself).
     """
     checks.validate_params(params, "shard_params")
+    check_bucket_numel(bucket_numel, "shard_params")
     if sync:
         params = _sync.broadcast_params(params, group)
     policy = _policy_for(precision, master_dtype)
@@ -125,6 +132,7 @@ def shard_params(
         loss_scale=loss_scale,
         precision=policy,
         param_device=str(param_device),
+        bucket_numel=bucket_numel,
     )
 
 

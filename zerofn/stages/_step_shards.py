@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from zerofn import _checks as checks
 from zerofn import _comm as comm
 from zerofn import _placement, _traced, flat
 from zerofn._comm import Group
@@ -92,9 +93,14 @@ def step_shards(
         and ``state.precision.nonfinite == "raise"``.
       StepVetoed: on every rank, when some rank passed a ``veto``.
 
-    Collectives: one ``all_reduce`` of two float64 scalars (norm and non-finite flag);
-    with ``nonfinite="raise"`` and a bad step, one object all-gather of the offending
-    names before raising.
+    Collectives: one ``all_reduce`` of a few float64 scalars: the norm, the non-finite
+    flag, the rejection flag and (eagerly, at 2 to 16,383 ranks) 20 terms confirming
+    that every rank's state has the same layout and ``bucket_numel``
+    (:func:`~zerofn._checks.agreement_terms`); the state it returns records that in
+    ``agreed_in``, so ``gather_params`` of it skips its agreement. Ranks whose states
+    disagree all raise :class:`~zerofn.RankMismatchError` (after one all-gather for the
+    details) with the state unchanged. With ``nonfinite="raise"`` and a bad step, one
+    object all-gather of the offending names before raising.
 
     Under ``torch.compile`` (one graph with the other stage functions) the same body runs
     without a host sync, bitwise equal with ``backend="aot_eager"``: the overflow decision,
@@ -122,14 +128,21 @@ def step_shards(
     pieces = flat.pieces(grad_shards)
     local = local_norm_term(pieces if failure is None else [], norm_type, device)
     finite = torch.isfinite(local)
-    packed = torch.stack(
+    op = "max" if norm_type == math.inf else "sum"
+    n = comm.group_size(group)
+    # The same all-reduce confirms that every rank steps a state of one layout and bucket
+    # size, so the gather after it needs no agreement of its own (ZeroState.agreed_in). The
+    # terms are sent compiled too (a compiled and an eager rank send the same sizes); only
+    # an eager step reads them, so a compiled step's gather agrees itself.
+    confirms = 1 < n < checks.MAX_AGREEMENT_RANKS
+    agreement = checks.agreement_terms([state.layout.fingerprint_int, state.bucket_numel], op) if confirms else []
+    packed = torch.cat(
         [
-            torch.where(finite, local, torch.zeros_like(local)),
-            (~finite).to(torch.float64),
-            torch.full((), float(refused), dtype=torch.float64, device=device),
+            torch.stack([torch.where(finite, local, torch.zeros_like(local)), (~finite).to(torch.float64)]),
+            torch.tensor([float(refused), *agreement], dtype=torch.float64, device=device),
         ]
     )
-    total = comm.all_reduce_scalars(packed, "max" if norm_type == math.inf else "sum", group)
+    total = comm.all_reduce_scalars(packed, op, group)
     if tracing:  # the verdict of every rank's checks, raised on every rank (eagerly: the host read below)
         traced_verdict(state, grad_shards, group, failure, veto, total)
     if tracing:
@@ -138,9 +151,11 @@ def step_shards(
     else:
         # Eagerly every rank reads the all-reduced scalars (and the scale) once and decides on
         # the host, with the same formula: a skipped step runs no update.
-        norm_sq, flag, rejected, scale = torch.cat([total, loss_scale.scale.reshape(1).to(total)]).tolist()
+        norm_sq, flag, rejected, *agreed, scale = torch.cat([total, loss_scale.scale.reshape(1).to(total)]).tolist()
         if rejected > 0:
             raise_rejected(failure, group, veto)
+        if agreed and not checks.agreement_holds(agreed, n, op):  # every rank raises, with the details
+            checks.check_ranks_agree(state.layout, group, "step_shards", settings={"bucket_numel": state.bucket_numel})
         skip, coef, info = _decide(norm_sq, flag, scale, max_norm, norm_type, _FloatMath())
         new_loss_scale = policy.loss_scaler.update(loss_scale, skip)
         if skip:
@@ -161,7 +176,10 @@ def step_shards(
     else:  # compiled: a skipped step selects the old state (the update ran, its results are dropped)
         master, opt_state = _select_unless(found.to(state.state_device), state, new_master, new_opt_state)
         step = torch.where(found, state.step, state.step + 1)
-    new_state = state.replace(master=master, opt_state=opt_state, step=step, loss_scale=new_loss_scale)
+    agreed_in = checks.agreement_key(group) if not tracing and (confirms or n == 1) else None
+    new_state = state.replace(
+        master=master, opt_state=opt_state, step=step, loss_scale=new_loss_scale, agreed_in=agreed_in
+    )
     return new_state, info
 
 
