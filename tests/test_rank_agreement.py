@@ -221,12 +221,13 @@ def _step_then_gather(case: str) -> str:
 def test_step_shards_confirms_every_ranks_layout_and_bucket_size_for_the_gather(multi_world, case):
     n = multi_world.world_size
     results = multi_world.run(_step_then_gather, case, return_exceptions=True)
-    expected = "'b.weight'" if case == "layout" else f"bucket_numel: rank 0 has {BUCKET}, rank {n - 1} has {BUCKET // 2}"
+    bucket = f"bucket_numel: rank 0 has {BUCKET}, rank {n - 1} has {BUCKET // 2}"
+    expected = "'b.weight'" if case == "layout" else bucket
     for rank, r in enumerate(results):
         assert isinstance(r, RankFailure) and r.type_name == "RankMismatchError", (rank, r)
         assert "step_shards" in r.message and expected in r.message, (rank, r.message)
     assert len({r.message for r in results}) == 1
-    for params, info in multi_world.run(_normal_step):
+    for _, info in multi_world.run(_normal_step):
         assert not info.skipped and info.grad_norm > 0
 
 

@@ -13,7 +13,7 @@ from zerofn._bucket_gather import rows_in_place
 from zerofn._comm import CommPolicy, Group, Pending
 from zerofn.buckets import StagingPool, launch_gather, pack_shards, unpack_rows
 from zerofn.layout import Bucket, ShardLayout
-from zerofn.stages._pipeline import DEFAULT_BUCKET_NUMEL, MAX_IN_FLIGHT, InFlight, _check_staging, check_bucket_numel
+from zerofn.stages._pipeline import MAX_IN_FLIGHT, InFlight, _check_staging, check_bucket_numel
 from zerofn.state import ZeroState
 
 
