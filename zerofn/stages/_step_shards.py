@@ -94,10 +94,11 @@ def step_shards(
       StepVetoed: on every rank, when some rank passed a ``veto``.
 
     Collectives: one ``all_reduce`` of a few float64 scalars: the norm, the non-finite
-    flag, the rejection flag and (eagerly, at 2 to 16,383 ranks) 20 terms confirming
-    that every rank's state has the same layout and ``bucket_numel``
-    (:func:`~zerofn._checks.agreement_terms`); the state it returns records that in
-    ``agreed_in``, so ``gather_params`` of it skips its agreement. Ranks whose states
+    flag, the rejection flag and (at 2 to 16,383 ranks) 20 terms confirming that every
+    rank's state has the same layout and ``bucket_numel``
+    (:func:`~zerofn._checks.agreement_terms`). An eager step reads them, and the state it
+    returns records the verdict in ``agreed_in``, so ``gather_params`` of it skips its
+    agreement; a compiled step sends them without reading them, and its gather agrees. Ranks whose states
     disagree all raise :class:`~zerofn.RankMismatchError` (after one all-gather for the
     details) with the state unchanged. With ``nonfinite="raise"`` and a bad step, one
     object all-gather of the offending names before raising.
