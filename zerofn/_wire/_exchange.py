@@ -112,7 +112,8 @@ def compressed_reduce_scatter(
         shard. Every rank passes the same ``N * S``.
       residual: ``((N - 1) * S,)`` float32, this rank's error-feedback residual for the
         chunks it sends, in rank order skipping its own (chunk ``j`` at slot ``j`` if
-        ``j < rank``, else ``j - 1``); ``None`` means zeros (the first step).
+        ``j < rank``, else ``j - 1``); ``None`` means zeros (the first step): the chunks are
+        sent as they are (no add, so a ``-0.0`` stays ``-0.0``).
       fmt: the wire format (:class:`~zerofn._wire._quant.WireFormat`).
       group: the process group, ``None`` for the default.
 
@@ -142,8 +143,9 @@ def compressed_reduce_scatter(
     packed = torch.cat([payload, scales.view(torch.uint8)], dim=1)  # (N-1, S + 4 nb) bytes
     received = _exchange(packed, n, rank, group)
     nb = fmt.num_blocks(s)
-    # The scale bytes of a row start at offset S, not always 4-aligned: copy before the fp32 view.
-    got_scales = received[:, s:].contiguous().view(torch.float32).view(n - 1, nb)
+    # A row's scale bytes start at byte S, not always 4-aligned: a fresh 1-D copy before the
+    # fp32 view (clone() and contiguous() keep a single row's offset and stride).
+    got_scales = received[:, s:].reshape(-1).clone().view(torch.float32).view(n - 1, nb)
     values = dequantize_rows(received[:, :s], got_scales, fmt)  # (N-1, S): row k from the k-th other rank
     total = chunks[0].clone() if rank == 0 else values[0].clone()
     for i in range(1, n):
