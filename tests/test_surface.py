@@ -15,6 +15,7 @@ PUBLIC = [
     "CheckpointError",
     "CommCounter",
     "CommPolicy",
+    "CompressedWire",
     "DynamicLossScaler",
     "FrozenDict",
     "LossScaleState",

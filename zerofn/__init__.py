@@ -14,6 +14,7 @@ from zerofn._comm_count import CommCounter, count_bytes
 from zerofn._comm_join import NotJoinedError
 from zerofn._sync import broadcast_params
 from zerofn._tree import FrozenDict
+from zerofn._wire._policy import CompressedWire
 from zerofn.checkpoint import CheckpointError
 from zerofn.facade import ParamsChangedError, ShardedGradError, ZeroOptimizer
 from zerofn.layout import Bucket, ParamSpec, ShardLayout, make_layout
@@ -37,6 +38,7 @@ __all__ = [
     "CheckpointError",
     "CommCounter",
     "CommPolicy",
+    "CompressedWire",
     "DynamicLossScaler",
     "FrozenDict",
     "LossScaleState",

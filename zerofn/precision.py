@@ -50,6 +50,7 @@ from zerofn._loss_scale import NoLossScaling as NoLossScaling
 from zerofn._loss_scale import StaticLossScaler as StaticLossScaler
 from zerofn._loss_scale import scale_loss as scale_loss
 from zerofn._tree import FrozenDict
+from zerofn._wire._policy import CompressedWire
 
 __all__ = [
     "DynamicLossScaler",
@@ -254,6 +255,9 @@ class PrecisionPolicy:
         wide as ``param_dtype``.
       comm_dtype: the dtype gradients travel in through the reduce collective (cast
         before, cast back after); ``None``: the gradients' own dtype.
+      wire: a :class:`~zerofn.CompressedWire` to reduce gradients as block-scaled
+        one-byte codes with error feedback, summed in float32 (instead of ``comm_dtype``,
+        which must then be ``None``); ``None``: a floating wire.
       grad_accum_dtype: the dtype gradients are summed in across micro-batches.
         ``"auto"`` (default): float32 for float16/bfloat16 working params, else the working
         dtype; ``None``: the working dtype; or an explicit dtype.
@@ -286,6 +290,7 @@ class PrecisionPolicy:
     param_dtype: torch.dtype | None = None
     master_dtype: torch.dtype = torch.float32
     comm_dtype: torch.dtype | None = None
+    wire: CompressedWire | None = None
     grad_accum_dtype: GradAccumDtype = "auto"
     master_weights: bool = True
     state_device: str | None = None
@@ -298,6 +303,13 @@ class PrecisionPolicy:
         _check_dtype("param_dtype", self.param_dtype, optional=True)
         _check_dtype("master_dtype", self.master_dtype, optional=False)
         _check_dtype("comm_dtype", self.comm_dtype, optional=True)
+        if self.wire is not None and not isinstance(self.wire, CompressedWire):
+            raise TypeError(f"{who}: wire must be a zerofn.CompressedWire or None, got {self.wire!r}")
+        if self.wire is not None and self.comm_dtype is not None:
+            raise ValueError(
+                f"{who}: comm_dtype={self.comm_dtype} and a compressed wire: the compressed wire sends "
+                "one-byte codes and sums them in float32; drop comm_dtype"
+            )
         if self.grad_accum_dtype != "auto":
             _check_dtype("grad_accum_dtype", self.grad_accum_dtype, optional=True)
         if not isinstance(self.master_weights, bool):

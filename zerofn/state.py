@@ -65,6 +65,12 @@ class ZeroState:
         (static): its loss scaler, ``nonfinite`` rule and dtypes drive ``step_shards``.
       param_device: where the full (working) params live, as a string: gradients come
         from there and ``gather_params`` puts params there. ``None``: the master's device.
+      residual: with a compressed wire and error feedback (``precision.wire``), what
+        quantization lost of the gradient chunks this rank sends: per bucket of
+        ``layout.buckets(bucket_numel)``, an ``(N - 1, c)`` float32 tensor over its ``c``
+        compressed columns, on the params' device, in the loss scale's units; ``()``
+        otherwise. ``reduce_grads`` adds it before quantizing and returns the next one,
+        which ``step_shards`` keeps unless the step is skipped.
       bucket_numel: padded elements per bucket of ``gather_params`` when it is not given
         one (static; ``shard_params(bucket_numel=...)`` sets it).
       agreed_in: not ``None`` when every rank of a group confirmed, in the scalar all-reduce
@@ -85,6 +91,7 @@ class ZeroState:
     precision: PrecisionPolicy = DEFAULT_POLICY
     param_device: str | None = None
     bucket_numel: int = DEFAULT_BUCKET_NUMEL
+    residual: tuple[torch.Tensor, ...] = ()
     agreed_in: str | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -151,10 +158,10 @@ class ZeroState:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of tensor storage this rank holds: master shards plus optimizer state (a
+        """Bytes of tensor storage this rank holds: master shards, optimizer state (a
         low-bit state tensor counts its codes, block scales and code table, not the fp32 it
-        appears as)."""
-        leaves = pytree.tree_leaves((self.master, self.opt_state))
+        appears as) and the compressed wire's residual."""
+        leaves = pytree.tree_leaves((self.master, self.opt_state, self.residual))
         return sum(state_nbytes(t) for t in leaves if isinstance(t, torch.Tensor))
 
     @property
@@ -198,11 +205,18 @@ def tensor_numbers(
 pytree.register_pytree_node(
     ZeroState,
     lambda s: (
-        [s.master, s.opt_state, s.step, s.loss_scale],
+        [s.master, s.opt_state, s.step, s.loss_scale, s.residual],
         (s.layout, s.optimizer, s.rank, s.precision, s.param_device, s.bucket_numel),
     ),
     lambda children, ctx: ZeroState(
-        ctx[0], ctx[1], ctx[2], *children, precision=ctx[3], param_device=ctx[4], bucket_numel=ctx[5]
+        ctx[0],
+        ctx[1],
+        ctx[2],
+        *children[:4],
+        precision=ctx[3],
+        param_device=ctx[4],
+        bucket_numel=ctx[5],
+        residual=tuple(children[4]),
     ),
     serialized_type_name="zerofn.ZeroState",
 )

@@ -124,6 +124,13 @@ def build(
     if overlap_allgather:
         _options.check_gather_module(params, module)
     policy = _options.precision_policy(params, opts.precision, keywords)
+    if policy.wire is not None:
+        raise ValueError(
+            "ZeroOptimizer: a compressed wire (PrecisionPolicy(wire=...)) is not served by the facade yet; "
+            "its gradients would travel on the float wire. Use the functional loop: "
+            "zf.reduce_grads(grads, state.layout, precision=state.precision, residual=state.residual), then "
+            "zf.step_shards(state, shards, residual=...)"
+        )
     _options.cast_params(params, policy)  # validated: now cast, before anything reads them
     group, replicate = _options.hybrid_groups(opts.dp_process_group, opts.sub_dp_size, opts.replicate_group)
     entry = _entry.EntryGuard((group,) if replicate is None else (group, replicate), opts.entry_timeout)

@@ -5,7 +5,7 @@ With the choice of reduce collective per stage and the replicas' sum of a hybrid
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -13,6 +13,8 @@ from zerofn import _checks as checks
 from zerofn import _comm as comm
 from zerofn._comm import CommPolicy, Group, Pending
 from zerofn._tree import FrozenDict
+from zerofn._wire._bucket import launch_compressed, wire_plan
+from zerofn._wire._checks import check_wire
 from zerofn.buckets import StagingPool, launch_reduce, pack_grads
 from zerofn.layout import Bucket, ShardLayout
 from zerofn.precision import PrecisionPolicy
@@ -47,7 +49,8 @@ def reduce_grads(
     precision: PrecisionPolicy | None = None,
     replicate_group: Group = None,
     staging: StagingPool | None = None,
-) -> FrozenDict[torch.Tensor]:
+    residual: Sequence[torch.Tensor] | None = None,
+) -> FrozenDict[torch.Tensor] | tuple[FrozenDict[torch.Tensor], tuple[torch.Tensor, ...]]:
     """Average full local gradients over the group and keep this rank's shards.
 
     For each bucket of the layout's static plan (:meth:`ShardLayout.buckets`) the
@@ -83,6 +86,9 @@ def reduce_grads(
         ``(N, S)`` rows are taken from and given back to (the same pool every step saves
         faulting in fresh pages for Ψ elements per call); ``None``: fresh rows. The
         returned shards never alias its buffers.
+      residual: with a compressed wire that keeps error feedback (``precision.wire``),
+        ``state.residual``: added to the chunks this rank sends before they are
+        quantized. Not written. Must be ``None`` otherwise.
 
     Returns:
       name -> ``(shard_numel,)`` mean-gradient shard in the dtype the gradient came in
@@ -94,6 +100,14 @@ def reduce_grads(
       applies without packing; the ranges of params without a gradient are zero), or a
       :class:`~zerofn.FrozenDict` of per-name shards when no split param had a gradient
       or one group's gradients came in two dtypes.
+
+    With a compressed wire (``precision.wire``, a :class:`~zerofn.CompressedWire`) each
+    bucket goes through one ``all_to_all_single`` of bytes instead: this rank's chunks for
+    the other ranks as block-scaled codes (the wire's matrices) and float32 (the rest),
+    dequantized and summed in float32 in rank order by each shard's owner
+    (:mod:`zerofn._wire._bucket`). With error feedback the result is ``(shards,
+    next_residual)``: give ``next_residual`` to ``step_shards(..., residual=)``, which keeps
+    it unless the step is skipped.
 
     Collectives: one tiny ``all_gather`` (rank agreement and input verdict, see
     ``check_ranks_agree``), then per bucket one ``reduce_scatter`` (stage 2, NCCL) or one
@@ -115,9 +129,23 @@ def reduce_grads(
         buckets = layout.buckets(bucket_numel)
         grad_dtypes = {n: grads[n].dtype for n in present}  # type: ignore[union-attr]
         checks.validate_bucket_dtypes(buckets, grad_dtypes, group, "reduce_grads")
+        wire = precision.wire
+        if wire is not None:
+            check_wire(
+                wire,
+                layout,
+                buckets,
+                residual,
+                rank=comm.group_rank(group),
+                replicate_group=replicate_group,
+                comm_dtype=comm_dtype,
+                where="reduce_grads",
+            )
+        elif residual is not None:
+            raise ValueError("reduce_grads: residual= is for a compressed wire with error feedback (precision.wire)")
         failure: Exception | None = None
     except (TypeError, ValueError, KeyError) as e:
-        failure, present, grad_dtypes, buckets = e, [], {}, ()  # (compiled: traced on, never run)
+        failure, present, grad_dtypes, buckets, wire = e, [], {}, (), None  # (compiled: traced on, never run)
     device = next((grads[n].device for n in present), torch.device("cpu"))  # type: ignore[union-attr]
     checks.check_ranks_agree(
         layout,
@@ -130,6 +158,7 @@ def reduce_grads(
             "comm_dtype": checks.dtype_code(comm_dtype),
             "grad_dtypes": checks.dtypes_mask(set(grad_dtypes.values())),
             "replicas": comm.group_size(replicate_group) if replicate_group is not None else 1,
+            "wire": wire.code if wire is not None else 0,
         },
         device=device,
         failure=failure,
@@ -153,16 +182,26 @@ def reduce_grads(
     # settles in launch order after the same launches, so the replicas' blocking sums
     # interleave alike everywhere.
     in_flight: InFlight[tuple[Bucket, torch.dtype, torch.Tensor]] = InFlight(settle, pool)
-    for bucket in buckets:
+    # The compressed wire's residual: a bucket not sent (no gradient) keeps its own.
+    next_residual = list(residual) if residual is not None else None
+    for i, bucket in enumerate(buckets):
         members = [n for n in bucket.names if n in present_set]
         if not members:
             continue
         dtype, shape = grad_dtypes[members[0]], (layout.world_size, bucket.shard_numel)
         borrowed = pool.take(shape[0] * shape[1], dtype, device)
         rows = pack_grads(grads, layout, bucket, replicas=replicas, out=borrowed[: shape[0] * shape[1]].view(shape))
-        pending = launch_reduce(rows, layout, bucket, group, how, comm_dtype=comm_dtype, async_op=True)
+        if wire is not None:
+            mine = next_residual[i] if next_residual is not None else None
+            pending, mine = launch_compressed(rows, wire_plan(layout, bucket, wire), wire, mine, group)
+            if next_residual is not None:
+                next_residual[i] = mine  # type: ignore[assignment]
+        else:
+            pending = launch_reduce(rows, layout, bucket, group, how, comm_dtype=comm_dtype, async_op=True)
         in_flight.push((bucket, dtype, borrowed), pending)
     in_flight.settle()
+    if next_residual is not None:
+        return shards.result(), tuple(next_residual)
     return shards.result()
 
 

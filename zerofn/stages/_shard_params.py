@@ -10,6 +10,7 @@ from zerofn import _checks as checks
 from zerofn import _comm as comm
 from zerofn import _sync, flat
 from zerofn._comm import Group
+from zerofn._wire._bucket import init_residual
 from zerofn.buckets import cut_shard
 from zerofn.layout import block_of, make_layout
 from zerofn.optim import Optimizer
@@ -122,6 +123,8 @@ def shard_params(
     master = flat.pack(fl, shards)  # every shard this rank holds (none: an empty FlatDict)
     opt_state = flat.flatten_like(master, optimizer.init(master, layout=layout))
     step, loss_scale = tensor_numbers(0, policy.loss_scaler.init(), param_device)
+    wire = policy.wire
+    residual = init_residual(layout, bucket_numel, wire, param_device) if wire and wire.error_feedback else ()
     return ZeroState(
         layout,
         optimizer,
@@ -133,6 +136,7 @@ def shard_params(
         precision=policy,
         param_device=str(param_device),
         bucket_numel=bucket_numel,
+        residual=residual,
     )
 
 

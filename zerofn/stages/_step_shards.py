@@ -7,7 +7,7 @@ tensors either way); the errors it raises on every rank.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -33,6 +33,7 @@ def step_shards(
     norm_type: float = 2.0,
     donate: bool = False,
     veto: object = None,
+    residual: Sequence[torch.Tensor] | None = None,
 ) -> tuple[ZeroState, StepInfo]:
     r"""Decide overflow on every rank, unscale and clip, and apply the optimizer to this rank's shards.
 
@@ -79,6 +80,11 @@ def step_shards(
         rank vetoes, every rank raises :class:`StepVetoed` carrying every rank's veto, with
         ``state`` and ``grad_shards`` untouched (also under ``donate``), so the caller can
         act on the same list on every rank and call again.
+      residual: with a compressed wire that keeps error feedback, the ``next_residual``
+        ``reduce_grads`` returned with ``grad_shards`` (required then, refused otherwise).
+        The new state keeps it, or ``state.residual`` when the step is skipped; either is
+        multiplied by ``new_scale / old_scale`` when the loss scale moves (a power of two:
+        exact), so it stays in the units of the next step's gradients.
 
     Returns:
       ``(new_state, info)`` with ``new_state.step == state.step + 1`` unless skipped (the
@@ -115,7 +121,7 @@ def step_shards(
     comm.group_rank(group)  # a rank outside the group cannot take part: raise here, alone
     # Validate locally, then tell the other ranks through the norm all-reduce itself (a
     # third flag), so a bad input on one rank makes every rank raise, none waits.
-    failure = validate_step(state, grad_shards, group, max_norm, norm_type)
+    failure = validate_step(state, grad_shards, group, max_norm, norm_type) or _residual_failure(state, residual)
     tracing = comm.tracing()
     if tracing:
         refuse_uncompiled(state.optimizer)  # (the same on every rank: before any collective of the graph)
@@ -162,8 +168,10 @@ def step_shards(
         if skip:
             if policy.nonfinite == "raise":
                 raise_nonfinite(state, grad_shards, group)
-            skipped = state if new_loss_scale is loss_scale else state.replace(loss_scale=new_loss_scale)
-            return skipped, info
+            if new_loss_scale is loss_scale:
+                return state, info
+            kept = _rescaled(state.residual, loss_scale, new_loss_scale)
+            return state.replace(loss_scale=new_loss_scale, residual=kept), info
         found = None
     flat_grads = flat.pack(state.master.flat_layout, grad_shards)  # a per-name mapping: one cat per buffer
     grads = _scaled(state, flat_grads, coef, donate or flat_grads is not grad_shards)
@@ -179,9 +187,44 @@ def step_shards(
         step = torch.where(found, state.step, state.step + 1)
     agreed_in = checks.agreement_key(group) if not tracing and (confirms or n == 1) else None
     new_state = state.replace(
-        master=master, opt_state=opt_state, step=step, loss_scale=new_loss_scale, agreed_in=agreed_in
+        master=master,
+        opt_state=opt_state,
+        step=step,
+        loss_scale=new_loss_scale,
+        agreed_in=agreed_in,
+        residual=_rescaled(tuple(residual or ()), loss_scale, new_loss_scale),
     )
     return new_state, info
+
+
+def _residual_failure(state: ZeroState, residual: Sequence[torch.Tensor] | None) -> ValueError | None:
+    """A ``residual`` that does not match the state's compressed wire, as a local failure."""
+    keeps = bool(state.residual)
+    if residual is None and keeps:
+        return ValueError(
+            "step_shards: the state keeps a compressed wire's residual (error feedback): pass residual= the "
+            "next_residual that reduce_grads returned with these gradient shards"
+        )
+    if residual is not None and not keeps:
+        return ValueError("step_shards: residual= is for a state with a compressed wire's error feedback")
+    if residual is not None:
+        for i, (new, old) in enumerate(zip(residual, state.residual, strict=False)):
+            if not isinstance(new, torch.Tensor) or new.shape != old.shape or new.dtype != old.dtype:
+                return ValueError(
+                    f"step_shards: residual of bucket {i} must be {old.dtype} of shape {tuple(old.shape)} "
+                    f"(state.residual's), got {getattr(new, 'dtype', type(new).__name__)}"
+                )
+        if len(residual) != len(state.residual):
+            return ValueError(f"step_shards: residual has {len(residual)} buckets, state.residual {len(state.residual)}")
+    return None
+
+
+def _rescaled(residual: tuple[torch.Tensor, ...], old: Any, new: Any) -> tuple[torch.Tensor, ...]:
+    """``residual`` in the units of the loss scale ``new`` (it was in ``old``'s): eagerly only."""
+    if not residual or new is old:
+        return residual
+    ratio = float(new.scale) / float(old.scale)
+    return residual if ratio == 1.0 else tuple(r * ratio for r in residual)
 
 
 def _scaled(state: ZeroState, grads: flat.FlatDict, coef: float | torch.Tensor, owned: bool) -> flat.FlatDict:

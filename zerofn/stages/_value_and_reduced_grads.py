@@ -84,6 +84,12 @@ def _check_options(stage: Any, bucket_numel: Any, precision: Any, staging: Any, 
     if not callable(loss_fn):
         raise TypeError(f"{_WHERE}: loss_fn must be callable (params, *args) -> loss, got {type(loss_fn).__name__}")
     check_reduce_options(stage, bucket_numel, precision, staging, _WHERE)
+    if precision is not None and precision.wire is not None:
+        raise ValueError(
+            f"{_WHERE}: a compressed wire (precision.wire) is not served here yet: its residual goes in and out "
+            "of each reduction; take the gradients with torch.func.grad and call "
+            "zf.reduce_grads(grads, state.layout, precision=state.precision, residual=state.residual)"
+        )
 
 
 def _check_params(params: Any, layout: ShardLayout, group: Group) -> None:
