@@ -23,7 +23,8 @@ from helpers import Snapshot, assert_bitwise_equal, seeded
 
 import zerofn as zf
 from zerofn._comm import sum_rows
-from zerofn._wire import KINDS, WireFormat, bytes_sent, compressed_reduce_scatter, dequantize, quantize
+from zerofn._wire._exchange import bytes_sent, compressed_reduce_scatter
+from zerofn._wire._quant import KINDS, WireFormat, dequantize, quantize
 
 # --------------------------------------------------------------------------- the telescoping identity
 

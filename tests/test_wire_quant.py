@@ -18,7 +18,7 @@ from helpers import Snapshot, assert_bitwise_equal, seeded
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from zerofn._wire import KINDS, WireFormat, dequantize, error_bound, quantize
+from zerofn._wire._quant import KINDS, WireFormat, dequantize, error_bound, quantize
 
 FLT_MAX = torch.finfo(torch.float32).max
 TINY = torch.finfo(torch.float32).tiny  # 2**-126, the smallest normal

@@ -38,9 +38,10 @@ every rank. Two guards keep finite inputs finite, and keep the bound below true:
 
 A zero block (absmax 0) has scale 0 and all codes 0; it dequantizes to zeros.
 
-Non-finite input is the caller's job: a gradient with inf or NaN must be detected (the
-loss scaler's overflow flag, all-reduced) BEFORE it is quantized; quantizing it gives
-meaningless codes. From finite input, quantize never produces NaN or inf.
+Non-finite input stays non-finite: a block holding inf or NaN gets that absmax (inf or
+NaN) as its scale, so all of its elements dequantize to inf or NaN, and the step's overflow
+check after the exchange skips the step on every rank. From finite input, quantize never
+produces NaN or inf.
 
 The bound (``error_bound``)
 ---------------------------
@@ -156,7 +157,10 @@ def _scales(blocks: torch.Tensor, fmt: WireFormat) -> torch.Tensor:
     # fl(fmax * s) = inf only for an absmax within a rounding of FLT_MAX: one ulp down
     # keeps every deq finite and |x / s| <= fmax (1 + 4u), so the bound still holds.
     scale = torch.where(torch.isinf(scale * fmt.fmax), torch.nextafter(scale, torch.zeros_like(scale)), scale)
-    return torch.where(absmax > 0, scale, torch.zeros_like(scale))
+    scale = torch.where(absmax == 0, torch.zeros_like(scale), scale)
+    # A block holding inf or NaN keeps that absmax as its scale, so every dequantized element
+    # of it is inf or NaN and the overflow check after the exchange sees it (int8 has no inf).
+    return torch.where(torch.isfinite(absmax), scale, absmax)
 
 
 def _check_input(x: torch.Tensor, what: str) -> None:
