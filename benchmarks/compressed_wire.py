@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
 import os
 import platform
 import statistics
@@ -56,7 +55,7 @@ def corpus() -> tuple[torch.Tensor, dict[str, Any]]:
     """The standard library's top-level ``.py`` files, concatenated, as a uint8 tensor, and where it came from."""
     root = os.path.dirname(os.__file__)
     names = sorted(f for f in os.listdir(root) if f.endswith(".py"))
-    data = b"".join(open(os.path.join(root, f), "rb").read() for f in names)  # noqa: SIM115
+    data = b"".join(open(os.path.join(root, f), "rb").read() for f in names)
     about = {
         "source": f"{root}/*.py",
         "python": platform.python_version(),
@@ -127,8 +126,11 @@ def _run(wire_name: str, seed: int, steps: int) -> dict[str, Any]:
 
     def held_out() -> float:
         with torch.no_grad():
-            return float(F.cross_entropy(torch.func.functional_call(model, params, (eval_batch[0],)).flatten(0, 1),
-                                         eval_batch[1].flatten()))
+            return float(
+                F.cross_entropy(
+                    torch.func.functional_call(model, params, (eval_batch[0],)).flatten(0, 1), eval_batch[1].flatten()
+                )
+            )
 
     losses, evals, step_ms, reduce_ms, sent = [], [(0, held_out())], [], [], []
     window = []
@@ -194,22 +196,26 @@ def summary(result: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for r in result["runs"]:
         base = next(
-            b for b in result["runs"] if b["wire"] == "fp32" and (b["world_size"], b["seed"]) == (r["world_size"], r["seed"])
+            b
+            for b in result["runs"]
+            if b["wire"] == "fp32" and (b["world_size"], b["seed"]) == (r["world_size"], r["seed"])
         )
-        rows.append({
-            "world_size": r["world_size"],
-            "seed": r["seed"],
-            "wire": r["wire"],
-            "train": r["final_train"],
-            "held_out": r["final_eval"],
-            "train_vs_fp32": r["final_train"] / base["final_train"] - 1,
-            "held_out_vs_fp32": r["final_eval"] / base["final_eval"] - 1,
-            "fp32_fall": base["final_train"] / base["first_train"],
-            "bytes_vs_fp32": r["bytes_per_step"] / base["bytes_per_step"],
-            "step_vs_fp32": r["step_ms"] / base["step_ms"],
-            "reduce_ms": r["reduce_ms"],
-            "step_ms": r["step_ms"],
-        })
+        rows.append(
+            {
+                "world_size": r["world_size"],
+                "seed": r["seed"],
+                "wire": r["wire"],
+                "train": r["final_train"],
+                "held_out": r["final_eval"],
+                "train_vs_fp32": r["final_train"] / base["final_train"] - 1,
+                "held_out_vs_fp32": r["final_eval"] / base["final_eval"] - 1,
+                "fp32_fall": base["final_train"] / base["first_train"],
+                "bytes_vs_fp32": r["bytes_per_step"] / base["bytes_per_step"],
+                "step_vs_fp32": r["step_ms"] / base["step_ms"],
+                "reduce_ms": r["reduce_ms"],
+                "step_ms": r["step_ms"],
+            }
+        )
     return rows
 
 
@@ -247,7 +253,15 @@ def plot(result: dict[str, Any], path: str) -> None:
             steps, losses = zip(*r["losses"], strict=True)
             ax.plot(steps, losses, styles[r["wire"]], label=f"{r['wire']} seed {r['seed']} (train)")
             es, ev = zip(*r["evals"], strict=True)
-            ax.plot(es, ev, styles[r["wire"]], marker="o", markersize=3, alpha=0.6, label=f"{r['wire']} seed {r['seed']} (held-out)")
+            ax.plot(
+                es,
+                ev,
+                styles[r["wire"]],
+                marker="o",
+                markersize=3,
+                alpha=0.6,
+                label=f"{r['wire']} seed {r['seed']} (held-out)",
+            )
         ax.set_title(f"N = {n} gloo ranks")
         ax.set_xlabel("step")
         ax.set_ylabel("cross-entropy (nats per byte)")

@@ -145,8 +145,12 @@ def test_the_residual_at_four_ranks_is_at_most_the_sharded_adamw_state():
 def _skip_and_rescale(bad_value: float) -> dict[str, object]:
     rank = dist.get_rank()
     scaler = zf.DynamicLossScaler(initial_scale=2.0**10, hysteresis=1)
-    state = zf.shard_params(_params(), zf.optim.sgd(lr=0.1), precision=zf.PrecisionPolicy(wire=WIRE, loss_scaler=scaler))
-    shards, residual = zf.reduce_grads(_grads(rank, 0), state.layout, precision=state.precision, residual=state.residual)
+    state = zf.shard_params(
+        _params(), zf.optim.sgd(lr=0.1), precision=zf.PrecisionPolicy(wire=WIRE, loss_scaler=scaler)
+    )
+    shards, residual = zf.reduce_grads(
+        _grads(rank, 0), state.layout, precision=state.precision, residual=state.residual
+    )
     state, _ = zf.step_shards(state, shards, residual=residual)
     before = [r.clone() for r in state.residual]
     bad = _grads(rank, 1)

@@ -5,7 +5,8 @@ side by side at the same columns in every row (:class:`~zerofn.layout.Bucket`'s
 offsets). So which elements travel compressed is a choice of *columns*, the same in every
 row: the columns of members that :meth:`CompressedWire.compresses` (matrices of at least
 ``min_numel`` elements) are quantized; the others (vectors, small params) travel as
-float32 bytes. (Whole placements are refused: their buckets reduce to an owner.) :func:`wire_plan` makes that split once per bucket.
+float32 bytes. (Whole placements are refused: their buckets reduce to an owner.)
+:func:`wire_plan` makes that split once per bucket.
 
 Per bucket, on rank ``r``:
 
@@ -142,7 +143,7 @@ def launch_compressed(
     Collectives: one ``all_to_all_single`` of :func:`bucket_bytes` bytes, recorded as
     ``"all_to_all"``; none at ``N = 1``.
     """
-    n, s = rows.shape
+    n, _s = rows.shape
     rank = comm.group_rank(group)
     x = rows if rows.dtype == torch.float32 else rows.to(torch.float32)
     if n == 1:

@@ -60,7 +60,9 @@ def check_wire(
             raise ValueError(f"{who} was built with error_feedback=False: pass residual=None")
         return
     if residual is None:
-        raise ValueError(f"{who} keeps error feedback: pass residual=state.residual (and give the result to step_shards)")
+        raise ValueError(
+            f"{who} keeps error feedback: pass residual=state.residual (and give the result to step_shards)"
+        )
     if len(residual) != len(buckets):
         raise ValueError(
             f"{who}: residual has {len(residual)} buckets, the plan {len(buckets)}; reduce with the state's "

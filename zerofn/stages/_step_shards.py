@@ -215,7 +215,9 @@ def _residual_failure(state: ZeroState, residual: Sequence[torch.Tensor] | None)
                     f"(state.residual's), got {getattr(new, 'dtype', type(new).__name__)}"
                 )
         if len(residual) != len(state.residual):
-            return ValueError(f"step_shards: residual has {len(residual)} buckets, state.residual {len(state.residual)}")
+            return ValueError(
+                f"step_shards: residual has {len(residual)} buckets, state.residual {len(state.residual)}"
+            )
     return None
 
 
