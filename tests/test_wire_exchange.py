@@ -1,4 +1,8 @@
-"""The compressed reduce-scatter with error feedback (``zerofn._wire._exchange``).
+"""One bucket's compressed reduction with error feedback (``zerofn._wire._bucket.launch_compressed``).
+
+The bucket here is one member, every column compressed, so the reduction is a compressed
+reduce-scatter of a rank's ``(N * S,)`` gradient (the columns the wire leaves raw are
+tested through the stages, tests/test_wire_reduce.py, as are the stages' refusals).
 
 * the telescoping identity of error feedback, exact in float64 on a dyadic grid: over
   ``T`` steps, what was applied sums to the true mean gradients minus the mean of the
@@ -8,7 +12,6 @@
   the inputs are not written;
 * the bytes: ``bytes_sent`` is what ``count_bytes()`` records, and int8 at block 256 sends
   at most 0.3x what zerofn's byte-optimal fp32 reduce-scatter records for the same shard;
-* bad shapes raise on every rank before any collective.
 """
 
 from __future__ import annotations
@@ -23,8 +26,27 @@ from helpers import Snapshot, assert_bitwise_equal, seeded
 
 import zerofn as zf
 from zerofn._comm import sum_rows
-from zerofn._wire._exchange import bytes_sent, compressed_reduce_scatter
+from zerofn._wire._bucket import WirePlan, launch_compressed
 from zerofn._wire._quant import KINDS, WireFormat, dequantize, quantize
+
+
+def compressed_reduce_scatter(
+    flat: torch.Tensor, residual: torch.Tensor | None, fmt: WireFormat
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mean over ranks of this rank's chunk of ``(N * S,)`` float32 ``flat``, with the
+    ``((N - 1) * S,)`` residual (``None``: zeros) fed back; returns ``(shard, new_residual)``."""
+    n = dist.get_world_size()
+    s = flat.numel() // n
+    plan = WirePlan(compressed=((0, s),), raw=(), order=((True, 0, s),), c=s, r=0)
+    fed = torch.zeros(n - 1, s) if residual is None else residual.view(n - 1, s)
+    pending, new_residual = launch_compressed(flat.view(n, s), plan, fmt, fed, None)
+    return pending.wait() / n, new_residual.reshape(-1)
+
+
+def bytes_sent(s: int, n: int, fmt: WireFormat) -> int:
+    """What one rank hands to the all-to-all for an ``S``-element shard: codes and scales of ``N - 1`` chunks."""
+    return (n - 1) * fmt.nbytes(s)
+
 
 # --------------------------------------------------------------------------- the telescoping identity
 
@@ -128,7 +150,7 @@ def _run_steps(kind: str, steps: int, s: int) -> dict[str, Any]:
         flat = _grads(t, rank, n, s)
         snap = Snapshot((flat, residual))
         with zf.count_bytes() as counter:
-            shard, new_residual = compressed_reduce_scatter(flat, residual, fmt, None)
+            shard, new_residual = compressed_reduce_scatter(flat, residual, fmt)
         snap.assert_unchanged((flat, residual), f"rank {rank} step {t}")
         assert shard.data_ptr() != flat.data_ptr()
         counted.append((counter.bytes_sent, dict(counter.by_collective)))
@@ -141,9 +163,8 @@ def _run_steps(kind: str, steps: int, s: int) -> dict[str, Any]:
 def _reference_steps(kind: str, steps: int, s: int, n: int) -> dict[str, Any]:
     """Every rank's results in one process, chunk by chunk with the public quantize/dequantize."""
     fmt = WireFormat(kind, BLOCK)
-    # residual[i][j]: rank i's, for chunk j; None at first, as the exchange is called (no add:
-    # -0.0 + 0.0 is +0.0, so adding zeros would change the sign of zero gradients).
-    residual: list[list[torch.Tensor | None]] = [[None] * n for _ in range(n)]
+    # residual[i][j]: rank i's, for chunk j; zeros at first, added as the stage adds them.
+    residual = [[torch.zeros(s) for _ in range(n)] for _ in range(n)]
     shards = [[] for _ in range(n)]
     residuals = [[] for _ in range(n)]
     for t in range(steps):
@@ -154,7 +175,7 @@ def _reference_steps(kind: str, steps: int, s: int, n: int) -> dict[str, Any]:
                 if i == j:
                     received[j][i] = chunks[i][j]
                     continue
-                c = chunks[i][j] if residual[i][j] is None else chunks[i][j] + residual[i][j]
+                c = chunks[i][j] + residual[i][j]
                 sent = dequantize(*quantize(c, fmt), fmt)
                 residual[i][j] = c - sent
                 received[j][i] = sent
@@ -216,41 +237,6 @@ def test_int8_at_block_256_is_at_most_three_tenths_of_an_fp32_reduce_scatter(n, 
     ratio = bytes_sent(s, n, WireFormat("int8", 256)) / ((n - 1) * s * 4)
     assert ratio <= 0.3
     assert ratio >= 0.25 + 1 / 256  # codes (1/4 of fp32) plus one fp32 scale per 256 elements
-
-
-def _bad_calls() -> list[str]:
-    n, s = dist.get_world_size(), 4
-    fmt = WireFormat("int8", 4)
-    flat = torch.zeros(n * s)
-    calls = [
-        lambda: compressed_reduce_scatter(flat.double(), None, fmt),
-        lambda: compressed_reduce_scatter(flat, torch.zeros(n * s), fmt),
-        lambda: compressed_reduce_scatter(flat, torch.zeros((n - 1) * s, dtype=torch.float64), fmt),
-    ]
-    if n > 1:
-        calls.append(lambda: compressed_reduce_scatter(torch.zeros(n * s + 1), None, fmt))
-    messages = []
-    for call in calls:
-        try:
-            call()
-            messages.append("")
-        except ValueError as e:
-            messages.append(str(e))
-    # The group is still usable: no rank entered a collective with a bad buffer.
-    shard, residual = compressed_reduce_scatter(flat, None, fmt)
-    messages.append(f"ok {tuple(shard.shape)} {tuple(residual.shape)}")
-    return messages
-
-
-def test_bad_shapes_raise_on_every_rank_before_any_collective(world):
-    n = world.world_size
-    for rank, messages in enumerate(world.run(_bad_calls)):
-        assert f"on rank {rank}: flat must be a 1-D float32 tensor" in messages[0]
-        assert f"residual must be float32 of shape ({(n - 1) * 4},)" in messages[1]
-        assert "torch.float64" in messages[2]
-        if n > 1:
-            assert "pad it to a multiple of N" in messages[3]
-        assert messages[-1] == f"ok (4,) ({(n - 1) * 4},)"
 
 
 def _empty_shards(kind: str) -> tuple[tuple[int, ...], tuple[int, ...], int]:

@@ -54,6 +54,7 @@ __all__ = [
     "barrier",
     "broadcast_object",
     "broadcast_tensors_",
+    "exchange_rows",
     "gather_rows",
     "grid_groups",
     "group_from_name",
@@ -175,6 +176,10 @@ class Pending:
     def done(self) -> bool:
         """True once the collective has finished (``wait()`` would not block)."""
         return self._result is not None or all(h is None or h.is_completed() for h in self._handles)
+
+    def then(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Pending:
+        """The same collective, finished by ``fn`` of this one's result (this one is not waited)."""
+        return Pending(self._handles, lambda: fn(self._finish()))
 
     def wait(self) -> torch.Tensor:
         if self._result is None:
@@ -447,6 +452,25 @@ def broadcast_tensors_(tensors: list[torch.Tensor], group: Group, src: int = 0) 
         for t in members:
             t.detach().copy_(flat[offset : offset + t.numel()].view(t.shape))
             offset += t.numel()
+
+
+def exchange_rows(rows: torch.Tensor, group: Group) -> Pending:
+    """Send row ``k`` of ``(N - 1, W)`` uint8 ``rows`` to the k-th other rank (rank order,
+    this rank left out); ``wait()`` gives the ``(N - 1, W)`` rows received, by source rank.
+
+    Every rank passes the same ``W`` (agreed before: a mismatch inside the collective
+    hangs). Bytes cross as uint8 because gloo refuses float8 tensors.
+
+    Collectives: one ``all_to_all_single`` of ``(N - 1) W`` bytes each way, recorded as
+    ``"all_to_all"``.
+    """
+    n, rank = group_size(group), group_rank(group)
+    width = rows.shape[1]
+    splits = [0 if j == rank else width for j in range(n)]
+    received = torch.empty_like(rows)
+    handle = dist.all_to_all_single(received.view(-1), rows.view(-1), splits, splits, group=group, async_op=True)
+    record("all_to_all", rows.numel())
+    return Pending([handle], lambda: received)
 
 
 def barrier(group: Group) -> None:

@@ -34,12 +34,10 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from zerofn import _comm as comm
-from zerofn._comm_count import record
 from zerofn._wire._policy import CompressedWire
-from zerofn._wire._quant import dequantize_rows, quantize_rows
+from zerofn._wire._quant import WireFormat, dequantize_rows, quantize_rows
 from zerofn.layout import Bucket, ShardLayout
 
 __all__ = ["WirePlan", "bucket_bytes", "init_residual", "launch_compressed", "wire_plan"]
@@ -119,7 +117,7 @@ def _without(x: torch.Tensor, rank: int) -> torch.Tensor:
 def launch_compressed(
     rows: torch.Tensor,
     plan: WirePlan,
-    wire: CompressedWire,
+    fmt: WireFormat,
     residual: torch.Tensor | None,
     group: comm.Group,
 ) -> tuple[comm.Pending, torch.Tensor | None]:
@@ -129,7 +127,7 @@ def launch_compressed(
       rows: ``(N, S)`` packed rows (:func:`~zerofn.buckets.pack_grads`), any floating
         dtype (widened to float32 exactly). Not written.
       plan: :func:`wire_plan` of the bucket.
-      wire: the wire.
+      fmt: the wire's format (:attr:`CompressedWire.format`).
       residual: ``(N - 1, c)`` float32, this rank's residual for the bucket's compressed
         columns of the rows it sends (rank order, its own row left out); ``None``: no error
         feedback. Not written.
@@ -148,7 +146,6 @@ def launch_compressed(
     x = rows if rows.dtype == torch.float32 else rows.to(torch.float32)
     if n == 1:
         return comm.Pending([], lambda: x[0]), residual
-    fmt = wire.format
     comp, raw = _columns(x, plan.compressed), _columns(x, plan.raw)
     sent = _without(comp, rank)
     if residual is not None:
@@ -156,13 +153,9 @@ def launch_compressed(
     codes, scales = quantize_rows(sent, fmt)
     new_residual = sent - dequantize_rows(codes, scales, fmt) if residual is not None else None
     packed = torch.cat([codes, scales.view(torch.uint8), _without(raw, rank).view(torch.uint8)], dim=1)
-    received = torch.empty_like(packed)
-    splits = [0 if j == rank else packed.shape[1] for j in range(n)]
-    handle = dist.all_to_all_single(received.view(-1), packed.view(-1), splits, splits, group=group, async_op=True)
-    record("all_to_all", packed.numel())
     nb = fmt.num_blocks(plan.c)
 
-    def finish() -> torch.Tensor:
+    def finish(received: torch.Tensor) -> torch.Tensor:
         # Scales and raw columns start at byte offsets that need not be 4-aligned: copied out first.
         got_scales = received[:, plan.c : plan.c + 4 * nb].reshape(-1).clone().view(torch.float32).view(n - 1, nb)
         got_raw = received[:, plan.c + 4 * nb :].reshape(-1).clone().view(torch.float32).view(n - 1, plan.r)
@@ -172,7 +165,7 @@ def launch_compressed(
         parts = [(total_c if squeezed else total_r)[at : at + width] for squeezed, at, width in plan.order]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    return comm.Pending([handle], finish), new_residual
+    return comm.exchange_rows(packed, group).then(finish), new_residual
 
 
 def _rank_order_sum(own: torch.Tensor, others: torch.Tensor, rank: int, n: int) -> torch.Tensor:

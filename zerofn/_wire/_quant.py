@@ -70,7 +70,7 @@ own float64 roundings cannot push it below them.
 
 The residual is exact: ``c - deq(q(c))`` computed in float32 is the exact difference
 (``deq`` is 0, or within a factor 2 of ``c`` with ``c``'s sign: Sterbenz), which is what
-makes error feedback telescope (:mod:`zerofn._wire._exchange`).
+makes error feedback telescope (:mod:`zerofn._wire._bucket`).
 """
 
 from __future__ import annotations

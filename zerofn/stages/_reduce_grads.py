@@ -193,7 +193,7 @@ def reduce_grads(
         rows = pack_grads(grads, layout, bucket, replicas=replicas, out=borrowed[: shape[0] * shape[1]].view(shape))
         if wire is not None:
             mine = next_residual[i] if next_residual is not None else None
-            pending, mine = launch_compressed(rows, wire_plan(layout, bucket, wire), wire, mine, group)
+            pending, mine = launch_compressed(rows, wire_plan(layout, bucket, wire), wire.format, mine, group)
             if next_residual is not None:
                 next_residual[i] = mine  # type: ignore[assignment]
         else:
