@@ -53,6 +53,7 @@ from zerofn._tree import FrozenDict
 from zerofn._wire._policy import CompressedWire
 
 __all__ = [
+    "CompressedWire",
     "DynamicLossScaler",
     "LossScaleState",
     "LossScaler",
