@@ -7,7 +7,7 @@ made on the fly, never an installed ``python3`` kernel of some other environment
 timeout per cell; any cell that raises fails the test. Each notebook ends with an assert
 against an unsharded or DDP reference, so a notebook that runs is a claim that holds.
 
-The eight share one kernel (its start-up and its imports of torch, matplotlib and zerofn
+The nine share one kernel (its start-up and its imports of torch, matplotlib and zerofn
 cost more than most notebooks' own work), and each starts with the namespace cleared
 (``%reset -f``), so a notebook that uses a name it does not define or import fails here
 as it would in a fresh kernel. Each one sets its own torch threads, seeds and matplotlib
@@ -37,6 +37,7 @@ EXPECTED = [
     "06_whole_tensor_optimizers",
     "07_lowbit_state",
     "08_jit",
+    "09_compressed_wire",
 ]
 # Appended to each notebook under test (not to the committed one): every World the
 # notebook started must have been closed, so no worker process outlives it.
@@ -67,7 +68,7 @@ def kernel():
         yield km
 
 
-def test_the_eight_notebooks_are_there() -> None:
+def test_the_nine_notebooks_are_there() -> None:
     assert [p.stem for p in build.NOTEBOOKS] == EXPECTED
 
 
