@@ -10,6 +10,8 @@ all-to-all; what either cannot serve must stop every rank before any bucket is s
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -18,6 +20,8 @@ from helpers import assert_bitwise_equal
 from torch import nn
 
 import zerofn as zf
+from zerofn._wire._bucket import bucket_bytes, wire_plan
+from zerofn.testing import RankFailure
 
 WIRE = zf.CompressedWire(kind="int8", block=64, min_numel=16)
 BUCKET = 1024  # several buckets, each with compressed (matrices) and float32 (bias) columns
@@ -76,3 +80,173 @@ def _vrg_matches_reduce_grads(steps: int) -> int:
 def test_value_and_reduced_grads_gives_reduce_grads_shards_and_residual_bit_for_bit(n):
     for nonzero in get_world(n).run(_vrg_matches_reduce_grads, 3):
         assert nonzero > 0 if n > 1 else nonzero == 0
+
+
+# ------------------------------------------------------------------ ZeroOptimizer
+
+_STEPS, _ACCUMULATE = 4, (1, 3, 1, 2)  # steps 1 and 3 accumulate micro-batches under no_sync
+
+
+def _functional_twin(model: nn.Module, policy: zf.PrecisionPolicy):
+    """The functional loop on ``model``'s twin: p.grad summed over micro-batches by autograd, as the facade's."""
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    state = zf.shard_params(params, zf.optim.adamw(lr=1e-2), precision=policy, bucket_numel=BUCKET)
+
+    def step(state, micro_batches):
+        full = zf.gather_params(state)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(full[n])
+                p.grad = None
+        for x, y in micro_batches:
+            ((model(x) - y) ** 2).mean().backward()
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        shards, residual = zf.reduce_grads(
+            grads, state.layout, precision=state.precision, bucket_numel=BUCKET, residual=state.residual
+        )
+        return zf.step_shards(state, shards, residual=residual)
+
+    return state, step
+
+
+def _facade_matches_the_functional_loop(overlap: bool) -> list[dict[str, int]]:
+    rank, n = dist.get_rank(), dist.get_world_size()
+    policy = zf.PrecisionPolicy(wire=WIRE)
+    model, twin = _model(), _model()
+    opt = zf.ZeroOptimizer(
+        model.named_parameters(),
+        zf.optim.adamw(lr=1e-2),
+        partition_grad=True,
+        precision=policy,
+        reduce_bucket_size=BUCKET,
+        overlap_communication=overlap,
+        module=model,
+    )
+    state, functional_step = _functional_twin(twin, policy)
+    buckets = state.layout.buckets(BUCKET)
+    want_bytes = sum(bucket_bytes(wire_plan(state.layout, b, WIRE), n, WIRE) for b in buckets)
+    out = []
+    for step in range(_STEPS):
+        micro_batches = [_batch(rank, step, m) for m in range(_ACCUMULATE[step])]
+        before = [r.clone() for r in opt.state.residual]
+        accumulated = 0
+        for m, (x, y) in enumerate(micro_batches):
+            last = m == len(micro_batches) - 1
+            with zf.count_bytes() as counter:
+                if last:
+                    opt.backward(((model(x) - y) ** 2).mean())
+                else:
+                    with opt.no_sync():
+                        opt.backward(((model(x) - y) ** 2).mean())
+                    accumulated += counter.bytes_sent
+        assert all(torch.equal(a, b) for a, b in zip(opt.state.residual, before, strict=True)), "backward stepped it"
+        opt.step()
+        opt.zero_grad()
+        state, info = functional_step(state, micro_batches)
+        assert not info.skipped and not opt.last_step_info.skipped
+        want = zf.gather_params(state)
+        for name, p in model.named_parameters():
+            assert_bitwise_equal(p.detach(), want[name], f"rank {rank} step {step}: {name}")
+        for i, (got, ref) in enumerate(zip(opt.state.residual, state.residual, strict=True)):
+            assert_bitwise_equal(got, ref, f"rank {rank} step {step}: residual {i}")
+        sent = dict(counter.by_collective)
+        out.append({"no_sync": accumulated, "all_to_all": sent.get("all_to_all", 0), "want": want_bytes})
+        assert "reduce_scatter" not in sent and "all_reduce" not in sent, sent
+    return out
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_the_facade_over_the_wire_equals_the_functional_loop_bit_for_bit(n, overlap):
+    for per_rank in get_world(n).run(_facade_matches_the_functional_loop, overlap):
+        for step in per_rank:
+            assert step["no_sync"] == 0, step
+            assert step["all_to_all"] == step["want"] and (step["want"] > 0) == (n > 1), step
+
+
+def _facade_skips_and_keeps_the_residual(bad_value: float) -> dict[str, object]:
+    rank = dist.get_rank()
+    scaler = zf.DynamicLossScaler(initial_scale=2.0**10, hysteresis=1)
+    model = _model()
+    opt = zf.ZeroOptimizer(
+        model.named_parameters(),
+        zf.optim.sgd(lr=0.1),
+        partition_grad=True,
+        precision=zf.PrecisionPolicy(wire=WIRE, loss_scaler=scaler),
+        reduce_bucket_size=BUCKET,
+        module=model,
+    )
+    x, y = _batch(rank, 0)
+    opt.backward(((model(x) - y) ** 2).mean())
+    opt.step()
+    opt.zero_grad()
+    before = [r.clone() for r in opt.state.residual]
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    x, y = _batch(rank, 1)
+    if rank == 1:
+        x[2, 3] = bad_value  # only rank 1 overflows
+    opt.backward(((model(x) - y) ** 2).mean())
+    opt.step()
+    opt.zero_grad()
+    return {
+        "skipped": opt.last_step_info.skipped,
+        "scale": opt.loss_scale,
+        "residual halved": all(torch.equal(a, b * 0.5) for a, b in zip(opt.state.residual, before, strict=True)),
+        "params kept": all(torch.equal(p, params[n]) for n, p in model.named_parameters()),
+    }
+
+
+@pytest.mark.parametrize("bad_value", [math.inf, math.nan], ids=["inf", "nan"])
+def test_a_skipped_facade_step_keeps_the_residual_in_the_new_scales_units(bad_value):
+    for got in get_world(2).run(_facade_skips_and_keeps_the_residual, bad_value):
+        assert got == {"skipped": True, "scale": 512.0, "residual halved": True, "params kept": True}
+
+
+# ------------------------------------------------------------------ refusals
+
+
+def _refused(case: str) -> str:
+    rank = dist.get_rank()
+    model = _model()
+    policy = zf.PrecisionPolicy(wire=WIRE)
+    kwargs: dict[str, object] = {"partition_grad": True, "precision": policy, "module": model}
+    with zf.count_bytes() as counter:
+        try:
+            if case == "vrg whole":
+                params = {n: p.detach() for n, p in model.named_parameters()}
+                layout = zf.make_layout(params, dist.get_world_size(), placement={"0.weight": "whole"})
+                vrg = zf.value_and_reduced_grads(_loss_fn(model), layout, precision=policy)
+                vrg(params, *_batch(rank, 0))
+            elif case == "vrg no residual":
+                state = zf.shard_params(dict(model.named_parameters()), zf.optim.sgd(lr=0.1), precision=policy)
+                zf.value_and_reduced_grads(_loss_fn(model), state.layout, precision=policy)(
+                    zf.gather_params(state), *_batch(rank, 0)
+                )
+            else:
+                kwargs |= {
+                    "stage 1": {"partition_grad": False},
+                    "compile": {"compile": True},
+                    "hybrid": {"sub_dp_size": 2},
+                }[case]
+                zf.ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=0.1), **kwargs)
+        finally:
+            assert set(counter.by_collective) <= {"check"}, counter.by_collective
+    return "no error"
+
+
+REFUSALS = {
+    "stage 1": "pass partition_grad=True",
+    "compile": "pass compile=False",
+    "hybrid": "drop sub_dp_size and replicate_group",
+    "vrg whole": "'0.weight' is placed whole",
+    "vrg no residual": "pass residual=state.residual",
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSALS))
+def test_what_the_wire_cannot_serve_here_stops_every_rank_before_any_bucket(case):
+    results = get_world(2).run(_refused, case, return_exceptions=True)
+    for rank, r in enumerate(results):
+        assert isinstance(r, RankFailure), (rank, r)
+        assert REFUSALS[case] in r.message or "rejected its input" in r.message, (rank, r.message)
+    assert any(REFUSALS[case] in r.message for r in results)
