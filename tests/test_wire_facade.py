@@ -210,6 +210,8 @@ def _refused(case: str) -> str:
     model = _model()
     policy = zf.PrecisionPolicy(wire=WIRE)
     kwargs: dict[str, object] = {"partition_grad": True, "precision": policy, "module": model}
+    state = zf.shard_params(dict(model.named_parameters()), zf.optim.sgd(lr=0.1), precision=policy)
+    full = zf.gather_params(state)
     with zf.count_bytes() as counter:
         try:
             if case == "vrg whole":
@@ -218,10 +220,7 @@ def _refused(case: str) -> str:
                 vrg = zf.value_and_reduced_grads(_loss_fn(model), layout, precision=policy)
                 vrg(params, *_batch(rank, 0))
             elif case == "vrg no residual":
-                state = zf.shard_params(dict(model.named_parameters()), zf.optim.sgd(lr=0.1), precision=policy)
-                zf.value_and_reduced_grads(_loss_fn(model), state.layout, precision=policy)(
-                    zf.gather_params(state), *_batch(rank, 0)
-                )
+                zf.value_and_reduced_grads(_loss_fn(model), state.layout, precision=policy)(full, *_batch(rank, 0))
             else:
                 kwargs |= {
                     "stage 1": {"partition_grad": False},
@@ -250,3 +249,45 @@ def test_what_the_wire_cannot_serve_here_stops_every_rank_before_any_bucket(case
         assert isinstance(r, RankFailure), (rank, r)
         assert REFUSALS[case] in r.message or "rejected its input" in r.message, (rank, r.message)
     assert any(REFUSALS[case] in r.message for r in results)
+
+
+# ------------------------------------------------------------------ Lightning's options
+
+
+def _strategy_options_build_a_wired_facade(fp16_mixed: bool) -> dict[str, object]:
+    from zerofn.lightning import ZeroOptions
+
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    options = ZeroOptions(communication_wire=WIRE)
+    kwargs = options.facade_kwargs(fp16_mixed=fp16_mixed, who="ZeroStrategy", params=params)
+    opt = zf.ZeroOptimizer(optimizer, module=model, partition_grad=True, init_sync=True, **kwargs)
+    x, y = _batch(dist.get_rank(), 0)
+    with zf.count_bytes() as counter:
+        opt.backward(((model(x) - y) ** 2).mean())
+    opt.step()
+    return {
+        "wire": opt.state.precision.wire,
+        "scaler": type(opt.state.precision.loss_scaler).__name__,
+        "all_to_all": counter.by_collective.get("all_to_all", 0) > 0,
+    }
+
+
+@pytest.mark.parametrize("fp16_mixed", [False, True], ids=["32-true", "16-mixed"])
+def test_the_lightning_strategies_options_pass_the_wire_to_the_facade(fp16_mixed):
+    scaler = "DynamicLossScaler" if fp16_mixed else "NoLossScaling"
+    for got in get_world(2).run(_strategy_options_build_a_wired_facade, fp16_mixed):
+        assert got == {"wire": WIRE, "scaler": scaler, "all_to_all": True}
+
+
+def test_the_lightning_options_refuse_a_wire_they_cannot_serve_when_built():
+    from zerofn.lightning import ZeroOptions, ZeroStrategy
+
+    assert ZeroStrategy(communication_wire=WIRE).options.communication_wire == WIRE
+    with pytest.raises(ValueError, match="drop communication_dtype"):
+        ZeroOptions(communication_wire=WIRE, communication_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="use stage=2"):
+        ZeroOptions(communication_wire=WIRE, stage=1)
+    with pytest.raises(TypeError, match=r"must be a zerofn\.CompressedWire"):
+        ZeroOptions(communication_wire=torch.int8)
