@@ -28,7 +28,7 @@ from zerofn import _comm as comm
 from zerofn import _sync, optim
 from zerofn._comm import CommPolicy
 from zerofn.checkpoint import _async
-from zerofn.facade import _buffers, _compiled, _entry, _guards, _options
+from zerofn.facade import _buffers, _compiled, _entry, _guards, _options, _wire
 from zerofn.facade._grads import GradOps
 from zerofn.facade._hyperparams import LiveHyperparams
 from zerofn.facade._prefetch import ParamPrefetcher
@@ -125,11 +125,8 @@ def build(
         _options.check_gather_module(params, module)
     policy = _options.precision_policy(params, opts.precision, keywords)
     if policy.wire is not None:
-        raise ValueError(
-            "ZeroOptimizer: a compressed wire (PrecisionPolicy(wire=...)) is not served by the facade yet; "
-            "its gradients would travel on the float wire. Use the functional loop: "
-            "zf.reduce_grads(grads, state.layout, precision=state.precision, residual=state.residual), then "
-            "zf.step_shards(state, shards, residual=...)"
+        _wire.check_facade_wire_options(
+            stage=opts.stage, compile=opts.compile, sub_dp_size=opts.sub_dp_size, replicate_group=opts.replicate_group
         )
     _options.cast_params(params, policy)  # validated: now cast, before anything reads them
     group, replicate = _options.hybrid_groups(opts.dp_process_group, opts.sub_dp_size, opts.replicate_group)
@@ -139,7 +136,11 @@ def build(
     if isinstance(optimizer, torch.optim.Optimizer):
         wrapped = [optimizer]
     # The masters are cut here and made rank 0's below, once the ranks agree on the layout.
-    state = shard_params(params, fopt, group, precision=policy, check=False)
+    # A compressed wire's residual is per bucket of the reducer's plan: the state's plan is the reducer's.
+    wired = {"bucket_numel": opts.reduce_bucket_size} if policy.wire is not None else {}
+    state = shard_params(params, fopt, group, precision=policy, check=False, **wired)
+    if policy.wire is not None:
+        _wire.check_facade_wire(state, opts.reduce_bucket_size, group)  # whole placements: before any collective
     module_states = _buffers.module_states(module, params, buffers=broadcast_buffers)
     settings = {
         "stage": opts.stage,
@@ -186,11 +187,17 @@ class Parts(NamedTuple):
                 self.buffer_sync.close()
 
 
-def assemble(built: Built, opts: Options, loss_scale: Callable[[], float]) -> Parts:
+def assemble(
+    built: Built,
+    opts: Options,
+    loss_scale: Callable[[], float],
+    residual: Callable[[], tuple[torch.Tensor, ...]] = tuple,
+) -> Parts:
     """The collaborators over what :func:`build` resolved, each given what it needs.
 
     ``loss_scale`` returns the facade's current loss scale (the reducer reads it per
-    bucket). Registers the gradient hooks on the params and, with ``module``, the forward
+    bucket); ``residual`` its state's residual (a compressed wire's, read at the first
+    bucket after each step). Registers the gradient hooks on the params and, with ``module``, the forward
     hooks of the prefetch and the buffer sync. Collectives: none (monitor groups aside,
     made by :class:`~zerofn.facade._entry.EntryGuard` in :func:`build`).
     """
@@ -215,6 +222,7 @@ def assemble(built: Built, opts: Options, loss_scale: Callable[[], float]) -> Pa
         overlap=opts.overlap_communication,
         comm_policy=comm_policy,
         loss_scale=loss_scale,
+        residual=residual,
     )
     # Params are the user's: writes made to them outside the facade are noticed at step.
     guard = _guards.ParamGuard(params, module)

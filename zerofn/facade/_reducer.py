@@ -1,11 +1,10 @@
 """The facade's gradient reducer: when each bucket's reduction launches, into which buffer,
 and what ``p.grad`` holds afterwards.
 
-It owns no packing, scaling or cutting: every bucket goes through
-:mod:`zerofn.buckets` (``pack_grads`` into a reused staging buffer, ``launch_reduce``,
-``split_row`` / ``unpack_rows``, ``cut_shard``), the same pieces
-:func:`~zerofn.reduce_grads` loops over, so both paths send identical buffers and get
-identical bits.
+It owns no packing, scaling or cutting: every bucket goes through :mod:`zerofn.buckets`
+(``pack_grads`` into a reused staging buffer, ``launch_reduce``, ``split_row`` /
+``unpack_rows``, ``cut_shard``) or a compressed wire (:mod:`~zerofn.facade._wire`), the
+pieces :func:`~zerofn.reduce_grads` loops over: both paths get identical bits.
 
 Gradient flow per backward (hooks on every param):
 
@@ -62,6 +61,7 @@ from zerofn.facade._held import Averaged, HeldGrads
 from zerofn.facade._settle import Launched, Settler
 from zerofn.facade._sharded_grad import ShardedGrad, ShardedGradError, sharded_grad
 from zerofn.facade._step_grads import StepGrads
+from zerofn.facade._wire import FacadeWire
 from zerofn.layout import Bucket, ShardLayout
 from zerofn.precision import PrecisionPolicy, mul_grads_
 from zerofn.stages._pipeline import MAX_IN_FLIGHT, InFlight
@@ -100,6 +100,8 @@ class GradReducer:
       loss_scale: returns the loss scale the next reduced gradients carry (the state's;
         1.0 without loss scaling). Stage 1 divides ``p.grad`` by it, so users see true
         gradients, as after ``GradScaler.unscale_``.
+      residual: returns the state's residual (``state.residual``), read by a compressed
+        wire (``precision.wire``, :mod:`~zerofn.facade._wire`) at its first bucket after a step.
 
     It holds its collaborators: the gradients (:class:`~._held.HeldGrads`, ``held``), the
     bucket settling (:class:`~._settle.Settler`) and the step's view of the gradients
@@ -124,6 +126,7 @@ class GradReducer:
         overlap: bool,
         comm_policy: CommPolicy,
         loss_scale: Callable[[], float] = lambda: 1.0,
+        residual: Callable[[], tuple[torch.Tensor, ...]] = tuple,
     ) -> None:
         self._params = params
         self._layout = layout
@@ -139,6 +142,8 @@ class GradReducer:
         self._position = {name: i for i, name in enumerate(layout.names)}  # layout order, for sorting
         self.require_sync = True  # False inside no_sync()
         self.held = HeldGrads(params, layout, precision)
+        w = precision.wire
+        self.wire = FacadeWire(layout, w, group, residual) if w is not None else None  # its buckets' all-to-alls
         # Hook-path bookkeeping for the backward pass in progress.
         self._ready: list[set[str]] = [set() for _ in self._buckets]
         self._sent: list[set[str]] = [set() for _ in self._buckets]
@@ -182,10 +187,14 @@ class GradReducer:
         """
         self.held.clear()
         self._settler.clear()
+        if self.wire is not None:  # the reduced gradients are gone: the state's residual stands
+            self.wire.forget()
 
     def drop_shards(self) -> None:
         """Forget the shards held (a loaded state replaced the one they were reduced for)."""
         self.held.shards = {}
+        if self.wire is not None:
+            self.wire.forget()
 
     def holds_grads(self) -> bool:
         """Whether any gradient arrived since the last step or ``zero_grad`` (reduced or local)."""
@@ -363,20 +372,17 @@ class GradReducer:
         n, s = self._layout.world_size, bucket.shard_numel
         buf = self.staging.take(n * s, first.dtype, first.device)
         rows = pack_grads(grads, self._layout, bucket, replicas=self._replicas, out=buf[: n * s].view(n, s))
-        wire = wire_dtype(self._layout, bucket, self._precision.comm_dtype)
-        wire_buf = self.staging.take(n * s, wire, first.device) if wire != first.dtype else None
         whole = self._stage == 1  # every rank receives the whole sum: the full averaged gradients
-        pending = launch_reduce(
-            rows,
-            self._layout,
-            bucket,
-            self._group,
-            self._how,
-            comm_dtype=self._precision.comm_dtype,
-            wire_out=wire_buf[: n * s].view(n, s) if wire_buf is not None else None,
-            async_op=self._overlap,
-            whole=whole,
-        )
+        if self.wire is not None:  # stage 2 only, always asynchronous: ``rows`` are read until the bucket settles
+            pending, wire_buf = self.wire.launch(b, bucket, rows), None
+        else:
+            wire = wire_dtype(self._layout, bucket, self._precision.comm_dtype)
+            wire_buf = self.staging.take(n * s, wire, first.device) if wire != first.dtype else None
+            out = wire_buf[: n * s].view(n, s) if wire_buf is not None else None
+            pending = launch_reduce(
+                rows, self._layout, bucket, self._group, self._how, comm_dtype=self._precision.comm_dtype,
+                wire_out=out, async_op=self._overlap, whole=whole,
+            )  # fmt: skip
         if wire_buf is not None:
             self.staging.give(buf)  # stream-ordered before any later writer on this device
             buf = wire_buf

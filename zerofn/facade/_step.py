@@ -107,15 +107,29 @@ class Stepper:
         """
         state = self._hyperparams.apply(state, param_groups)
         shards = self._reducer.take_step_grads()  # stage 1: p.grad as the user left it, cut into shards
+        wire = self._reducer.wire  # a compressed wire: the residual of the reductions since the last step
+        vetoed = False
         try:
             if self._compiled is not None and veto is None:  # with a veto: the eager step, whose collectives match
                 return self._compiled(state, shards, self._params)
+            residual = wire.residual_for_step(state) if wire is not None else None
             return step_shards(
-                state, shards, self._group, self._max_norm, norm_type=self._norm_type, donate=True, veto=veto
+                state,
+                shards,
+                self._group,
+                self._max_norm,
+                norm_type=self._norm_type,
+                donate=True,
+                veto=veto,
+                residual=residual,
             )
         except StepVetoed as e:
-            self._reducer.give_back(shards)  # nothing was applied: they wait for the step that follows
+            vetoed = True  # the gradients (and their residual) wait for the step that follows
+            self._reducer.give_back(shards)
             adopt = params_verdict(e.vetoes, state.layout.names)  # type: ignore[arg-type]
+        finally:
+            if wire is not None and not vetoed:  # the new state holds it (skipped: the old one, rescaled)
+                wire.forget()
         # ``state`` carries the live hyperparameters (cached by LiveHyperparams): keep it.
         state = adopt_params(state, self._params, adopt)
         self._guard.record()

@@ -163,7 +163,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.param_groups = built.torch_groups
         self._last_info: StepInfo | None = None
         self._host_scale = _build.HostScale()
-        parts = _build.assemble(built, opts, _build.weak_call(self, lambda me: me.loss_scale, 1.0))
+        residual = _build.weak_call(self, lambda me: me.state.residual, ())
+        parts = _build.assemble(built, opts, _build.weak_call(self, lambda me: me.loss_scale, 1.0), residual)
         self._reducer, self._guard, self._prefetch = parts.reducer, parts.guard, parts.prefetch
         self._buffer_sync, self._hyperparams, self._grads = parts.buffer_sync, parts.hyperparams, parts.grads
         self._writes, self._steps, self._dicts = parts.writes, parts.steps, parts.dicts

@@ -164,7 +164,7 @@ class ZeroStrategy(DDPStrategy):
             module=module,
             partition_grad=self.stage == 2,
             init_sync=True,
-            **self._precision_kwargs(),
+            **self._precision_kwargs(optimizer),
         )
         self._zeros.append((module, zero))
         return module, [zero], scheduler
@@ -194,9 +194,10 @@ class ZeroStrategy(DDPStrategy):
                 f"strategy reduces the gradients itself, a wrapper would reduce them twice. ({e})"
             ) from None
 
-    def _precision_kwargs(self) -> dict[str, Any]:
+    def _precision_kwargs(self, optimizer: Optimizer) -> dict[str, Any]:
         """The ZeroOptimizer's keywords from the options; under "16-mixed" with zerofn's dynamic loss scaler."""
-        return self.options.facade_kwargs(fp16_mixed=is_fp16_mixed(self.precision), who=_WHO)
+        params = [p for g in optimizer.param_groups for p in g["params"]]  # their dtypes pick the loss scaler
+        return self.options.facade_kwargs(fp16_mixed=is_fp16_mixed(self.precision), who=_WHO, params=params)
 
     def _zero_for(self, module: Module | None) -> ZeroOptimizer | None:
         """The ZeroOptimizer of ``module`` (``None``: the only one, if there is one)."""

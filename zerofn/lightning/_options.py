@@ -11,9 +11,14 @@ keywords live there once) and Lightning's checkpoint keywords.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from typing import Any, Literal
 
+import torch
+
 from zerofn._integration_options import IntegrationOptions
+from zerofn._wire._policy import CompressedWire
+from zerofn.facade._options import PRECISION_DEFAULTS, PrecisionKeywords, precision_policy
 
 __all__ = ["ZeroOptions"]
 
@@ -32,6 +37,10 @@ class ZeroOptions(IntegrationOptions):
     ``precision="16-mixed"``), and:
 
     Args:
+      communication_wire: a :class:`~zerofn.CompressedWire` to reduce the gradients as
+        block-scaled one-byte codes with error feedback (``PrecisionPolicy(wire=...)``, the
+        residual in the ZeroOptimizer's state), instead of ``communication_dtype`` (which
+        must then stay ``None``); ``stage=2`` only. ``None``: a floating wire.
       state_dict_type: ``"sharded"``: a checkpoint is a zerofn sharded checkpoint (every
         rank writes its shards, DCP); ``"full"``: Lightning's one file with the optimizer in
         torch's format (gathered on every rank). Loading reads either.
@@ -45,9 +54,34 @@ class ZeroOptions(IntegrationOptions):
 
     state_dict_type: Literal["sharded", "full"] = "sharded"
     safe_globals: tuple[Any, ...] = ()
+    communication_wire: CompressedWire | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "safe_globals", tuple(self.safe_globals))
+        wire = self.communication_wire
+        if wire is not None and not isinstance(wire, CompressedWire):
+            raise TypeError(f"communication_wire must be a zerofn.CompressedWire or None, got {wire!r}")
+        if wire is not None and self.communication_dtype is not None:
+            raise ValueError(
+                f"communication_wire and communication_dtype={self.communication_dtype}: the compressed wire sends "
+                "one-byte codes and sums them in float32; drop communication_dtype"
+            )
+        if wire is not None and self.stage != 2:
+            raise ValueError("communication_wire leaves each rank its shard of the mean gradient: use stage=2")
         if self.state_dict_type not in ("sharded", "full"):
             raise ValueError(f"state_dict_type must be 'sharded' or 'full', got {self.state_dict_type!r}")
         super().__post_init__()
+
+    def facade_kwargs(self, *, fp16_mixed: bool, who: str, params: Iterable[torch.Tensor] = ()) -> dict[str, Any]:
+        """``ZeroOptimizer``'s keywords (the integrations'); with ``communication_wire`` the precision keywords
+        become ``precision=PrecisionPolicy(..., wire=communication_wire)``, the policy the facade would build
+        from them for ``params`` (the optimizer's: their dtypes decide the loss scaler)."""
+        out = super().facade_kwargs(fp16_mixed=fp16_mixed, who=who)
+        wire = self.communication_wire
+        if wire is None:
+            return out
+        if "precision" not in out:
+            keywords = PrecisionKeywords(**{k: out.pop(k) for k in PRECISION_DEFAULTS.keys() & out.keys()})
+            out["precision"] = precision_policy({str(i): p for i, p in enumerate(params)}, None, keywords)
+        out["precision"] = out["precision"].replace(wire=wire)
+        return out

@@ -268,12 +268,13 @@ class ZeroTrainerStrategy(DDPStrategy):
         if self._zero is not None:  # a second fit with this strategy: the first one's hooks leave the model
             self._zero.close()
         fp16 = is_fp16_mixed(self.precision_plugin, TRAINER)
+        params = [p for g in optimizer.param_groups for p in g["params"]]  # their dtypes pick the loss scaler
         self._zero = ZeroOptimizer(
             optimizer,
             module=self.lightning_module,
             partition_grad=self.stage == 2,
             init_sync=True,
-            **self.options.facade_kwargs(fp16_mixed=fp16, who=_WHO),
+            **self.options.facade_kwargs(fp16_mixed=fp16, who=_WHO, params=params),
         )
         self.optimizers = [self._zero]
         self.lr_scheduler_configs = scheduler_configs

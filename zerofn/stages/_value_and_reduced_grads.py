@@ -28,7 +28,7 @@ the collectives.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -38,6 +38,9 @@ from zerofn import _checks as checks
 from zerofn import _comm as comm
 from zerofn._comm import CommPolicy, Group, Pending
 from zerofn._tree import FrozenDict
+from zerofn._wire._bucket import launch_compressed, wire_plan
+from zerofn._wire._checks import check_wire
+from zerofn._wire._policy import CompressedWire
 from zerofn.buckets import StagingPool, launch_reduce, pack_grads
 from zerofn.layout import Bucket, ShardLayout
 from zerofn.precision import PrecisionPolicy
@@ -84,12 +87,27 @@ def _check_options(stage: Any, bucket_numel: Any, precision: Any, staging: Any, 
     if not callable(loss_fn):
         raise TypeError(f"{_WHERE}: loss_fn must be callable (params, *args) -> loss, got {type(loss_fn).__name__}")
     check_reduce_options(stage, bucket_numel, precision, staging, _WHERE)
-    if precision is not None and precision.wire is not None:
-        raise ValueError(
-            f"{_WHERE}: a compressed wire (precision.wire) is not served here yet: its residual goes in and out "
-            "of each reduction; take the gradients with torch.func.grad and call "
-            "zf.reduce_grads(grads, state.layout, precision=state.precision, residual=state.residual)"
-        )
+
+
+def _check_wire(
+    wire: CompressedWire | None,
+    layout: ShardLayout,
+    bucket_numel: int,
+    residual: Sequence[torch.Tensor] | None,
+    group: Group,
+    replicate_group: Group,
+    comm_dtype: torch.dtype | None,
+) -> None:
+    """What the compressed wire cannot serve, and a residual that does not fit: ``reduce_grads``'s checks."""
+    if wire is None:
+        if residual is not None:
+            raise ValueError(f"{_WHERE}: residual= is for a compressed wire with error feedback (precision.wire)")
+        return
+    buckets = layout.buckets(bucket_numel)
+    rank = comm.group_rank(group)
+    check_wire(
+        wire, layout, buckets, residual, rank=rank, replicate_group=replicate_group, comm_dtype=comm_dtype, where=_WHERE
+    )
 
 
 def _check_params(params: Any, layout: ShardLayout, group: Group) -> None:
@@ -188,8 +206,12 @@ class _Reduction:
         pool: StagingPool,
         device: torch.device,
         reachable: set[str],
+        wire: CompressedWire | None = None,
+        residual: Sequence[torch.Tensor] | None = None,
     ) -> None:
         self.layout, self.leaves, self.group, self.how = layout, leaves, group, how
+        # The compressed wire's residual, per bucket: a launched bucket's entry becomes its next one.
+        self.wire, self.residual = wire, list(residual) if residual is not None else None
         self.comm_dtype, self.replicate_group, self.pool, self.device = comm_dtype, replicate_group, pool, device
         self.rank = comm.group_rank(group)
         self.replicas = comm.group_size(replicate_group) if replicate_group is not None else 1
@@ -240,9 +262,16 @@ class _Reduction:
         rows = pack_grads(grads, self.layout, bucket, replicas=self.replicas, out=borrowed[: n * s].view(n, s))
         for name in grads:
             self.leaves[name].grad = None  # packed: its memory goes back while the backward runs on
-        pending = launch_reduce(
-            rows, self.layout, bucket, self.group, self.how, comm_dtype=self.comm_dtype, async_op=True
-        )
+        if self.wire is not None:
+            mine = self.residual[b] if self.residual is not None else None
+            plan = wire_plan(self.layout, bucket, self.wire)
+            pending, mine = launch_compressed(rows, plan, self.wire, mine, self.group)
+            if self.residual is not None:
+                self.residual[b] = mine  # type: ignore[assignment]
+        else:
+            pending = launch_reduce(
+                rows, self.layout, bucket, self.group, self.how, comm_dtype=self.comm_dtype, async_op=True
+            )
         self.in_flight.push((bucket, borrowed), pending)
         self.in_flight.settle_finished()
 
@@ -288,7 +317,8 @@ def value_and_reduced_grads(
     precision: PrecisionPolicy | None = None,
     replicate_group: Group = None,
     staging: StagingPool | None = None,
-) -> Callable[..., tuple[Any, FrozenDict[torch.Tensor]]]:
+    residual: Sequence[torch.Tensor] | None = None,
+) -> Callable[..., tuple[Any, Any]]:
     r"""Transform ``loss_fn`` into a function returning its value and this rank's mean-gradient
     shards, each bucket reduced as soon as the backward has produced its gradients.
 
@@ -339,6 +369,10 @@ def value_and_reduced_grads(
         (``reduce_grads``'s); their rows are summed after the backward, in launch order.
       staging: a :class:`~zerofn.buckets.StagingPool` the ``(N, S)`` rows are taken from
         and given back to between calls (``None``: one per call). The shards never alias it.
+      residual: with a compressed wire that keeps error feedback (``precision.wire``),
+        ``state.residual`` (``reduce_grads``'s): each call adds it to the chunks this rank
+        sends and returns the next one. Not written. Make the transform again each step
+        with the new state's residual (no collective, nothing traced). ``None`` otherwise.
 
     Returns:
       A function ``(params, *args, **kwargs) -> (loss, shards)``:
@@ -354,6 +388,8 @@ def value_and_reduced_grads(
         :func:`~zerofn.step_shards` takes, and of ``reduce_grads``'s type: a
         :class:`~zerofn.flat.FlatDict` on this rank's flat layout (each bucket's row
         written into its range of one buffer per group) when it holds a split param.
+      * with ``residual=``: ``(loss, (shards, next_residual))``, ``reduce_grads``'s pair:
+        give ``next_residual`` to ``step_shards(..., residual=)``.
 
     Collectives, per call: one tiny ``all_gather`` after the forward and before the
     backward (the rank-agreement check of ``reduce_grads``: layout, settings and this
@@ -361,8 +397,10 @@ def value_and_reduced_grads(
     one ``reduce_scatter`` (stage 2 on NCCL, or ``CommPolicy.byte_optimal()``) or one
     ``all_reduce`` (stage 1, or stage 2 on gloo) of ``N*S`` elements, asynchronous, and
     with replicas one ``all_reduce`` of ``S`` elements per bucket over
-    ``replicate_group`` at the end. The options are checked when the transform is made;
-    the params, the world and ``loss_fn``'s result (or the exception it raised) before the
+    ``replicate_group`` at the end. With a compressed wire, per bucket one
+    ``all_to_all_single`` of codes instead (``reduce_grads``'s, the same bits). The
+    options are checked when the transform is made; the params, the world, the wire and
+    its residual, and ``loss_fn``'s result (or the exception it raised) before the
     agreement all-gather, so a bad input on one rank makes every rank raise before any
     bucket is sent.
 
@@ -385,6 +423,7 @@ def value_and_reduced_grads(
     _check_options(stage, bucket_numel, precision, staging, loss_fn)
     precision = precision or DEFAULT_POLICY
     wire = comm_dtype if comm_dtype is not None else precision.comm_dtype
+    compressed = precision.wire
 
     def value_and_grads(params: Mapping[str, torch.Tensor], *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         comm.group_rank(group)  # a rank outside the group cannot take part: raise here, alone
@@ -395,6 +434,7 @@ def value_and_reduced_grads(
         try:
             checks.validate_world(layout, group, _WHERE)
             checks.validate_replicas(replicate_group, _WHERE)
+            _check_wire(compressed, layout, bucket_numel, residual, group, replicate_group, wire)
             _check_params(params, layout, group)
             leaves = {n: params[n].detach().requires_grad_() for n in params}
             with torch.enable_grad():
@@ -413,6 +453,7 @@ def value_and_reduced_grads(
                 "bucket_numel": bucket_numel,
                 "comm_dtype": checks.dtype_code(wire),
                 "replicas": comm.group_size(replicate_group) if replicate_group is not None else 1,
+                "wire": compressed.code if compressed is not None else 0,
             },
             device=device,
             failure=failure,
@@ -430,6 +471,8 @@ def value_and_reduced_grads(
             pool=pool,
             device=device,
             reachable=_reachable(loss, leaves) if loss.requires_grad else set(),
+            wire=compressed,
+            residual=residual,
         )
         reduction.launch_ready()  # buckets of params the loss does not reach go out at once, in turn
         hooks = [
@@ -443,6 +486,8 @@ def value_and_reduced_grads(
             for h in hooks:
                 h.remove()
         shards = reduction.finish()
+        if reduction.residual is not None:  # the compressed wire's error feedback: reduce_grads' pair
+            shards = (shards, tuple(reduction.residual))
         value = loss.detach()
         if has_aux:
             aux = pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, aux)
