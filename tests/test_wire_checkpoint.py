@@ -62,11 +62,13 @@ def _same_world_round_trip(path: str) -> None:
     state = _train(_fresh(), 0, 3)
     assert dist.get_world_size() == 1 or any(r.abs().max() > 0 for r in state.residual)
     ck.save(path, state)
+    ck.save(path + ".async", state, async_save=True).wait()  # staged with the rest
     full = ck.full_state_dict(state)
     straight = _train(state, 3, 2)
     params = _params()
     loaded = {
         "dcp": ck.load(path, params, precision=POLICY, bucket_numel=BUCKET),
+        "async": ck.load(path + ".async", params, precision=POLICY, bucket_numel=BUCKET),
         "torch": ck.shard_state_dict(full, params, precision=POLICY, bucket_numel=BUCKET),
     }
     for kind, again in loaded.items():
