@@ -6,7 +6,8 @@ Two formats, both world-size free:
 ``torch.optim.Optimizer.state_dict()`` returns — ``{"state": {index: {...}},
 "param_groups": [...]}`` with unpadded, param-shaped CPU tensors — plus one ``"zerofn"``
 entry for what torch has no slot for: names, shapes and dtypes of the params, the fp32
-master weights, the completed step count and the loss-scale state. A plain
+master weights, the completed step count, the loss-scale state and a compressed wire's
+residual. A plain
 ``torch.optim.AdamW`` loads it (and ignores the extra entry), and zerofn loads a plain
 torch state dict back at any world size. Every rank gathers the whole state: use it for
 small models, interop and tests.
@@ -33,14 +34,16 @@ rank's RNG, restored all or nothing (see :func:`load` for what restores at which
 The package, one file per part: ``_format`` (the on-disk metadata, hashes and atomic
 commit), ``_manifest`` (what a sharded checkpoint says was saved), ``_dcp`` (the sharded
 save), ``_load`` (the sharded load as one pipeline: read and verify the metadata, the
-manifest, check it against the live state, read the tensors, assemble), ``_torch_format`` (the torch-format
-full state dict), ``_validate`` (what a load checks against the live state), ``_optimizer``
-(the optimizer state as torch keeps it, and the optimizer a checkpoint describes),
-``_extras`` (``extra=`` objects and every rank's RNG, as data), ``_rng`` (the RNG states as
-data, and what a state dict may hold), ``_unpickle`` (reading a pickle as data: the
-allowlists), ``_reader`` (DCP's files read as data: the metadata, checked, the reader and
-the planner a load hands DCP), ``_async`` (saving in the background: staging, the write on
-a side group, the commit when it completes), ``_errors``.
+manifest, check it against the live state, read the tensors, assemble), ``_torch_format``
+(the torch-format full state dict; ``_gather`` gathers a state whole for it),
+``_residual`` (the compressed wire's residual, per param and sender, in both formats, and
+its N -> M rule), ``_validate`` (what a load checks against the live state),
+``_optimizer`` (the optimizer state as torch keeps it, and the optimizer a checkpoint
+describes), ``_extras`` (``extra=`` objects and every rank's RNG, as data), ``_rng`` (the
+RNG states as data, and what a state dict may hold), ``_unpickle`` (reading a pickle as
+data: the allowlists), ``_reader`` (DCP's files read as data: the metadata, checked, the
+reader and the planner a load hands DCP), ``_async`` (saving in the background: staging,
+the write on a side group, the commit when it completes), ``_errors``.
 
 A load reads data, never code: see "Loading a checkpoint someone else wrote" in the
 checkpoints guide for what it admits and what ``safe_globals=`` adds.

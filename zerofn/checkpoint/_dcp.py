@@ -29,6 +29,7 @@ from zerofn.checkpoint._errors import CheckpointError
 from zerofn.checkpoint._format import commit, write_meta
 from zerofn.checkpoint._manifest import Manifest
 from zerofn.checkpoint._optimizer import is_sharded, per_param
+from zerofn.checkpoint._residual import sender_rows
 from zerofn.checkpoint._validate import buffer_meta
 from zerofn.layout import ParamSpec
 from zerofn.state import ZeroState
@@ -129,6 +130,26 @@ def _rank_entries(
     return sd, kinds, master_dtypes
 
 
+def _residual_entries(rows: Mapping[str, torch.Tensor], state: ZeroState, mesh: Any) -> dict[str, Any]:
+    """This rank's sender rows (:func:`~zerofn.checkpoint._residual.sender_rows`) as DCP entries
+    ``residual/<name>``: row ``rank`` of a float32 ``(N, numel)`` DTensor, ``Shard(0)`` (one row
+    per rank), on the master's device (the mesh's; the residual lives with the gradients)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    n, device = state.layout.world_size, state.state_device
+    return {
+        f"residual/{name}": DTensor.from_local(
+            row.to(device).view(1, -1),
+            mesh,
+            [Shard(0)],
+            run_check=False,
+            shape=(n, row.numel()),
+            stride=(row.numel(), 1),
+        )
+        for name, row in rows.items()
+    }
+
+
 def _before_commit() -> None:
     """The point of a save where every file is written and ``path`` still names the previous
     checkpoint. Does nothing; a test replaces it to stop a process there."""
@@ -155,7 +176,9 @@ def save(
 
     Args:
       path: where the checkpoint lives (a symlink managed by zerofn).
-      state: this rank's ZeroState.
+      state: this rank's ZeroState. With a compressed wire's residual (error feedback),
+        each rank writes its residual too, per compressed param: its row of a float32
+        ``(N, numel)`` entry ``residual/<name>`` (:mod:`zerofn.checkpoint._residual`).
       group: the sharding group; every rank of it must call ``save``.
       params: optional full model weights (name -> tensor) to store alongside.
       buffers: optional model buffers (name -> tensor, any dtype: BatchNorm's running
@@ -221,12 +244,15 @@ def save(
     path = os.path.abspath(os.fspath(path))
     if os.path.isdir(path) and not os.path.islink(path):
         raise CheckpointError(f"{path} is a plain directory; zerofn manages checkpoint paths as symlinks")
+    rows = sender_rows(state)  # before any collective: a residual that does not fit raises here
     payload = _extras.capture(extra, rng, group, "zerofn.checkpoint.save", safe_globals)
     layout = state.layout
     rank = comm.group_rank(group)
     token = comm.broadcast_object(uuid.uuid4().hex[:12] if rank == 0 else None, group)
     target = f"{path}.{token}"
-    sd, kinds, master_dtypes = _rank_entries(state, rank, comm_dcp.device_mesh(group, state.state_device.type))
+    mesh = comm_dcp.device_mesh(group, state.state_device.type)
+    sd, kinds, master_dtypes = _rank_entries(state, rank, mesh)
+    sd.update(_residual_entries(rows, state, mesh))
     if params is not None:
         for name, t in params.items():
             sd[f"model/{name}"] = t.detach()
@@ -242,7 +268,9 @@ def save(
     if async_save:  # the extras were captured (deep copies) above: written in the background as they were
         model = sorted(params) if params is not None else None
         entries = _extras.manifest_entries(payload)
-        manifest = Manifest.of(state, kinds, master_dtypes, model, buffer_meta(buffers), **entries)
+        manifest = Manifest.of(
+            state, kinds, master_dtypes, model, buffer_meta(buffers), **entries, residual=tuple(rows)
+        )
         write_extras = None if payload is None else functools.partial(_extras.write, target, rank, payload)
         return _async.save(
             path,
@@ -260,7 +288,9 @@ def save(
     if rank == 0:
         model = sorted(params) if params is not None else None
         entries = _extras.manifest_entries(payload)
-        manifest = Manifest.of(state, kinds, master_dtypes, model, buffer_meta(buffers), **entries)
+        manifest = Manifest.of(
+            state, kinds, master_dtypes, model, buffer_meta(buffers), **entries, residual=tuple(rows)
+        )
         write_meta(target, manifest.to_json())
     comm.barrier(group)
     _before_commit()

@@ -23,8 +23,15 @@ from zerofn.checkpoint._errors import CheckpointError, raise_alike
 from zerofn.checkpoint._format import read_meta
 from zerofn.checkpoint._manifest import Manifest
 from zerofn.checkpoint._optimizer import from_per_param, with_loss_scale
+from zerofn.checkpoint._residual import (
+    check_bucket_numel,
+    compressed_names,
+    feedback_wire,
+    own_or_resharded,
+    with_residual,
+)
 from zerofn.checkpoint._validate import check_buffers, check_fits, check_placements, layout_and_masters
-from zerofn.layout import ParamSpec, ShardLayout
+from zerofn.layout import DEFAULT_BUCKET_NUMEL, ParamSpec, ShardLayout
 from zerofn.precision import PrecisionPolicy
 from zerofn.state import DEFAULT_POLICY, ZeroState
 
@@ -121,6 +128,7 @@ def load(
     extra: Mapping[str, Any] | None = None,
     rng: bool = True,
     safe_globals: Sequence[Any] = (),
+    bucket_numel: int = DEFAULT_BUCKET_NUMEL,
 ) -> ZeroState:
     """Read a checkpoint written by :func:`save` at any world size into this group's shards.
 
@@ -149,6 +157,15 @@ def load(
         checkpoint whose ``zerofn.json`` says its extras pickle some (saved with
         ``safe_globals=``) loads its extras only when this covers them all; the record
         itself admits nothing. Pass it only for a checkpoint whose author you trust.
+      bucket_numel: the loaded state's ``bucket_numel`` (its buckets' size, which a
+        compressed wire's residual follows): what ``shard_params`` was given for the run
+        that continues. The saved bucket size does not matter.
+
+    With ``precision.wire`` keeping error feedback, the saved residual is restored: at the
+    saved world size each rank's own, bitwise; at another, every saved sender's sum split
+    evenly over the new senders, which keeps the next reduced gradient's expectation
+    (:mod:`zerofn.checkpoint._residual`); zeros for a checkpoint saved without one. Without
+    such a wire a saved residual is dropped (at most one step's quantization error).
 
     Every file is read as data, never as code: DCP's metadata through an allowlist of its
     own types, the shards and the extras with ``torch.load(weights_only=True)`` (see
@@ -164,7 +181,7 @@ def load(
         names other keys than the saved ones, or a per-rank extra at another world size;
         reading failed; an extra's ``load_state_dict`` raised on any rank; a file names
         a global that is not data (the message names the file and the global), before
-        anything it names has run.
+        anything it names has run. A ``bucket_numel`` that is not a positive int.
 
     Collectives: one object all-gather of every rank's verdict before reading; DCP's plan
     exchange (each rank reads the pieces its shards overlap); one verdict all-gather after
@@ -179,7 +196,19 @@ def load(
         meta = read_meta(path, verify)
         saved = Manifest.from_json(meta)
         plan = _plan(
-            saved, path, meta["files"], like, group, optimizer, params_out, buffers_out, extra, rng, safe_globals
+            saved,
+            path,
+            meta["files"],
+            like,
+            group,
+            optimizer,
+            params_out,
+            buffers_out,
+            extra,
+            rng,
+            safe_globals,
+            precision,
+            bucket_numel,
         )
         failure: Exception | None = None
     except (CheckpointError, AttributeError, KeyError, TypeError, ValueError) as e:
@@ -190,8 +219,8 @@ def load(
 
     state: ZeroState | None = None
     try:
-        master, entries, staged, staged_buffers = _read(path, saved, plan, group, params_out, buffers_out)
-        state = _assemble(saved, plan, master, entries, precision)
+        master, entries, staged, staged_buffers, rows = _read(path, saved, plan, group, params_out, buffers_out)
+        state = with_residual(_assemble(saved, plan, master, entries, precision), rows, plan.bucket_numel)
         failure = None
     except CheckpointError as e:
         failure = e
@@ -242,6 +271,8 @@ class _Plan(NamedTuple):
     device: torch.device  # where the master shards and the state live
     restore: _extras.ToRestore  # the extras' states and the RNG this rank restores
     metadata: Any  # DCP's Metadata, read as data and checked (zerofn.checkpoint._reader)
+    residual: tuple[str, ...]  # the saved residuals the policy's wire keeps, read and kept
+    bucket_numel: int  # the loaded state's, which its residual's buckets follow
 
 
 def _plan(
@@ -256,6 +287,8 @@ def _plan(
     extra: Mapping[str, Any] | None,
     rng: bool,
     safe_globals: Sequence[Any],
+    precision: PrecisionPolicy | None,
+    bucket_numel: int,
 ) -> _Plan:
     """Everything :func:`load` checks before reading a tensor, and what it then reads into.
 
@@ -280,7 +313,13 @@ def _plan(
     device = next(iter(like.values())).device if isinstance(like, Mapping) else torch.device("cpu")
     rank, n = comm.group_rank(group), comm.group_size(group)
     restore = _extras.read(path, saved, files, extra, rng, rank, n, safe_globals)
-    return _Plan(layout, fopt, rank, device, restore, metadata)
+    check_bucket_numel(bucket_numel, "zerofn.checkpoint.load")
+    unknown = sorted(set(saved.residual or ()) - set(layout.names))
+    if unknown:
+        raise CheckpointError(f"{path}: zerofn.json lists a residual of {unknown[0]!r}, which the model does not have")
+    kept = set(saved.residual or ()) & set(compressed_names(layout, feedback_wire(precision)))
+    residual = tuple(n for n in layout.names if n in kept)
+    return _Plan(layout, fopt, rank, device, restore, metadata, residual, bucket_numel)
 
 
 def _read(
@@ -290,8 +329,15 @@ def _read(
     group: Group,
     params_out: Mapping[str, torch.Tensor] | None,
     buffers_out: Mapping[str, torch.Tensor] | None,
-) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Read this rank's pieces: (masters, per-param state, model weights, buffers), all new tensors.
+) -> tuple[
+    dict[str, torch.Tensor],
+    dict[str, dict[str, Any]],
+    dict[str, torch.Tensor],
+    dict[str, torch.Tensor],
+    dict[str, torch.Tensor],
+]:
+    """Read this rank's pieces: (masters, per-param state, model weights, buffers, residual
+    sender rows), all new tensors.
 
     The model's weights and buffers are read into new tensors, copied into the caller's only
     once every rank has read and checked everything: a failed load leaves the model as it
@@ -301,6 +347,7 @@ def _read(
     """
     mesh = comm_dcp.device_mesh(group, plan.device.type)
     sd, master, entries = _receiving_buffers(saved, plan.layout, plan.rank, plan.device, mesh)
+    residual = _residual_receivers(sd, saved, plan, mesh)
     staged: dict[str, torch.Tensor] = {}
     if params_out is not None:
         for name in saved.model or ():
@@ -318,7 +365,36 @@ def _read(
         if key.startswith("optim/") and isinstance(value, torch.Tensor) and value.dim() == 0:
             _, name, field = key.split("/", 2)
             entries[name][field] = value
-    return master, entries, staged, staged_buffers
+    if saved.saved_world_size == plan.layout.world_size:
+        rows = {name: local[0] for name, local in residual.items()}
+    else:
+        rows = own_or_resharded(residual, plan.layout, plan.rank)
+    return master, entries, staged, staged_buffers, rows
+
+
+def _residual_receivers(sd: dict[str, Any], saved: Manifest, plan: _Plan, mesh: Any) -> dict[str, torch.Tensor]:
+    """The tensors the saved residuals of ``plan.residual`` are read into, also put in ``sd``.
+
+    At the saved world size this rank's own row only: a ``(1, numel)`` local part of the
+    ``(N, numel)`` entry (a DTensor, ``Shard(0)``). At another, every saved sender's rows,
+    ``(N_saved, numel)``, which the N -> M rule sums (4 N_saved bytes per element of the
+    compressed params, for the length of the load).
+    """
+    from torch.distributed.tensor import DTensor, Shard
+
+    same = saved.saved_world_size == plan.layout.world_size
+    out: dict[str, torch.Tensor] = {}
+    for name in plan.residual:
+        numel = plan.layout[name].numel
+        if same:
+            out[name] = torch.zeros(1, numel, dtype=torch.float32, device=plan.device)
+            sd[f"residual/{name}"] = DTensor.from_local(
+                out[name], mesh, [Shard(0)], run_check=False, shape=(saved.saved_world_size, numel), stride=(numel, 1)
+            )
+        else:
+            out[name] = torch.zeros(saved.saved_world_size, numel, dtype=torch.float32, device=plan.device)
+            sd[f"residual/{name}"] = out[name]
+    return out
 
 
 def _assemble(

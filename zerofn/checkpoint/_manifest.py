@@ -57,6 +57,9 @@ class Manifest:
       pickled: the globals (``module.qualname``) beyond data that the extras files pickle,
         which the caller admitted with ``safe_globals=`` at save (``None``: none). A load
         asks its caller to admit them again; this record admits nothing by itself.
+      residual: the compressed params whose wire residual was saved (``None``: none), each
+        as the DCP entry ``residual/<name>``: float32 ``(saved_world_size, numel)``, row
+        ``s`` written by rank ``s`` (:mod:`zerofn.checkpoint._residual`).
     """
 
     names: tuple[str, ...]
@@ -77,6 +80,7 @@ class Manifest:
     rng: bool | None = None
     extras_format: int = EXTRAS_FORMAT
     pickled: tuple[str, ...] | None = None
+    residual: tuple[str, ...] | None = None
 
     @classmethod
     def of(
@@ -89,6 +93,7 @@ class Manifest:
         extras: Mapping[str, bool] | None = None,
         rng: bool | None = None,
         pickled: tuple[str, ...] | None = None,
+        residual: tuple[str, ...] | None = None,
     ) -> Manifest:
         """What a save of ``state`` writes (``kinds`` and ``master_dtypes`` of every param)."""
         layout = state.layout
@@ -111,6 +116,7 @@ class Manifest:
             extras=extras,
             rng=rng,
             pickled=tuple(pickled) if pickled else None,
+            residual=tuple(residual) if residual else None,
         )
 
     @classmethod
@@ -143,6 +149,7 @@ class Manifest:
             rng=meta.get("rng"),
             extras_format=int(meta.get("extras_format", 1)),
             pickled=tuple(str(n) for n in meta["pickled"]) if meta.get("pickled") else None,
+            residual=tuple(str(n) for n in meta["residual"]) if meta.get("residual") else None,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -167,6 +174,7 @@ class Manifest:
             "rng": self.rng,
             "extras_format": self.extras_format,
             "pickled": list(self.pickled) if self.pickled else None,
+            "residual": list(self.residual) if self.residual else None,
         }
 
     def params_meta(self) -> dict[str, list[Any]]:

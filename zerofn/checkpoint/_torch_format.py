@@ -14,9 +14,10 @@ from zerofn import _comm as comm
 from zerofn import _state_dict_checks, lowbit, optim
 from zerofn._comm import Group
 from zerofn._tree import FrozenDict
-from zerofn.buckets import cut_shard, launch_gather, pack_shards, unpack_rows
+from zerofn.buckets import cut_shard
 from zerofn.checkpoint._errors import CheckpointError
 from zerofn.checkpoint._format import FORMAT_VERSION
+from zerofn.checkpoint._gather import cpu_copy, gather_full, gather_quantized, gather_whole
 from zerofn.checkpoint._optimizer import (
     check_same_optimizer,
     from_per_param,
@@ -28,6 +29,15 @@ from zerofn.checkpoint._optimizer import (
     saved_optimizer,
     torch_defaults,
     with_loss_scale,
+)
+from zerofn.checkpoint._residual import (
+    check_bucket_numel,
+    check_saved_rows,
+    compressed_names,
+    feedback_wire,
+    gather_rows,
+    own_or_resharded,
+    with_residual,
 )
 from zerofn.checkpoint._validate import (
     MATRIX_ONLY,
@@ -61,87 +71,6 @@ def _is_per_element(key: str, value: Any, spec: ParamSpec) -> bool:
     return spec.shape != () or key not in _SCALAR_KEYS
 
 
-def _gather_full(
-    shards: Mapping[str, torch.Tensor], layout: ShardLayout, group: Group, bucket_numel: int
-) -> dict[str, torch.Tensor]:
-    """Full, param-shaped CPU tensors (in the shards' dtypes) from every rank's shards.
-
-    Collectives: per bucket one all-gather (or per-rank broadcasts on gloo) of the rows.
-    """
-    how = comm.CommPolicy().resolve(group)[1]
-    out: dict[str, torch.Tensor] = {}
-    for bucket in layout.buckets(bucket_numel, shards):
-        # Shards of mixed dtypes (e.g. bf16 + fp32) are promoted exactly in the row; each
-        # full tensor gets its shard's dtype back.
-        row = pack_shards(shards, layout, bucket)
-        rows = launch_gather(row, group, how).wait()
-        fulls = {n: torch.empty(layout[n].shape, dtype=shards[n].dtype, device=row.device) for n in bucket.names}
-        unpack_rows(rows, layout, bucket, fulls)
-        out.update({n: t.cpu() for n, t in fulls.items()})
-    for name, shard in shards.items():
-        if name not in out:  # empty params
-            out[name] = torch.empty(layout[name].shape, dtype=shard.dtype)
-    return out
-
-
-def _gather_quantized(
-    entries: Mapping[str, Mapping[str, Any]], layout: ShardLayout, group: Group
-) -> dict[tuple[str, str], torch.Tensor]:
-    """The low-bit state of every blocked(B) param, param-shaped, in torchao's own state tensor
-    types, on every rank: the ranks' codes and block scales joined in block order (the global
-    layout: block ``k`` of the param is elements ``[k * B, (k + 1) * B)`` at every N).
-
-    Collectives: one object all-gather over ``group`` when the layout has blocked params
-    (static: every rank takes the same branch).
-    """
-    if not any(p.block for p in layout.params):
-        return {}
-    # Codes travel as their bytes (uint8): torch's pickling of float8 tensors fails on load.
-    mine = {
-        (n, k): (lowbit.parts(v)[0].detach().cpu().view(torch.uint8).clone(), lowbit.parts(v)[1].detach().cpu().clone())
-        for n, e in entries.items()
-        if layout[n].block
-        for k, v in e.items()
-        if lowbit.is_quantized(v)
-    }
-    everyone = comm.all_gather_objects(mine, group)
-    out = {}
-    for n, k in mine:
-        dtype = entries[n][k].codes.dtype
-        pieces = [(theirs[n, k][0].view(dtype), theirs[n, k][1]) for theirs in everyone]  # type: ignore[index]
-        out[n, k] = lowbit.to_global(entries[n][k], pieces, layout[n]).to("cpu")
-    return out
-
-
-def _cpu_copy(v: Any) -> Any:
-    return v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v
-
-
-def _gather_whole(
-    state: ZeroState, entries: Mapping[str, Mapping[str, Any]], group: Group
-) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
-    """Every whole param's master and optimizer state, from its owner, on every rank (CPU copies).
-
-    Collectives: one object all-gather over ``group`` (each rank sends what it owns).
-    """
-    mine = {
-        s.name: (
-            state.master[s.name].detach().cpu().clone(),
-            {k: _cpu_copy(v) for k, v in entries.get(s.name, {}).items()},
-        )
-        for s in state.layout.params
-        if s.is_whole and s.holds(state.rank)
-    }
-    masters: dict[str, torch.Tensor] = {}
-    states: dict[str, dict[str, Any]] = {}
-    for theirs in comm.all_gather_objects(mine, group):
-        for name, (master, entry) in theirs.items():  # type: ignore[union-attr]
-            masters[name] = master
-            if entry:
-                states[name] = entry
-    return masters, states
-
-
 def full_state_dict(
     state: ZeroState,
     group: Group = None,
@@ -169,13 +98,22 @@ def full_state_dict(
     for :func:`shard_state_dict`'s ``buffers_out``; rank 0's dict holds rank 0's, which is
     what a rank-0 save writes, as DDP's rank-0 ``model.state_dict()``.
 
+    A state with a compressed wire's residual (error feedback) adds ``"zerofn"["residual"]``
+    (in the first dict of a list): name -> float32 ``(N, numel)`` CPU tensor per compressed
+    param, row ``s`` rank ``s``'s residual laid out over the param's flattened elements
+    (zeros on its own chunk), in the saved loss scale's units (:mod:`zerofn.checkpoint._residual`).
+
     Collectives: bucketed all-gathers of every shard-shaped state field and the masters of
-    the split params; with whole params one object all-gather of the owners' state.
+    the split params; with whole params one object all-gather of the owners' state; with
+    a residual one gather of every rank's residual rows.
     """
     result = _full_state_dict(state, group, bucket_numel)
+    first = result[0] if isinstance(result, list) else result
     if buffers is not None:
-        first = result[0] if isinstance(result, list) else result
         first["zerofn"]["buffers"] = {n: b.detach().to("cpu", copy=True) for n, b in buffers.items()}
+    residual = gather_rows(state, group)
+    if residual:
+        first["zerofn"]["residual"] = residual
     return result
 
 
@@ -190,23 +128,23 @@ def _full_state_dict(state: ZeroState, group: Group, bucket_numel: int) -> dict[
 
     keys = sorted({k for n, e in entries.items() if n in split for k, v in e.items() if plain(v)})
     gathered = {
-        k: _gather_full(
+        k: gather_full(
             {n: e[k] for n, e in entries.items() if n in split and k in e and plain(e[k])}, layout, group, bucket_numel
         )
         for k in keys
     }
-    quantized = _gather_quantized(entries, layout, group)
-    master = _gather_full({n: t for n, t in state.master.items() if n in split}, layout, group, bucket_numel)
+    quantized = gather_quantized(entries, layout, group)
+    master = gather_full({n: t for n, t in state.master.items() if n in split}, layout, group, bucket_numel)
     full_entries: dict[str, dict[str, Any]] = {
         n: {
-            k: quantized[n, k] if lowbit.is_quantized(v) else gathered[k][n] if is_sharded(v) else _cpu_copy(v)
+            k: quantized[n, k] if lowbit.is_quantized(v) else gathered[k][n] if is_sharded(v) else cpu_copy(v)
             for k, v in e.items()
         }
         for n, e in entries.items()
         if n in split
     }
     if layout.has_whole:
-        whole_masters, whole_entries = _gather_whole(state, entries, group)
+        whole_masters, whole_entries = gather_whole(state, entries, group)
         master.update(whole_masters)
         full_entries.update(whole_entries)
     if state.optimizer.parts:
@@ -298,6 +236,7 @@ def shard_state_dict(
     precision: PrecisionPolicy | None = None,
     group_sizes: list[int] | None = None,
     buffers_out: Mapping[str, torch.Tensor] | None = None,
+    bucket_numel: int = DEFAULT_BUCKET_NUMEL,
 ) -> ZeroState:
     """A ZeroState for this rank, at the group's world size, from a full state dict.
 
@@ -318,12 +257,20 @@ def shard_state_dict(
       buffers_out: the model's buffers, filled in place from ``"zerofn"["buffers"]`` once
         everything else has been checked and built (names, shapes and dtypes must be the
         saved ones); a state dict without buffers leaves them as they are.
+      bucket_numel: the state's ``bucket_numel`` (its buckets' size, which a compressed
+        wire's residual follows): what ``shard_params`` was given for the run that continues.
+
+    With ``precision.wire`` keeping error feedback, the residual comes from
+    ``"zerofn"["residual"]``: each rank's own row at the saved world size (bitwise), else
+    every saved sender's sum split over the new senders (:mod:`zerofn.checkpoint._residual`);
+    zeros for params without a saved residual. Without such a wire a saved residual is dropped.
 
     Raises:
       CheckpointError: before anything is built, when the state dict does not fit: another
         model (param shapes), another optimizer (state keys), another grouping, state that
         is one rank's shard, missing or invalid hyperparameters, or a zerofn entry of an
-        unknown format version. The message names the param, key and shapes.
+        unknown format version, a residual that is not float32 (N_saved, numel) per param of
+        the model, or a bad bucket_numel. The message names the param, key and shapes.
 
     Returns:
       The ZeroState; masters from ``full["zerofn"]["master"]`` when present, else ``like``.
@@ -335,6 +282,7 @@ def shard_state_dict(
     saved_buffers = zfirst.get("buffers") if isinstance(zfirst, Mapping) else None
     if buffers_out is not None and saved_buffers is not None:
         check_buffers(buffer_meta(saved_buffers), buffers_out, "shard_state_dict")
+    check_bucket_numel(bucket_numel, "shard_state_dict")
     state = _shard_state_dict(
         full,
         like,
@@ -344,6 +292,10 @@ def shard_state_dict(
         precision=precision,
         group_sizes=group_sizes,
     )
+    saved_residual = zfirst.get("residual") if isinstance(zfirst, Mapping) else None
+    rows = check_saved_rows(saved_residual, state.layout, "shard_state_dict") if saved_residual is not None else {}
+    kept = {n: rows[n] for n in compressed_names(state.layout, feedback_wire(state.precision)) if n in rows}
+    state = with_residual(state, own_or_resharded(kept, state.layout, state.rank), bucket_numel)
     if buffers_out is not None and saved_buffers is not None:
         for name, value in saved_buffers.items():
             buffers_out[name].detach().copy_(value)
