@@ -108,7 +108,7 @@ class FacadeWire:
             self._next = list(self._state_residual())
         mine = self._next[b] if self._next is not None else None
         plan = wire_plan(self._layout, bucket, self._wire)
-        pending, mine = launch_compressed(rows, plan, self._wire, mine, self._group)
+        pending, mine = launch_compressed(rows, plan, self._wire.format, mine, self._group)
         if self._next is not None:
             self._next[b] = mine  # type: ignore[assignment]
         return pending

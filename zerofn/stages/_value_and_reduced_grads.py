@@ -265,7 +265,7 @@ class _Reduction:
         if self.wire is not None:
             mine = self.residual[b] if self.residual is not None else None
             plan = wire_plan(self.layout, bucket, self.wire)
-            pending, mine = launch_compressed(rows, plan, self.wire, mine, self.group)
+            pending, mine = launch_compressed(rows, plan, self.wire.format, mine, self.group)
             if self.residual is not None:
                 self.residual[b] = mine  # type: ignore[assignment]
         else:
