@@ -291,3 +291,55 @@ def test_the_lightning_options_refuse_a_wire_they_cannot_serve_when_built():
         ZeroOptions(communication_wire=WIRE, stage=1)
     with pytest.raises(TypeError, match=r"must be a zerofn\.CompressedWire"):
         ZeroOptions(communication_wire=torch.int8)
+
+
+# ------------------------------------------------------------------ the facade's checkpoints
+
+
+def _facade(model: nn.Module) -> zf.ZeroOptimizer:
+    return zf.ZeroOptimizer(
+        model.named_parameters(),
+        zf.optim.adamw(lr=1e-2),
+        partition_grad=True,
+        precision=zf.PrecisionPolicy(wire=WIRE),
+        reduce_bucket_size=BUCKET,
+        module=model,
+    )
+
+
+def _facade_steps(opt: zf.ZeroOptimizer, model: nn.Module, steps: range) -> None:
+    rank = dist.get_rank()
+    for step in steps:
+        x, y = _batch(rank, step)
+        opt.backward(((model(x) - y) ** 2).mean())
+        opt.step()
+        opt.zero_grad()
+
+
+def _facade_resumes_with_its_residual(path: str, how: str) -> None:
+    rank = dist.get_rank()
+    model = _model()
+    opt = _facade(model)
+    _facade_steps(opt, model, range(2))
+    saved = opt.state_dict() if how == "state_dict" else opt.save_checkpoint(path)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}  # as a torch loop saves the model
+    _facade_steps(opt, model, range(2, 4))  # the unbroken run
+    assert any(r.abs().max() > 0 for r in opt.state.residual if r.numel()), "the residual must not be trivial"
+    fresh = _model()
+    again = _facade(fresh)
+    if how == "state_dict":
+        fresh.load_state_dict(weights)
+        again.load_state_dict(saved)
+    else:
+        again.load_checkpoint(path)
+    _facade_steps(again, fresh, range(2, 4))
+    for (name, p), q in zip(model.named_parameters(), fresh.parameters(), strict=True):
+        assert_bitwise_equal(q.detach(), p.detach(), f"rank {rank}: {name} after the resumed steps")
+    for i, (got, want) in enumerate(zip(again.state.residual, opt.state.residual, strict=True)):
+        assert_bitwise_equal(got, want, f"rank {rank}: residual {i} after the resumed steps")
+
+
+@pytest.mark.parametrize("how", ["checkpoint", "state_dict"])
+@pytest.mark.parametrize("n", [2, 3])
+def test_the_facade_resumes_with_its_residual_bitwise_from_either_format(tmp_path, n, how):
+    get_world(n).run(_facade_resumes_with_its_residual, str(tmp_path / "ckpt"), how)

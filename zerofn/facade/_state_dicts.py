@@ -75,6 +75,7 @@ class StateDicts:
                 optimizer=state.optimizer,
                 master_dtype=_master_dtype(state),
                 group_sizes=sizes,
+                **_residual_options(state),
             )
             buffers = _saved_buffers(state_dict)
             if buffers is not None and self._module is not None:
@@ -98,7 +99,7 @@ class StateDicts:
 
     def adopt(self, state: ZeroState, new: ZeroState) -> ZeroState:
         """``state`` with a loaded state's contents, keeping this facade's static settings."""
-        fields = ("optimizer", "master", "opt_state", "step", "loss_scale")
+        fields = ("optimizer", "master", "opt_state", "step", "loss_scale") + (("residual",) if state.residual else ())
         self._hyperparams.reset()
         self._reducer.drop_shards()
         return state.replace(**{f: getattr(new, f) for f in fields if hasattr(new, f)})
@@ -152,8 +153,17 @@ class StateDicts:
             extra=extra,
             rng=rng,
             safe_globals=safe_globals,
+            **_residual_options(state),
         )
         return self.adopt(state, new)
+
+
+def _residual_options(state: ZeroState) -> dict[str, Any]:
+    """What a load needs to restore the compressed wire's residual (saved per param): the
+    policy that keeps it and the buckets it is cut for. Nothing without one."""
+    if not state.residual:
+        return {}
+    return {"precision": state.precision, "bucket_numel": state.bucket_numel}
 
 
 def state_dict_blocks(
