@@ -224,3 +224,24 @@ def test_a_compressed_wire_with_comm_dtype_or_a_bad_setting_is_refused_when_buil
         zf.CompressedWire(min_numel=-1)
     with pytest.raises(ValueError, match="kind must be one of"):
         zf.CompressedWire(kind="int4")
+
+
+def _compiled_reduction_stops_at_trace_time() -> str:
+    state = zf.shard_params(_params(), zf.optim.sgd(lr=0.1), precision=zf.PrecisionPolicy(wire=WIRE))
+
+    def reduce(grads):
+        return zf.reduce_grads(grads, state.layout, precision=state.precision, residual=state.residual)
+
+    compiled = torch.compile(reduce, fullgraph=True, backend="eager")
+    with zf.count_bytes() as counter:
+        try:
+            compiled(_grads(dist.get_rank(), 0))
+        except Exception as e:  # dynamo's Unsupported, carrying the message
+            assert not counter.by_collective, counter.by_collective  # stopped before any collective
+            return str(e)
+    return "compiled"
+
+
+def test_a_compiled_reduction_over_the_wire_stops_at_trace_time_with_the_way_out():
+    for message in get_world(2).run(_compiled_reduction_stops_at_trace_time):
+        assert "the compressed wire runs eagerly" in message and "wire=None" in message, message
