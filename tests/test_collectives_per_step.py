@@ -6,8 +6,8 @@ all-gather (before any bucket, so ranks with other layouts raise instead of send
 sizes), one reduction per bucket, one scalar all-reduce (norm and verdicts) and one gather
 per bucket. The functional loop reaches the same minimum: ``reduce_grads`` agrees, and the
 state ``step_shards`` returns was confirmed in its scalar all-reduce, so ``gather_params`` on
-the state's buckets sends no agreement; given a ``bucket_numel`` of its own, the gather
-agrees on it. A group of one sends nothing.
+the state's buckets (``bucket_numel`` omitted or the state's own) sends no agreement; given
+another ``bucket_numel``, the gather agrees on it. A group of one sends nothing.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch.nn as nn
 import zerofn as zf
 
 BUCKET = 160  # elements: the model below makes three buckets
+OTHER_BUCKET = 4096  # a gather bucket size of its own: one bucket
 
 
 def _model() -> nn.Module:
@@ -51,7 +52,7 @@ def _counted_steps() -> dict[str, tuple[int, dict[str, int]]]:
     params = {k: v.detach() for k, v in model.named_parameters()}
     state = zf.shard_params(params, zf.optim.adamw(), bucket_numel=BUCKET)
     grad_fn = torch.func.grad(lambda p: torch.func.functional_call(model, p, (x,)).square().mean())
-    for gather_bucket in (None, BUCKET):
+    for gather_bucket in (None, BUCKET, OTHER_BUCKET):
         with zf.count_bytes() as counter:
             shards = zf.reduce_grads(grad_fn(params), state.layout, bucket_numel=BUCKET)
             state, _ = zf.step_shards(state, shards, max_norm=1.0)
@@ -60,19 +61,27 @@ def _counted_steps() -> dict[str, tuple[int, dict[str, int]]]:
             len(state.layout.buckets(BUCKET)),
             counter.calls_by_collective,
         )
+    out["gather buckets"] = (len(state.layout.buckets(OTHER_BUCKET)), {})
     return out
 
 
 def test_a_step_sends_one_agreement_one_collective_per_bucket_each_way_and_one_scalar_all_reduce(world):
     n = world.world_size
     for per_rank in world.run(_counted_steps):
+        other_buckets, _ = per_rank.pop("gather buckets")
+        assert other_buckets == 1
         for loop, (buckets, calls) in per_rank.items():
             assert buckets == 3, loop
             if n == 1:
                 assert calls == {}, loop
                 continue
-            # gloo's default realisations: all_reduce to reduce, one broadcast per rank to gather
-            # an explicit bucket size of the gather's own is agreed on by the gather itself
-            agreements = 2 if loop == f"functional gather bucket_numel={BUCKET}" else 1
-            expected = {"check": agreements, "all_reduce": buckets, "scalars": 1, "broadcast": buckets}
+            # gloo's default realisations: all_reduce to reduce, one broadcast per rank to gather.
+            # A bucket size other than the state's is agreed on by the gather itself.
+            other = loop == f"functional gather bucket_numel={OTHER_BUCKET}"
+            expected = {
+                "check": 2 if other else 1,
+                "all_reduce": buckets,
+                "scalars": 1,
+                "broadcast": other_buckets if other else buckets,
+            }
             assert calls == expected, loop

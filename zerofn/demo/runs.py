@@ -109,10 +109,8 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 class ByteLog:
     """What a run sent, by collective, summed over ``zf.count_bytes()`` blocks.
 
-    The blocks run one after another, not nested: with torch 2.13 and this zerofn, an
-    inner ``count_bytes`` block that ends while its counter still equals the outer one's
-    (both at 0 bytes, e.g. around a ``no_sync`` backward) removes the outer counter from
-    the active stack (``CommCounter`` is a dataclass compared by value).
+    One block per part of a step (a micro-batch's backward, the step), so that what the
+    accumulation micro-steps sent (nothing, under ``no_sync``) is counted apart.
     """
 
     def __init__(self) -> None:

@@ -45,12 +45,13 @@ def gather_params(
         of allocating new ones. Validated before any collective.
       check: confirm with one tiny all-gather that every rank has the same layout and
         bucket size (the default), unless ``state`` comes from a ``step_shards`` over
-        ``group`` that confirmed both (``state.agreed_in``) and ``bucket_numel`` is
-        ``None``: then the step's own scalar all-reduce has, and a functional step runs one
-        agreement in all. A caller that has confirmed it once for this layout and group, as
-        the facade does at construction, may pass False to save the round trip. (Which
-        path a gather takes must be the same on every rank: pass ``bucket_numel`` on all
-        ranks or on none.)
+        ``group`` that confirmed both (``state.agreed_in``) and the gather uses the state's
+        bucket size (``bucket_numel`` ``None`` or ``state.bucket_numel``): then the step's
+        own scalar all-reduce has, and a functional step runs one agreement in all. A
+        caller that has confirmed it once for this layout and group, as the facade does at
+        construction, may pass False to save the round trip. (Which path a gather takes
+        must be the same on every rank: a bucket size other than the state's is passed on
+        all ranks or on none.)
       staging: explicit buffer reuse: a :class:`~zerofn.buckets.StagingPool` the ``(N, S)``
         receive buffers are taken from and given back to (with the broadcast
         realisation this rank's row is packed straight into its slot); ``None``: fresh
@@ -71,8 +72,9 @@ def gather_params(
     """
     layout = state.layout
     checks.validate_world(layout, group, "gather_params")
-    confirmed = bucket_numel is None and state.agreed_in == checks.agreement_key(group)
     bucket_numel = state.bucket_numel if bucket_numel is None else bucket_numel
+    # The step confirmed state.bucket_numel on every rank: passing it again changes nothing.
+    confirmed = bucket_numel == state.bucket_numel and state.agreed_in == checks.agreement_key(group)
     check_bucket_numel(bucket_numel, "gather_params")
     device = state.work_device
     _check_staging(staging, "gather_params")
