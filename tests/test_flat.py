@@ -150,3 +150,22 @@ def test_an_update_over_flat_shards_takes_per_name_gradients_as_the_same_flatdic
     assert torch.equal(by_name[0]["c"], shards["c"])  # no gradient: unchanged
     with pytest.raises(ValueError, match=r"gradients of shapes \{'a': \(2,\)\}"):
         opt.update({"a": torch.zeros(2)}, state, params)
+
+
+def test_hold_like_returns_values_in_the_templates_form():
+    """An optimizer that computes per name hands its results back in its inputs' form:
+    the template itself for its own views (donated), a FlatDict on its layout for fresh
+    plain tensors, a FrozenDict for a per-name template or a value no buffer can hold."""
+    layout = _layout(3)
+    fl = flat.flat_layout(layout, 0)
+    template = flat.pack(fl, {n: torch.ones(fl.shapes[n], dtype=layout[n].dtype) for n in fl.names})
+    assert flat.hold_like(template, {n: template[n] for n in template}) is template
+    fresh = {n: torch.full_like(template[n], 2.0) for n in template}
+    held = flat.hold_like(template, fresh)
+    assert isinstance(held, flat.FlatDict) and held.flat_layout is fl
+    assert all(torch.equal(held[n], fresh[n]) for n in fresh)
+    assert flat.hold_like(template, held) is held
+    wrong = {**fresh, "a": torch.zeros(1)}  # not the shard's shape: no buffer can hold it
+    for per_name in (flat.hold_like(template, wrong), flat.hold_like(dict(fresh), fresh)):
+        assert type(per_name) is FrozenDict
+    assert type(flat.hold_like(template, {})) is FrozenDict

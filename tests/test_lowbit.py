@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 from conftest import get_world, reference_world
 from helpers import assert_trees_equal, seeded
 
@@ -423,3 +424,28 @@ def test_benchmark_tables_measured_state_bytes_equal_the_formula():
     pads = bench.padding_table(cfg, [1, 2, 3])
     assert pads[0]["quantized_params"] == 2  # the 256 x 32 embedding and head
     assert all(row["blocked_padding_max_per_param"] < row["world_size"] * row["block"] for row in pads)
+
+
+def _state_structures() -> list[str]:
+    """The pytree structure of a low-bit state after init and after each of two steps, for
+    a model with a quantized moment and for one too small to quantize."""
+    out = []
+    for shapes in (SHAPES, {"b": (64,), "odd": (7, 9)}):
+        params = {n: torch.randn(s, generator=torch.Generator().manual_seed(1)) for n, s in shapes.items()}
+        state = zf.shard_params(params, zf.optim.adamw8bit(**HP))
+        seen = [pytree.tree_structure(state)]
+        for _ in range(2):
+            grads = {n: torch.randn_like(p) for n, p in params.items()}
+            state, _ = zf.step_shards(state, zf.reduce_grads(grads, state.layout))
+            seen.append(pytree.tree_structure(state))
+        out.append(repr(seen[0]) if all(s == seen[0] for s in seen) else f"changed: {seen}")
+    return out
+
+
+def test_a_step_returns_the_state_in_the_structure_it_was_given():
+    """``lowbit`` computes per name; its moments come back flat where they were flat (every
+    moment plain: nothing to quantize) and per name where a torchao state tensor is held,
+    so a step's outputs have its inputs' structure (what a compiled step needs)."""
+    quantized, small = get_world(2).run(_state_structures)[0]
+    assert not quantized.startswith("changed") and not small.startswith("changed"), (quantized, small)
+    assert "FlatDict" in small and "FrozenDict" in quantized

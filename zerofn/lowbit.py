@@ -44,7 +44,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from zerofn import _optimizer
+from zerofn import _optimizer, flat
 from zerofn._tree import FrozenDict
 from zerofn.layout import blocked
 
@@ -160,11 +160,15 @@ def _init_with(
     opt: _optimizer.Optimizer, params: Mapping[str, torch.Tensor], quantized: Mapping[str, bool]
 ) -> LowBitState:
     amsgrad = {n for n in params if opt.hyperparams(n)["amsgrad"]}
+    # Moments held as the params are (flat where every moment is a plain tensor); torchao's
+    # state tensors, and so any mapping that holds one, stay per name.
     return LowBitState(
         step=FrozenDict({n: torch.tensor(0.0) for n in params}),
-        exp_avg=FrozenDict({n: _zeros(opt, p, True, quantized[n]) for n, p in params.items()}),
-        exp_avg_sq=FrozenDict({n: _zeros(opt, p, False, quantized[n]) for n, p in params.items()}),
-        max_exp_avg_sq=FrozenDict({n: _zeros(opt, p, False, quantized[n]) for n, p in params.items() if n in amsgrad}),
+        exp_avg=flat.hold_like(params, {n: _zeros(opt, p, True, quantized[n]) for n, p in params.items()}),
+        exp_avg_sq=flat.hold_like(params, {n: _zeros(opt, p, False, quantized[n]) for n, p in params.items()}),
+        max_exp_avg_sq=flat.hold_like(
+            params, {n: _zeros(opt, p, False, quantized[n]) for n, p in params.items() if n in amsgrad}
+        ),
     )
 
 
@@ -255,7 +259,7 @@ def _update(
             fields["step"][n], fields["exp_avg"][n], fields["exp_avg_sq"][n] = step, exp_avg, exp_avg_sq
             if max_sq is not None:
                 fields["max_exp_avg_sq"][n] = max_sq
-    return new_params, LowBitState(**{f: FrozenDict(v) for f, v in fields.items()})
+    return new_params, LowBitState(**{f: flat.hold_like(getattr(state, f), v) for f, v in fields.items()})
 
 
 def _factory(

@@ -46,10 +46,9 @@ from zerofn.flat._dict import split as split
 from zerofn.flat._dict import zeros_like as zeros_like
 from zerofn.flat._forms import bucket_range as bucket_range
 from zerofn.flat._forms import buffer_metadata as buffer_metadata
-from zerofn.flat._forms import flatten_like as flatten_like
 from zerofn.flat._forms import grads_on as grads_on
 from zerofn.flat._forms import held_flat as held_flat
-from zerofn.flat._forms import keep_flat as keep_flat
+from zerofn.flat._forms import hold_like as hold_like
 from zerofn.flat._forms import metadata as metadata
 from zerofn.flat._forms import named_pieces as named_pieces
 from zerofn.flat._forms import names_with_values as names_with_values

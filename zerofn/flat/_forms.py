@@ -1,9 +1,11 @@
 """Where the one representation is kept: what becomes a :class:`FlatDict`, and how code reads either form.
 
 Every representation test of zerofn is here or in :mod:`zerofn.flat._dict`: a
-:class:`~zerofn.state.ZeroState` holds its master shards flat (:func:`held_flat`, at its
-construction), an optimizer's per-name results are packed back (:func:`keep_flat`), and
-the few places that take a user's per-name mapping at the boundary read it through
+:class:`~zerofn.state.ZeroState` holds its master shards flat and its optimizer state in
+the form its optimizer made it (:func:`held_flat`, at its construction: per-name shards of
+a hand-built state or a checkpoint are packed there, once); an optimizer that computes per
+name hands its results back in the form its inputs had (:func:`hold_like`); and the few
+places that take a user's per-name mapping at the boundary read it through
 :func:`metadata`, :func:`named_pieces` and :func:`names_with_values`. No collectives here.
 """
 
@@ -21,10 +23,9 @@ from zerofn.flat._layout import FlatLayout, flat_layout
 __all__ = [
     "bucket_range",
     "buffer_metadata",
-    "flatten_like",
     "grads_on",
     "held_flat",
-    "keep_flat",
+    "hold_like",
     "metadata",
     "named_pieces",
     "names_with_values",
@@ -126,7 +127,7 @@ def pack_state(flat: FlatLayout, mapping: Mapping[str, torch.Tensor | None], who
     return pack(flat, entries)
 
 
-def flatten_like(master: FlatDict, tree: Any) -> Any:
+def _flatten_like(master: FlatDict, tree: Any) -> Any:
     """``tree`` (an optimizer state) with every name -> tensor mapping over ``master``'s names
     held flat (:func:`pack`), where it can be; everything else as it is.
 
@@ -141,11 +142,11 @@ def flatten_like(master: FlatDict, tree: Any) -> Any:
             return pack(master.flat_layout, tree)
         return tree
     if isinstance(tree, tuple) and hasattr(tree, "_fields"):
-        return type(tree)(*(flatten_like(master, v) for v in tree))
+        return type(tree)(*(_flatten_like(master, v) for v in tree))
     if isinstance(tree, tuple):
-        return tuple(flatten_like(master, v) for v in tree)
+        return tuple(_flatten_like(master, v) for v in tree)
     if isinstance(tree, list):
-        return [flatten_like(master, v) for v in tree]
+        return [_flatten_like(master, v) for v in tree]
     return tree
 
 
@@ -157,7 +158,7 @@ def held_flat(layout: Any, rank: int, master: Mapping[str, torch.Tensor], opt_st
     layout already come back as they are (with ``opt_state``, untouched). Per-name shards
     (a state built by hand, or read from a checkpoint) are packed once (:func:`pack`: one
     ``cat`` per buffer), and so is every per-name mapping of ``opt_state`` that fits them
-    (:func:`flatten_like`); equal 0-d step counts become one tensor (a host read per count).
+    (:func:`_flatten_like`); equal 0-d step counts become one tensor (a host read per count).
 
     Raises:
       ValueError: the shards are not plain tensors of the layout's names and shard shapes,
@@ -177,7 +178,7 @@ def held_flat(layout: Any, rank: int, master: Mapping[str, torch.Tensor], opt_st
             "state with zerofn.shard_params or a checkpoint load"
         )
     packed = pack(flat, master)
-    return packed, _share_steps(flatten_like(packed, opt_state))
+    return packed, _share_steps(_flatten_like(packed, opt_state))
 
 
 def _describe(mapping: Mapping[str, Any]) -> str:
@@ -209,32 +210,29 @@ def _share_steps(tree: Any) -> Any:
     return tree
 
 
-def keep_flat(
-    master: FlatDict, opt_state: Any, new_master: Mapping[str, torch.Tensor], new_opt_state: Any, tracing: bool
-) -> tuple[FlatDict, Any]:
-    """An optimizer's results held flat on ``master``'s layout: one ``cat`` per buffer for an
-    optimizer that returns per-name tensors, nothing to do for one that returns FlatDicts.
+def hold_like(template: Mapping[str, Any], values: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    """``values`` (name -> tensor, computed per name) held the way ``template`` is held.
 
-    Eagerly every name -> shard mapping of the new optimizer state that can be held flat is
-    (:func:`flatten_like`: SGD's momentum made at the first step becomes flat); ``tracing``
-    (a compiled step) the new state keeps ``opt_state``'s structure exactly, flat where it
-    was flat, so the graph's outputs have its inputs' structure.
+    For an optimizer that computes per name (:mod:`zerofn.lowbit`, whose torchao kernels
+    take one tensor each) and must return its params and state in the form it was given,
+    so that a step's outputs have its inputs' structure, eagerly and in a compiled graph:
+
+    * ``values`` a FlatDict on ``template``'s layout: ``values``;
+    * ``template`` a :class:`FlatDict` and ``values`` its own tensors (an update in place,
+      under donation): ``template`` itself, nothing copied;
+    * ``template`` a FlatDict and ``values`` fit its layout (:func:`packable`: plain tensors
+      of the shard shapes, one dtype and device per buffer): a FlatDict on that layout
+      (:func:`pack`: one ``cat`` per buffer);
+    * otherwise (a per-name template, or a value a buffer cannot hold, such as a torchao
+      state tensor): a :class:`~zerofn._tree.FrozenDict` of ``values``.
     """
-    packed = pack(master.flat_layout, new_master)
-    if tracing:
-        return packed, _match_flat(opt_state, new_opt_state)
-    return packed, flatten_like(packed, new_opt_state)
-
-
-def _match_flat(old: Any, new: Any) -> Any:
-    """``new`` with FlatDicts exactly where ``old`` has them (packed, or unpacked to per-name views)."""
-    if isinstance(old, FlatDict):
-        if isinstance(new, FlatDict) or not isinstance(new, Mapping) or not packable(old.flat_layout, new):
-            return new
-        return pack(old.flat_layout, new)
-    if isinstance(new, FlatDict):
-        return FrozenDict(dict(new.items()))
-    if isinstance(old, tuple) and isinstance(new, tuple) and len(old) == len(new):
-        matched = [_match_flat(o, n) for o, n in zip(old, new, strict=True)]
-        return type(new)(*matched) if hasattr(new, "_fields") else tuple(matched)
-    return new
+    if isinstance(template, FlatDict):
+        fl = template.flat_layout
+        if isinstance(values, FlatDict) and values.flat_layout == fl:
+            return values
+        names = template.names
+        if len(values) == len(names) and all(values.get(n) is template[n] for n in names):
+            return template
+        if values and packable(fl, values):
+            return pack(fl, values)
+    return FrozenDict(values)

@@ -121,7 +121,7 @@ def shard_params(
     }
     fl = flat.flat_layout(layout, rank)
     master = flat.pack(fl, shards)  # every shard this rank holds (none: an empty FlatDict)
-    opt_state = flat.flatten_like(master, optimizer.init(master, layout=layout))
+    opt_state = optimizer.init(master, layout=layout)
     step, loss_scale = tensor_numbers(0, policy.loss_scaler.init(), param_device)
     wire = policy.wire
     residual = init_residual(layout, bucket_numel, wire, param_device) if wire and wire.error_feedback else ()

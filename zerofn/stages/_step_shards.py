@@ -178,8 +178,7 @@ def step_shards(
     new_master, new_opt_state = state.optimizer.update(
         grads, state.opt_state, state.master, donate=donate and not tracing
     )
-    # Held flat again (an optimizer may return per-name tensors); compiled, in the state's own structure.
-    new_master, new_opt_state = flat.keep_flat(state.master, state.opt_state, new_master, new_opt_state, tracing)
+    new_master = flat.hold_like(state.master, new_master)  # an optimizer that computes per name: packed back
     if found is None:
         master, opt_state, step = new_master, new_opt_state, state.step + 1
     else:  # compiled: a skipped step selects the old state (the update ran, its results are dropped)
