@@ -26,7 +26,7 @@ or a predicate ``name -> bool``); names no group lists use the factory's hyperpa
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -62,6 +62,21 @@ def __getattr__(name: str) -> Any:
 
         return getattr(lowbit, name)
     raise AttributeError(f"module 'zerofn.optim' has no attribute {name!r}")
+
+
+def _optimizer(
+    name: str,
+    defaults: dict[str, Any],
+    param_groups: Sequence[Mapping[str, Any]] | None,
+    init: Callable[..., Any],
+    update: Callable[..., Any],
+    torch_class: type[torch.optim.Optimizer],
+) -> Optimizer:
+    """The ``Optimizer`` of a factory: its hyperparameters and every group's checked (``ValueError``
+    naming ``name``) before anything is built."""
+    frozen = FrozenDict(defaults)
+    _check_hyperparams(name, frozen)
+    return Optimizer(name, frozen, _make_groups(name, param_groups), init, update, torch_class)
 
 
 # --------------------------------------------------------------------------- sgd
@@ -108,20 +123,17 @@ def sgd(
     """
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ValueError("zerofn.optim.sgd: nesterov momentum needs momentum > 0 and dampening == 0")
-    defaults = FrozenDict(
-        dict(
-            lr=lr,
-            momentum=momentum,
-            dampening=dampening,
-            weight_decay=weight_decay,
-            nesterov=nesterov,
-            maximize=maximize,
-            foreach=foreach,
-            fused=fused,
-        )
+    defaults = dict(
+        lr=lr,
+        momentum=momentum,
+        dampening=dampening,
+        weight_decay=weight_decay,
+        nesterov=nesterov,
+        maximize=maximize,
+        foreach=foreach,
+        fused=fused,
     )
-    _check_hyperparams("sgd", defaults)
-    return Optimizer("sgd", defaults, _make_groups("sgd", param_groups), sgd_init, sgd_update, torch.optim.SGD)
+    return _optimizer("sgd", defaults, param_groups, sgd_init, sgd_update, torch.optim.SGD)
 
 
 # --------------------------------------------------------------------------- adam / adamw
@@ -140,20 +152,17 @@ def _adam_factory(
     fused: bool | None,
     param_groups: Sequence[Mapping[str, Any]] | None,
 ) -> Optimizer:
-    defaults = FrozenDict(
-        dict(
-            lr=lr,
-            betas=tuple(betas),
-            eps=eps,
-            weight_decay=weight_decay,
-            amsgrad=amsgrad,
-            maximize=maximize,
-            foreach=foreach,
-            fused=fused,
-        )
+    defaults = dict(
+        lr=lr,
+        betas=tuple(betas),
+        eps=eps,
+        weight_decay=weight_decay,
+        amsgrad=amsgrad,
+        maximize=maximize,
+        foreach=foreach,
+        fused=fused,
     )
-    _check_hyperparams(name, defaults)
-    return Optimizer(name, defaults, _make_groups(name, param_groups), adam_init, adam_update, torch_class)
+    return _optimizer(name, defaults, param_groups, adam_init, adam_update, torch_class)
 
 
 def adam(

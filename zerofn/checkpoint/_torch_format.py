@@ -283,8 +283,9 @@ def shard_state_dict(
     if buffers_out is not None and saved_buffers is not None:
         check_buffers(buffer_meta(saved_buffers), buffers_out, "shard_state_dict")
     check_bucket_numel(bucket_numel, "shard_state_dict")
-    state = _shard_state_dict(
-        full,
+    shard = _shard_state_dicts if isinstance(full, (list, tuple)) else _shard_state_dict
+    state = shard(
+        full,  # type: ignore[arg-type]  # the one that takes this kind of ``full``
         like,
         group,
         optimizer=optimizer,
@@ -303,7 +304,7 @@ def shard_state_dict(
 
 
 def _shard_state_dict(
-    full: Mapping[str, Any] | list[Mapping[str, Any]],
+    full: Mapping[str, Any],
     like: ShardLayout | Mapping[str, torch.Tensor],
     group: Group,
     *,
@@ -312,17 +313,7 @@ def _shard_state_dict(
     precision: PrecisionPolicy | None,
     group_sizes: list[int] | None,
 ) -> ZeroState:
-    """:func:`shard_state_dict` without the buffers."""
-    if isinstance(full, (list, tuple)):
-        return _shard_state_dicts(
-            full,
-            like,
-            group,
-            optimizer=optimizer,
-            master_dtype=master_dtype,
-            precision=precision,
-            group_sizes=group_sizes,
-        )
+    """:func:`shard_state_dict` of one dict, without the buffers and the residual."""
     zmeta = full.get("zerofn") if isinstance(full, Mapping) else None
     if isinstance(zmeta, Mapping):
         check_version(zmeta)
@@ -332,6 +323,24 @@ def _shard_state_dict(
     fopt, master, entries, zmeta = _load_one(
         full, layout, layout.names, optimizer, rank, masters_from_params, group_sizes=group_sizes
     )
+    return _built_state(layout, fopt, rank, master, entries, zmeta, precision)
+
+
+def _built_state(
+    layout: ShardLayout,
+    fopt: optim.Optimizer,
+    rank: int,
+    master: Mapping[str, torch.Tensor],
+    entries: Mapping[str, dict[str, Any]],
+    zmeta: Mapping[str, Any] | None,
+    precision: PrecisionPolicy | None,
+) -> ZeroState:
+    """The ZeroState of what :func:`_load_one` cut out (one dict's, or every part's merged).
+
+    ``master`` and ``entries``: this rank's masters and per-param state by name; the step is
+    the ``zerofn`` entry's, else the largest saved per-param ``step`` (0 for none); the
+    loss-scale state is the ``zerofn`` entry's, else the one a fresh state starts with.
+    """
     master_fd = FrozenDict({s.name: master[s.name] for s in layout.params if s.holds(rank)})
     opt_state = from_per_param(fopt, master_fd, entries, layout)
     step = (
@@ -429,17 +438,4 @@ def _shard_state_dicts(
         master.update(part_master)
         entries.update(part_entries)
         zmeta = zmeta or part_meta
-    master_fd = FrozenDict({s.name: master[s.name] for s in layout.params if s.holds(rank)})
-    step = (
-        int(zmeta["step"]) if zmeta is not None else max((int(e.get("step", 0)) for e in entries.values()), default=0)
-    )
-    state = ZeroState(
-        layout,
-        fopt,
-        rank,
-        master_fd,
-        from_per_param(fopt, master_fd, entries, layout),
-        step,
-        precision=precision or DEFAULT_POLICY,
-    )
-    return with_loss_scale(state, zmeta.get("loss_scale") if zmeta else None)  # (ZeroState packs them flat)
+    return _built_state(layout, fopt, rank, master, entries, zmeta, precision)

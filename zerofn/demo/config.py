@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Collection
 
 import torch
 
@@ -90,10 +91,8 @@ class DemoConfig:
             out.append(f"--stage must be 1 or 2, got {self.stage}")
         if self.steps < 1:
             out.append(f"--steps must be at least 1, got {self.steps}")
-        if self.precision not in DTYPES:
-            out.append(f"--precision must be one of {', '.join(DTYPES)}, got {self.precision!r}")
-        if self.api not in APIS:
-            out.append(f"--api must be one of {', '.join(APIS)}, got {self.api!r}")
+        out += _not_one_of("--precision", self.precision, DTYPES)
+        out += _not_one_of("--api", self.api, APIS)
         if self.overlap and self.api == "functional":
             out.append(
                 "--overlap needs --api facade: the functional loop has no gradient hooks to launch "
@@ -102,10 +101,8 @@ class DemoConfig:
             )
         if self.accumulate < 1:
             out.append(f"--accumulate must be at least 1 (micro-batches per step), got {self.accumulate}")
-        if self.comm not in COMM_CHOICES:
-            out.append(f"--comm must be one of {', '.join(COMM_CHOICES)}, got {self.comm!r}")
-        if self.wire not in WIRES:
-            out.append(f"--wire must be one of {', '.join(WIRES)}, got {self.wire!r}")
+        out += _not_one_of("--comm", self.comm, COMM_CHOICES)
+        out += _not_one_of("--wire", self.wire, WIRES)
         if self.max_norm is not None and not (self.max_norm > 0 and math.isfinite(self.max_norm)):
             out.append(f"--max-norm must be a positive finite number, got {self.max_norm}")
         if self.batch_per_rank < 1:
@@ -117,3 +114,8 @@ class DemoConfig:
         problems = self.problems()
         if problems:
             raise ValueError("; ".join(problems))
+
+
+def _not_one_of(flag: str, value: str, choices: Collection[str]) -> list[str]:
+    """``[problem]`` when ``value`` is not one of ``choices`` (the problem names ``flag`` and them all); else ``[]``."""
+    return [] if value in choices else [f"{flag} must be one of {', '.join(choices)}, got {value!r}"]

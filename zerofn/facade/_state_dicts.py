@@ -10,7 +10,7 @@ what the model and the scheduler hold. Each method takes the current
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -56,8 +56,9 @@ class StateDicts:
 
     def full(self, state: ZeroState) -> dict[str, Any] | list[dict[str, Any]]:
         """``state_dict()``: the full state in torch's format (a collective: every rank gathers it)."""
-        buffers = checkpoint.persistent_buffers(self._module) if self._module is not None else None
-        return checkpoint.full_state_dict(state, self._group, bucket_numel=self._bucket_numel, buffers=buffers)
+        return checkpoint.full_state_dict(
+            state, self._group, bucket_numel=self._bucket_numel, buffers=self._buffers(with_model=True)
+        )
 
     def load(self, state: ZeroState, state_dict: Mapping[str, Any] | list[Mapping[str, Any]]) -> ZeroState:
         """``load_state_dict``: the loaded state (and the model's buffers), validated on every rank first.
@@ -104,58 +105,41 @@ class StateDicts:
         self._reducer.drop_shards()
         return state.replace(**{f: getattr(new, f) for f in fields if hasattr(new, f)})
 
-    def save(
-        self,
-        state: ZeroState,
-        path: str,
-        *,
-        with_model: bool,
-        extra: Mapping[str, Any] | None,
-        rng: bool,
-        async_save: bool,
-        safe_globals: Sequence[Any],
-    ) -> str | _async.PendingCheckpoint:
-        """``save_checkpoint``: :func:`zerofn.checkpoint.save` of ``state`` (and the model); a collective."""
-        buffers = checkpoint.persistent_buffers(self._module) if with_model and self._module is not None else None
+    def save(self, state: ZeroState, path: str, *, with_model: bool, **options: Any) -> str | _async.PendingCheckpoint:
+        """``save_checkpoint``: :func:`zerofn.checkpoint.save` of ``state`` (and the model); a collective.
+
+        ``options``: ``save_checkpoint``'s ``extra``, ``rng``, ``async_save`` and ``safe_globals``, as given.
+        """
         return checkpoint.save(
             path,
             state,
             self._group,
             params=self._params if with_model else None,
-            buffers=buffers,
+            buffers=self._buffers(with_model),
             replicate_group=self._replicate,
-            extra=extra,
-            rng=rng,
-            async_save=async_save,
-            safe_globals=safe_globals,
+            **options,
         )
 
-    def load_checkpoint(
-        self,
-        state: ZeroState,
-        path: str,
-        *,
-        with_model: bool,
-        extra: Mapping[str, Any] | None,
-        rng: bool,
-        safe_globals: Sequence[Any],
-    ) -> ZeroState:
-        """``load_checkpoint``: :func:`zerofn.checkpoint.load` into the params and buffers; the state to keep."""
-        params_out = self._params if with_model else None
-        buffers_out = checkpoint.persistent_buffers(self._module) if with_model and self._module is not None else None
+    def load_checkpoint(self, state: ZeroState, path: str, *, with_model: bool, **options: Any) -> ZeroState:
+        """``load_checkpoint``: :func:`zerofn.checkpoint.load` into the params and buffers; the state to keep.
+
+        ``options``: ``load_checkpoint``'s ``extra``, ``rng`` and ``safe_globals``, as given.
+        """
         new = checkpoint.load(
             path,
             self._params,
             self._group,
             optimizer=state.optimizer,
-            params_out=params_out,
-            buffers_out=buffers_out,
-            extra=extra,
-            rng=rng,
-            safe_globals=safe_globals,
+            params_out=self._params if with_model else None,
+            buffers_out=self._buffers(with_model),
+            **options,
             **_residual_options(state),
         )
         return self.adopt(state, new)
+
+    def _buffers(self, with_model: bool) -> dict[str, torch.Tensor] | None:
+        """The module's persistent buffers, which travel with the state (``None``: no module, or not ``with_model``)."""
+        return checkpoint.persistent_buffers(self._module) if with_model and self._module is not None else None
 
 
 def _residual_options(state: ZeroState) -> dict[str, Any]:

@@ -53,7 +53,7 @@ from zerofn import _sync
 from zerofn.facade._guards import check_module
 from zerofn.facade.optimizer import ZeroOptimizer
 from zerofn.lightning import _checkpoint
-from zerofn.lightning._options import ZeroOptions
+from zerofn.lightning._options import ZeroOptions, one_torch_optimizer, register_names
 from zerofn.lightning._precision import check_precision, is_fp16_mixed, swap_grad_scaler
 
 __all__ = ["ZeroStrategy"]
@@ -145,27 +145,16 @@ class ZeroStrategy(DDPStrategy):
         """
         check_precision(self.precision, _WHO)
         self._check_module(module)
-        if len(optimizers) != 1:
-            raise ValueError(
-                f"{_WHO}: fabric.setup(model, *optimizers) got {len(optimizers)} optimizers; zerofn shards one "
-                "optimizer per model. Put every param in one optimizer (param groups for different settings), or "
-                "set up each model with its own optimizer in its own fabric.setup call."
-            )
-        (optimizer,) = optimizers
-        if isinstance(optimizer, ZeroOptimizer):
-            raise TypeError(
-                f"{_WHO}: got a ZeroOptimizer; pass the plain torch optimizer to fabric.setup and give zerofn's "
-                "options to ZeroStrategy(...): the strategy builds the ZeroOptimizer"
-            )
-        if not isinstance(optimizer, Optimizer):
-            raise TypeError(f"{_WHO}: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        zero = ZeroOptimizer(
-            optimizer,
-            module=module,
-            partition_grad=self.stage == 2,
-            init_sync=True,
-            **self._precision_kwargs(optimizer),
+        optimizer = one_torch_optimizer(
+            optimizers,
+            who=_WHO,
+            many=f"{_WHO}: fabric.setup(model, *optimizers) got {len(optimizers)} optimizers; zerofn shards one "
+            "optimizer per model. Put every param in one optimizer (param groups for different settings), or "
+            "set up each model with its own optimizer in its own fabric.setup call.",
+            prebuilt=f"{_WHO}: got a ZeroOptimizer; pass the plain torch optimizer to fabric.setup and give zerofn's "
+            "options to ZeroStrategy(...): the strategy builds the ZeroOptimizer",
         )
+        zero = self.options.zero_optimizer(optimizer, module, fp16_mixed=is_fp16_mixed(self.precision), who=_WHO)
         self._zeros.append((module, zero))
         return module, [zero], scheduler
 
@@ -193,11 +182,6 @@ class ZeroStrategy(DDPStrategy):
                 f"{_WHO}: the model is wrapped for data parallelism; pass the bare model to fabric.setup: the "
                 f"strategy reduces the gradients itself, a wrapper would reduce them twice. ({e})"
             ) from None
-
-    def _precision_kwargs(self, optimizer: Optimizer) -> dict[str, Any]:
-        """The ZeroOptimizer's keywords from the options; under "16-mixed" with zerofn's dynamic loss scaler."""
-        params = [p for g in optimizer.param_groups for p in g["params"]]  # their dtypes pick the loss scaler
-        return self.options.facade_kwargs(fp16_mixed=is_fp16_mixed(self.precision), who=_WHO, params=params)
 
     def _zero_for(self, module: Module | None) -> ZeroOptimizer | None:
         """The ZeroOptimizer of ``module`` (``None``: the only one, if there is one)."""
@@ -319,13 +303,7 @@ class ZeroStrategy(DDPStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        strategy_registry.register("zerofn", cls, description="zerofn ZeRO-2 (optimizer state and gradients sharded)")
-        strategy_registry.register(
-            "zerofn_stage_2", cls, description="zerofn ZeRO-2 (optimizer state and gradients sharded)", stage=2
-        )
-        strategy_registry.register(
-            "zerofn_stage_1", cls, description="zerofn ZeRO-1 (optimizer state sharded)", stage=1
-        )
+        register_names(strategy_registry, cls)
 
 
 class _ZeroBackwardSyncControl(_BackwardSyncControl):

@@ -11,16 +11,18 @@ keywords live there once) and Lightning's checkpoint keywords.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
 import torch
+from torch.optim import Optimizer
 
 from zerofn._integration_options import IntegrationOptions
 from zerofn._wire._policy import CompressedWire
 from zerofn.facade._options import PRECISION_DEFAULTS, PrecisionKeywords, precision_policy
+from zerofn.facade.optimizer import ZeroOptimizer
 
-__all__ = ["ZeroOptions"]
+__all__ = ["ZeroOptions", "one_torch_optimizer", "register_names"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,3 +87,52 @@ class ZeroOptions(IntegrationOptions):
             out["precision"] = precision_policy({str(i): p for i, p in enumerate(params)}, None, keywords)
         out["precision"] = out["precision"].replace(wire=wire)
         return out
+
+    def zero_optimizer(
+        self, optimizer: Optimizer, module: torch.nn.Module, *, fp16_mixed: bool, who: str
+    ) -> ZeroOptimizer:
+        """``ZeroOptimizer(optimizer, module=module, ...)`` with these options, as both strategies build it.
+
+        Gradients partitioned at stage 2; ``init_sync``: rank 0's params and buffers are
+        broadcast, as DDP's construction does; under ``fp16_mixed`` the dtypes of the
+        optimizer's params pick the loss scaler. Collectives: the ZeroOptimizer's
+        construction (the ranks' agreement on the layout, the broadcast).
+        """
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        return ZeroOptimizer(
+            optimizer,
+            module=module,
+            partition_grad=self.stage == 2,
+            init_sync=True,
+            **self.facade_kwargs(fp16_mixed=fp16_mixed, who=who, params=params),
+        )
+
+
+def one_torch_optimizer(optimizers: Sequence[Any], *, who: str, many: str, prebuilt: str) -> Optimizer:
+    """The one plain torch optimizer in ``optimizers``, which the strategy makes a ZeroOptimizer of.
+
+    zerofn shards one optimizer per model, and the strategy builds the ZeroOptimizer from its
+    own options. Raises, before any collective: ``ValueError(many)`` for anything but one
+    optimizer, ``TypeError(prebuilt)`` for a ZeroOptimizer built by hand, ``TypeError`` naming
+    the type for anything that is not a ``torch.optim.Optimizer``.
+    """
+    if len(optimizers) != 1:
+        raise ValueError(many)
+    (optimizer,) = optimizers
+    if isinstance(optimizer, ZeroOptimizer):
+        raise TypeError(prebuilt)
+    if not isinstance(optimizer, Optimizer):
+        raise TypeError(f"{who}: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    return optimizer
+
+
+def register_names(strategy_registry: Any, cls: type) -> None:
+    """Register ``cls`` as ``"zerofn"`` and ``"zerofn_stage_2"`` (ZeRO-2), ``"zerofn_stage_1"`` (ZeRO-1).
+
+    ``strategy_registry``: Fabric's or the Trainer's; each name passes its ``stage`` option.
+    """
+    strategy_registry.register("zerofn", cls, description="zerofn ZeRO-2 (optimizer state and gradients sharded)")
+    strategy_registry.register(
+        "zerofn_stage_2", cls, description="zerofn ZeRO-2 (optimizer state and gradients sharded)", stage=2
+    )
+    strategy_registry.register("zerofn_stage_1", cls, description="zerofn ZeRO-1 (optimizer state sharded)", stage=1)

@@ -71,7 +71,7 @@ from torch.optim import Optimizer
 from zerofn.facade._guards import check_module
 from zerofn.facade.optimizer import ZeroOptimizer
 from zerofn.lightning import _checkpoint
-from zerofn.lightning._options import ZeroOptions
+from zerofn.lightning._options import ZeroOptions, one_torch_optimizer, register_names
 from zerofn.lightning._precision import TRAINER, check_precision, is_fp16_mixed, swap_grad_scaler
 from zerofn.precision import scale_loss
 
@@ -252,30 +252,18 @@ class ZeroTrainerStrategy(DDPStrategy):
         """``configure_optimizers``' optimizer as a ``ZeroOptimizer`` over the model; the schedulers as they are."""
         assert self.lightning_module is not None
         optimizers, scheduler_configs = _init_optimizers_and_lr_schedulers(self.lightning_module)
-        if len(optimizers) != 1:
-            raise ValueError(
-                f"{_WHO}: configure_optimizers returned {len(optimizers)} optimizers; zerofn shards one optimizer per "
-                "model. Put every param in one optimizer (param groups for different settings)."
-            )
-        (optimizer,) = optimizers
-        if isinstance(optimizer, ZeroOptimizer):
-            raise TypeError(
-                f"{_WHO}: configure_optimizers returned a ZeroOptimizer; return the plain torch optimizer and give "
-                "zerofn's options to ZeroTrainerStrategy(...): the strategy builds the ZeroOptimizer"
-            )
-        if not isinstance(optimizer, Optimizer):
-            raise TypeError(f"{_WHO}: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        optimizer = one_torch_optimizer(
+            optimizers,
+            who=_WHO,
+            many=f"{_WHO}: configure_optimizers returned {len(optimizers)} optimizers; zerofn shards one optimizer "
+            "per model. Put every param in one optimizer (param groups for different settings).",
+            prebuilt=f"{_WHO}: configure_optimizers returned a ZeroOptimizer; return the plain torch optimizer and "
+            "give zerofn's options to ZeroTrainerStrategy(...): the strategy builds the ZeroOptimizer",
+        )
         if self._zero is not None:  # a second fit with this strategy: the first one's hooks leave the model
             self._zero.close()
         fp16 = is_fp16_mixed(self.precision_plugin, TRAINER)
-        params = [p for g in optimizer.param_groups for p in g["params"]]  # their dtypes pick the loss scaler
-        self._zero = ZeroOptimizer(
-            optimizer,
-            module=self.lightning_module,
-            partition_grad=self.stage == 2,
-            init_sync=True,
-            **self.options.facade_kwargs(fp16_mixed=fp16, who=_WHO, params=params),
-        )
+        self._zero = self.options.zero_optimizer(optimizer, self.lightning_module, fp16_mixed=fp16, who=_WHO)
         self.optimizers = [self._zero]
         self.lr_scheduler_configs = scheduler_configs
 
@@ -294,19 +282,26 @@ class ZeroTrainerStrategy(DDPStrategy):
         """``training_step`` through the model's ``__call__``, whose pre-hook broadcasts rank 0's buffers."""
         if self._zero is None:
             return super().training_step(*args, **kwargs)
-        module = self.lightning_module
-        assert module is not None
-        with self.precision_plugin.train_step_context():
-            return self._forward_redirection(module, module, "training_step", *args, **kwargs)
+        return self._through_call("training_step", self.precision_plugin.train_step_context(), args, kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         """While fitting, as ``training_step`` (DDP's wrapper runs validation through its forward too)."""
         if self._zero is None:
             return super().validation_step(*args, **kwargs)
+        return self._through_call("validation_step", self.precision_plugin.val_step_context(), args, kwargs)
+
+    def _through_call(
+        self,
+        step: str,
+        context: contextlib.AbstractContextManager,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """The LightningModule's ``step`` method run inside ``context`` through the model's own ``__call__``."""
         module = self.lightning_module
         assert module is not None
-        with self.precision_plugin.val_step_context():
-            return self._forward_redirection(module, module, "validation_step", *args, **kwargs)
+        with context:
+            return self._forward_redirection(module, module, step, *args, **kwargs)
 
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         """Lightning's backward of the loss times zerofn's loss scale; zerofn's hooks reduce the gradients.
@@ -488,10 +483,4 @@ class ZeroTrainerStrategy(DDPStrategy):
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         """``"zerofn"`` and ``"zerofn_stage_2"`` (ZeRO-2), ``"zerofn_stage_1"`` (ZeRO-1), in the Trainer's registry."""
-        strategy_registry.register("zerofn", cls, description="zerofn ZeRO-2 (optimizer state and gradients sharded)")
-        strategy_registry.register(
-            "zerofn_stage_2", cls, description="zerofn ZeRO-2 (optimizer state and gradients sharded)", stage=2
-        )
-        strategy_registry.register(
-            "zerofn_stage_1", cls, description="zerofn ZeRO-1 (optimizer state sharded)", stage=1
-        )
+        register_names(strategy_registry, cls)
