@@ -127,6 +127,8 @@ def test_a_flatdict_cannot_be_changed():
         flat.FlatDict({"a": torch.zeros(1)})
     new = d.replace({"a": torch.full_like(d["a"], -9.0)})
     assert isinstance(new, flat.FlatDict) and new["a"].eq(-9).all() and not d["a"].eq(-9).any()
+    with pytest.raises(ValueError, match=r"FlatDict.replace: \{'a': \(\(3,\), torch.float32\)\} do not fit"):
+        d.replace({"a": torch.zeros(3)})  # not the shard's shape: the form never changes quietly
 
 
 @pytest.mark.parametrize("opt", [zf.optim.adamw(lr=0.1), zf.optim.sgd(lr=0.1, momentum=0.9)], ids=["adamw", "sgd"])

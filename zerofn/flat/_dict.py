@@ -122,10 +122,26 @@ class FlatDict(FrozenDict[torch.Tensor]):
     def __reduce__(self) -> tuple[Any, ...]:
         return (_rebuild, (self._flat, self._buffers, self._loose, self._names))
 
-    def replace(self, changes: Mapping[str, torch.Tensor]) -> FrozenDict[torch.Tensor]:  # type: ignore[override]
-        """A new mapping with ``changes`` applied: a FlatDict with new buffers where it can be packed."""
+    def replace(self, changes: Mapping[str, torch.Tensor]) -> FlatDict:  # type: ignore[override]
+        """A new FlatDict on the same layout with ``changes`` applied (new buffers: one ``cat`` each).
+
+        Raises:
+          ValueError: a change the layout cannot hold (a name it does not have, another
+            shape, or a dtype or device other than its buffer's); the message names them.
+            For a mapping of other tensors, build a plain dict: ``{**d, name: tensor}``.
+        """
         merged = {**dict(self.items()), **changes}
-        return pack(self._flat, merged) if packable(self._flat, merged) else FrozenDict(merged)
+        if not packable(self._flat, merged):
+            wrong = {
+                n: (tuple(getattr(t, "shape", ())), getattr(t, "dtype", None))
+                for n, t in changes.items()
+                if not packable(self._flat, {**dict(self.items()), n: t})
+            }
+            raise ValueError(
+                f"FlatDict.replace: {wrong} do not fit the layout (its names, shard shapes, one dtype and device per "
+                "buffer); for other tensors build a plain dict: {**d, name: tensor}"
+            )
+        return pack(self._flat, merged)
 
     def pieces(self) -> list[torch.Tensor]:
         """The held entries as few tensors as possible, in layout order: one view per contiguous run."""
