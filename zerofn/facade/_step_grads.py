@@ -174,9 +174,9 @@ class StepGrads:
         h.taken = None
         if self._stage == 2:
             held = dict(shards)
-            if isinstance(shards, flat.FlatDict):  # its buffers are the reducer's again, its views the shards
-                h.grad_bufs = {g: b for g, b in enumerate(shards.buffers) if b is not None}
-                h.grad_views = {n: t for n, t in held.items() if n not in shards.loose}
+            owned = flat.buffer_views(shards)
+            if owned is not None:  # flat: its buffers are the reducer's again, its views the shards
+                h.grad_bufs, h.grad_views = owned
         h.merge_under(held)
 
     def peek_step_grads(self) -> dict[str, torch.Tensor]:

@@ -46,6 +46,7 @@ from zerofn.flat._dict import split as split
 from zerofn.flat._dict import zeros_like as zeros_like
 from zerofn.flat._forms import bucket_range as bucket_range
 from zerofn.flat._forms import buffer_metadata as buffer_metadata
+from zerofn.flat._forms import buffer_views as buffer_views
 from zerofn.flat._forms import grads_on as grads_on
 from zerofn.flat._forms import held_flat as held_flat
 from zerofn.flat._forms import hold_like as hold_like

@@ -23,6 +23,7 @@ from zerofn.flat._layout import FlatLayout, flat_layout
 __all__ = [
     "bucket_range",
     "buffer_metadata",
+    "buffer_views",
     "grads_on",
     "held_flat",
     "hold_like",
@@ -236,3 +237,12 @@ def hold_like(template: Mapping[str, Any], values: Mapping[str, torch.Tensor]) -
         if values and packable(fl, values):
             return pack(fl, values)
     return FrozenDict(values)
+
+
+def buffer_views(mapping: Mapping[str, torch.Tensor]) -> tuple[dict[int, torch.Tensor], dict[str, torch.Tensor]] | None:
+    """A FlatDict's buffers by group index and its held names' views into them (loose names
+    left out); ``None`` for a plain mapping, which has no buffers."""
+    if not isinstance(mapping, FlatDict):
+        return None
+    bufs = {g: b for g, b in enumerate(mapping.buffers) if b is not None}
+    return bufs, {n: mapping[n] for n in mapping.names if n not in mapping.loose}
