@@ -272,11 +272,15 @@ def _errors_compiled_and_eager() -> dict[str, tuple[str, str] | None]:
         shards["0.bias"] = torch.full_like(shards["0.bias"], float("nan"))
         flat_shards["0.bias"].fill_(float("nan"))  # a view of its flat buffer
     out: dict[str, tuple[str, str] | None] = {"works": caught(compiled_reduce, good, state.layout)}
+    # The same layout and reduction, but the last rank's state gathers in other buckets: the
+    # step's scalar all-reduce says so, eagerly on the host and compiled in its verdict node.
+    other_buckets = state.replace(bucket_numel=state.bucket_numel // 2) if rank == 1 else state
     for name, fn, eager, args in [
         ("wrong_shape", compiled_reduce, reduce, (wrong, state.layout)),
         ("desynced", compiled_reduce, reduce, ({n: torch.ones_like(t) for n, t in other.items()}, desynced)),
         ("nonfinite", compiled_step, step, (state, shards)),
         ("nonfinite_flat", compiled_step, step, (state, flat_shards)),
+        ("other_buckets", compiled_step, step, (other_buckets, zf.reduce_grads(good, state.layout))),
     ]:
         out[name] = caught(fn, *args)
         out[name + "_eager"] = caught(eager, *args)
@@ -287,7 +291,7 @@ def _errors_compiled_and_eager() -> dict[str, tuple[str, str] | None]:
 def test_validation_errors_fire_under_compile_on_every_rank_with_the_eager_messages():
     for rank, out in enumerate(get_world(2).run(_errors_compiled_and_eager)):
         assert out["works"] is None
-        for name in ("wrong_shape", "desynced", "nonfinite", "nonfinite_flat"):
+        for name in ("wrong_shape", "desynced", "nonfinite", "nonfinite_flat", "other_buckets"):
             assert out[name] is not None, (rank, name)
             assert out[name] == out[name + "_eager"], (rank, name, out[name], out[name + "_eager"])
         assert out["wrong_shape"][0] == ("ValueError" if rank == 1 else "RankMismatchError")
@@ -295,6 +299,46 @@ def test_validation_errors_fire_under_compile_on_every_rank_with_the_eager_messa
         assert out["desynced"][0] == "RankMismatchError" and "'2.bias'" in out["desynced"][1]
         for name in ("nonfinite", "nonfinite_flat"):
             assert out[name][0] == "NonFiniteGradError" and "'0.bias' (in the shards of ranks [1])" in out[name][1]
+        assert out["other_buckets"][0] == "RankMismatchError" and "bucket_numel" in out["other_buckets"][1]
+
+
+def _agreements_in_one_compiled_step() -> dict[str, int]:
+    """The collectives a compiled functional step's graph holds, by kind (one graph, traced with
+    a backend that counts the functional collectives and then runs the graph as traced)."""
+    torch._dynamo.reset()
+    model, params = _model(False)
+    state = zf.shard_params(params, zf.optim.adamw(lr=torch.tensor(1e-2, dtype=torch.float64)))
+    counts: dict[str, int] = {}
+
+    def counting(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        del example_inputs
+        for node in gm.graph.nodes:
+            name = str(node.target)
+            for kind in ("all_gather_into_tensor", "all_reduce", "broadcast"):
+                if node.op == "call_function" and kind in name and "wait" not in name:
+                    counts[kind] = counts.get(kind, 0) + 1
+        return gm.forward
+
+    def loss_fn(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(torch.func.functional_call(model, p, (x,)), y)
+
+    def step(state: zf.ZeroState, params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> Any:
+        grads = torch.func.grad(loss_fn)(params, x, y)
+        state, _ = zf.step_shards(state, zf.reduce_grads(grads, state.layout), max_norm=1.0)
+        return state, zf.gather_params(state)
+
+    x, y = _batches(1, False, -1)[0]
+    torch.compile(step, fullgraph=True, backend=counting)(state, params, x, y)
+    torch._dynamo.reset()
+    return counts
+
+
+def test_a_compiled_step_runs_one_agreement_shared_by_its_stages():
+    """The step's scalar all-reduce confirms the layout and bucket size for the gather in the
+    same graph, so the graph holds one agreement all-gather (``reduce_grads``'), one bucket
+    all-reduce, the scalar all-reduce and one broadcast per rank: an eager step's collectives."""
+    for counts in get_world(2).run(_agreements_in_one_compiled_step):
+        assert counts == {"all_gather_into_tensor": 1, "all_reduce": 2, "broadcast": 2}, counts
 
 
 # --------------------------------------------------------------------------- coverage: a mix of features per world size

@@ -83,12 +83,15 @@ def traced_verdict(
     failure: Exception | None,
     veto: object,
     total: torch.Tensor,
+    agreement: tuple[int, str] | None,
 ) -> None:
     """A compiled step's verdict on the all-reduced scalars, without a host sync.
 
     The local checks ran once, at trace time (shapes and dtypes are static); their
     verdict rides in the scalar all-reduce as eagerly, and :func:`zerofn._traced.verdict`
-    raises the eager errors on every rank when a rank rejected its input, or, with
+    raises the eager errors on every rank when a rank rejected its input, when the
+    agreement terms (``agreement``: the group size and the all-reduce's op; ``None``
+    when none were sent) say the ranks' layouts or bucket sizes differ, or, with
     ``nonfinite="raise"``, when a gradient is not finite. The shards the handler names
     non-finite ones from are flat, one tensor per run of the buffers (so the graph does not
     grow with the tensor count), or per name; the names travel as one string and the layout
@@ -104,6 +107,8 @@ def traced_verdict(
         state.layout.fingerprint,
         "\0".join(names),
         is_flat,
+        agreement,
+        state.bucket_numel,
     )
     _traced.verdict(total, "step_shards", desc, tensors)
 
@@ -120,16 +125,23 @@ def _settle_step(
     fingerprint: str,
     joined_names: str,
     is_flat: bool,
+    agreement: tuple[int, str] | None,
+    bucket_numel: int,
 ) -> None:
     """A compiled ``step_shards``' verdict on the all-reduced scalars: return, or raise the eager error everywhere.
 
     ``shards``: one per name (``joined_names``, NUL-separated), or when ``is_flat`` one per
     run of the rank's flat layout under the layout with ``fingerprint`` (cut into its
-    members' shards; a loose tensor is one name).
+    members' shards; a loose tensor is one name). ``agreement``: ``(n, op)`` of the
+    agreement terms after the first three scalars, or ``None``.
     """
     group = comm.group_from_name(group_name)
     if total[2] > 0:
         raise_rejected(None if failure is None else _traced.rebuild_failure(failure), group, veto)
+    if agreement is not None and not checks.agreement_holds(total[3:].tolist(), *agreement):
+        layout = layout_by_fingerprint(fingerprint)
+        assert layout is not None, "zerofn: a compiled step's layout is alive while it runs"
+        checks.check_ranks_agree(layout, group, "step_shards", settings={"bucket_numel": bucket_numel})
     if total[1] > 0 and nonfinite == "raise":
         layout = layout_by_fingerprint(fingerprint)
         assert layout is not None, "zerofn: a compiled step's layout is alive while it runs"

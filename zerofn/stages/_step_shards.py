@@ -102,10 +102,10 @@ def step_shards(
     Collectives: one ``all_reduce`` of a few float64 scalars: the norm, the non-finite
     flag, the rejection flag and (at 2 to 16,383 ranks) 20 terms confirming that every
     rank's state has the same layout and ``bucket_numel``
-    (:func:`~zerofn._checks.agreement_terms`). An eager step reads them, and the state it
-    returns records the verdict in ``agreed_in``, so ``gather_params`` of it skips its
-    agreement; a compiled step sends them without reading them, and its gather agrees. Ranks whose states
-    disagree all raise :class:`~zerofn.RankMismatchError` (after one all-gather for the
+    (:func:`~zerofn._checks.agreement_terms`). An eager step reads them on the host, a
+    compiled one in its graph's verdict node; the state it returns records the verdict in
+    ``agreed_in``, so ``gather_params`` of it (in the same graph, when compiled) skips its
+    agreement. Ranks whose states disagree all raise :class:`~zerofn.RankMismatchError` (after one all-gather for the
     details) with the state unchanged. With ``nonfinite="raise"`` and a bad step, one
     object all-gather of the offending names before raising.
 
@@ -138,9 +138,8 @@ def step_shards(
     op = "max" if norm_type == math.inf else "sum"
     n = comm.group_size(group)
     # The same all-reduce confirms that every rank steps a state of one layout and bucket
-    # size, so the gather after it needs no agreement of its own (ZeroState.agreed_in). The
-    # terms are sent compiled too (a compiled and an eager rank send the same sizes); only
-    # an eager step reads them, so a compiled step's gather agrees itself.
+    # size, so the gather after it needs no agreement of its own (ZeroState.agreed_in):
+    # eagerly by the host read below, compiled by the graph's verdict node.
     confirms = 1 < n < checks.MAX_AGREEMENT_RANKS
     agreement = checks.agreement_terms([state.layout.fingerprint_int, state.bucket_numel], op) if confirms else []
     packed = torch.cat(
@@ -151,7 +150,7 @@ def step_shards(
     )
     total = comm.all_reduce_scalars(packed, op, group)
     if tracing:  # the verdict of every rank's checks, raised on every rank (eagerly: the host read below)
-        traced_verdict(state, grad_shards, group, failure, veto, total)
+        traced_verdict(state, grad_shards, group, failure, veto, total, (n, op) if confirms else None)
     if tracing:
         found, coef, info = _decide(total[0], total[1], loss_scale.scale, max_norm, norm_type, _TensorMath(total[0]))
         new_loss_scale = policy.loss_scaler.update(loss_scale, found)
@@ -184,7 +183,7 @@ def step_shards(
     else:  # compiled: a skipped step selects the old state (the update ran, its results are dropped)
         master, opt_state = _select_unless(found.to(state.state_device), state, new_master, new_opt_state)
         step = torch.where(found, state.step, state.step + 1)
-    agreed_in = checks.agreement_key(group) if not tracing and (confirms or n == 1) else None
+    agreed_in = checks.agreement_key(group) if confirms or n == 1 else None
     new_state = state.replace(
         master=master,
         opt_state=opt_state,
