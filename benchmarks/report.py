@@ -274,7 +274,10 @@ def markdown(results: dict[str, Any]) -> str:
                 notes.append(f"- `{name}`: {s['note']}")
             per_rank = [d.get("compile") for d in s.get("describe") or [] if d and d.get("compile")]
             if per_rank:  # the slowest rank's
-                cold, warm = (max(c[k] for c in per_rank if c.get(k) is not None) for k in ("cold_s", "warm_s"))
+                # (ZEROFN_BENCH_WARM_COMPILE=0 compiles once: no warm time, a dash)
+                cold, warm = (
+                    max((c[k] for c in per_rank if c.get(k) is not None), default=None) for k in ("cold_s", "warm_s")
+                )
                 notes.append(
                     f"- `{name}` compile time (slowest rank): cold {_f(cold)} s (a fresh process), "
                     f"warm {_f(warm)} s (after a dynamo reset, caches filled)"

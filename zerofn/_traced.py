@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["constant_result", "failure_desc", "handler", "rebuild_failure", "refuse", "verdict"]
+__all__ = ["constant_result", "decode", "encode", "failure_desc", "handler", "rebuild_failure", "refuse", "verdict"]
 
 Handler = Callable[..., None]
 _HANDLERS: dict[str, Handler] = {}
@@ -99,6 +99,18 @@ def verdict(table: torch.Tensor, kind: str, desc: tuple[Any, ...], tensors: list
         torch.ops.zerofn.verdict(table, tensors, kind, _encode(_constant(desc)))
     else:
         _HANDLERS[kind](table, tensors, *desc)
+
+
+def encode(desc: tuple[Any, ...]) -> str:
+    """``desc`` (Python constants, tuples of them) as one string that is a constant of the trace
+    (its ints made constants first): the argument a custom op of the graph reads back with
+    :func:`decode`."""
+    return _encode(_constant(desc))
+
+
+def decode(desc: str) -> tuple[Any, ...]:
+    """The tuple :func:`encode` made (parsed once per string)."""
+    return _decode(desc)
 
 
 def _constant(value: Any) -> Any:

@@ -41,6 +41,7 @@ from collections.abc import Collection, Iterable, Mapping
 import torch
 
 from zerofn import _comm as comm
+from zerofn import _traced
 from zerofn._bucket_gather import cut_shard as cut_shard
 from zerofn._bucket_gather import launch_gather as launch_gather
 from zerofn._bucket_gather import pack_shards as pack_shards
@@ -49,7 +50,7 @@ from zerofn._bucket_plan import BucketPlan as BucketPlan
 from zerofn._bucket_plan import MemberPlan as MemberPlan
 from zerofn._bucket_plan import bucket_plan as bucket_plan
 from zerofn._comm import Group
-from zerofn.layout import Bucket, ShardLayout
+from zerofn.layout import Bucket, ShardLayout, layout_by_fingerprint
 
 __all__ = [
     "BucketPlan",
@@ -170,9 +171,9 @@ def pack_grads(
     if out is None:
         first = next(g for g in (grads.get(name) for name in bucket.names) if g is not None)
         out = torch.empty(n, bucket.shard_numel, dtype=first.dtype, device=first.device)
+    if torch.compiler.is_compiling():
+        return _pack_traced(grads, layout, bucket, replicas)
     plan = _bucket_plan(layout, bucket)
-    if torch.compiler.is_compiling() and plan.split_width == bucket.shard_numel:
-        return _pack_split_traced(grads, plan, out, scale)
     dst: list[torch.Tensor] = []
     src: list[torch.Tensor] = []
     if not _pack_split_chunked(grads, plan, out, scale):
@@ -201,29 +202,40 @@ def pack_grads(
     return out
 
 
-def _pack_split_traced(
-    grads: Mapping[str, torch.Tensor | None], plan: BucketPlan, like: torch.Tensor, scale: float
+def _pack_traced(
+    grads: Mapping[str, torch.Tensor | None], layout: ShardLayout, bucket: Bucket, replicas: int
 ) -> torch.Tensor:
-    """:func:`pack_grads` of an all-split bucket in a compiled graph: new rows, built out of place.
+    """:func:`pack_grads` in a compiled graph: one opaque ``zerofn::pack_rows`` node that runs
+    the eager packing (the same bits) on new rows.
 
-    Writing members into views of one buffer becomes, in a graph, a scatter of the whole
-    buffer per member; here each member is scaled (by the same 0-d factor, so the same
-    bits), zero-padded and the column blocks concatenated once. ``like`` gives the rows'
-    shape, dtype and device; it is not written.
+    Opaque on purpose: inductor would otherwise fuse each member's scaled copy into the
+    kernel that computes its gradient, at that member's offset in the rows, so the kernels
+    of identical layers differ by an offset and each is compiled again; behind the node
+    every gradient is a buffer of its own and identical layers share one kernel.
     """
-    n = like.shape[0]
-    factor = torch.tensor(scale, dtype=torch.promote_types(like.dtype, torch.float32), device=like.device)
-    blocks = []
-    for name, s, _, _, _, _ in plan.split_members:
-        t = grads.get(name)
-        if t is None:
-            blocks.append(torch.zeros(n, s, dtype=like.dtype, device=like.device))
-            continue
-        flat = t.detach().reshape(-1) * factor
-        if flat.numel() < n * s:
-            flat = torch.cat([flat, flat.new_zeros(n * s - flat.numel())])
-        blocks.append(flat.view(n, s))
-    return torch.cat(blocks, dim=1)
+    present = [name for name in bucket.names if grads.get(name) is not None]
+    desc = _traced.encode((layout.fingerprint, bucket.names, bucket.offsets, bucket.shard_numel, layout.world_size))
+    return _pack_rows_op([grads[name] for name in present], desc, "\0".join(present), replicas)  # type: ignore[misc]
+
+
+def _decode_bucket(desc: str) -> tuple[str, Bucket, int]:
+    fingerprint, names, offsets, shard_numel, world_size = _traced.decode(desc)
+    return fingerprint, Bucket(names, offsets, shard_numel), world_size
+
+
+@torch.library.custom_op("zerofn::pack_rows", mutates_args=())
+def _pack_rows_op(grads: list[torch.Tensor], desc: str, present: str, replicas: int) -> torch.Tensor:
+    fingerprint, bucket, _ = _decode_bucket(desc)
+    layout = layout_by_fingerprint(fingerprint)
+    assert layout is not None, "zerofn: a compiled step's layout is alive while it runs"
+    return pack_grads(dict(zip(present.split("\0"), grads, strict=True)), layout, bucket, replicas=replicas)
+
+
+@_pack_rows_op.register_fake
+def _(grads: list[torch.Tensor], desc: str, present: str, replicas: int) -> torch.Tensor:
+    del present, replicas
+    _, bucket, world_size = _decode_bucket(desc)
+    return grads[0].new_empty(world_size, bucket.shard_numel)
 
 
 def _pack_split_chunked(
