@@ -171,3 +171,23 @@ def test_hold_like_returns_values_in_the_templates_form():
     for per_name in (flat.hold_like(template, wrong), flat.hold_like(dict(fresh), fresh)):
         assert type(per_name) is FrozenDict
     assert type(flat.hold_like(template, {})) is FrozenDict
+
+
+@pytest.mark.parametrize("bucket_numel", [1, 8, 4096])
+def test_every_split_bucket_spans_its_row_of_one_buffer(bucket_numel):
+    """The flat layout is the one owner of offsets: a split bucket's span is one range of one
+    group's buffer, exactly its row's length, the buckets of a group tile it in order, and
+    a whole param's bucket has no range."""
+    layout = _layout(3)
+    for rank in range(3):
+        fl = flat.flat_layout(layout, rank)
+        ends: dict[int, int] = {}
+        for bucket in layout.buckets(bucket_numel):
+            g, start, stop = fl.bucket_span(bucket.names)
+            if layout[bucket.names[0]].is_whole:
+                assert (g, start, stop) == (-1, 0, 0)
+                continue
+            assert stop - start == bucket.shard_numel and start == ends.get(g, 0), (rank, bucket)
+            assert fl.runs(bucket.names) == ((g, start, stop, bucket.names),) or bucket.shard_numel == 0
+            ends[g] = stop
+        assert ends == {g: group.numel for g, group in enumerate(fl.groups) if group.numel}

@@ -80,6 +80,21 @@ class FlatLayout:
         key = (self.world_size, self.rank, self.fingerprint, self.names)
         return key == (other.world_size, other.rank, other.fingerprint, other.names)
 
+    def bucket_span(self, names: tuple[str, ...]) -> tuple[int, int, int]:
+        """Where the bucket of ``names`` (its members, in order) lives in this rank's buffers.
+
+        A split bucket is a run of consecutive same-dtype split params (the layout's bucket
+        rule), so its members are consecutive in one group and its reduced row fills
+        ``buf[start:stop]`` exactly: ``(group, start, stop)``, read from :attr:`where`, the
+        one table of offsets. ``(-1, 0, 0)`` for a bucket of a whole param (loose, or not
+        held here): it has no range in any buffer.
+        """
+        first = self.where.get(names[0])
+        if first is None or first[0] < 0:
+            return -1, 0, 0
+        _, off, n = self.where[names[-1]]
+        return first[0], first[1], off + n
+
     def runs(self, names: tuple[str, ...]) -> tuple[tuple[int, int, int, tuple[str, ...]], ...]:
         """``names`` (a subsequence of :attr:`names`) as maximal contiguous runs, in layout order.
 

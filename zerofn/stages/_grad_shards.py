@@ -67,12 +67,11 @@ class GradShards:
         Returns the tensors kept that may share ``row``'s storage (for
         :meth:`~zerofn.buckets.StagingPool.give_unless_aliased`).
         """
-        g, start, _ = self.fl.where.get(bucket.names[0], (-1, 0, 0))
+        g, start, stop = self.fl.bucket_span(bucket.names)
         if g < 0:
             shards = split_row(row, self.layout, bucket, self.grad_dtypes, dtype=dtype, rank=self.rank)
             self._named.update(shards)
             return list(shards.values())
-        stop = start + row.numel()
         dtype = self.buffer_dtypes[g]
         if self.tracing:
             piece = row.to(dtype) if row.dtype != dtype else row.clone() if row._base is not None else row
