@@ -159,20 +159,22 @@ def pack_grads(
       bucket: one bucket of ``layout``.
       replicas: ``R``, replica groups of a hybrid layout (1: none).
       out: an ``(N, S)`` buffer of the gradients' dtype to write into (the facade's reused
-        staging buffer); default a new one.
+        staging buffer); default a new one. Under ``torch.compile`` it is not written: the
+        rows are new (the graph plans its buffers).
 
     Returns:
-      The ``(N, bucket.shard_numel)`` rows in the gradients' dtype (``out`` itself if given).
+      The ``(N, bucket.shard_numel)`` rows in the gradients' dtype (``out`` itself if given,
+      eagerly).
 
     Collectives: none.
     """
+    if torch.compiler.is_compiling():  # new rows from one opaque node; ``out`` is the graph's to plan
+        return _pack_traced(grads, layout, bucket, replicas)
     n = layout.world_size
     scale = 1.0 / (n * replicas)
     if out is None:
         first = next(g for g in (grads.get(name) for name in bucket.names) if g is not None)
         out = torch.empty(n, bucket.shard_numel, dtype=first.dtype, device=first.device)
-    if torch.compiler.is_compiling():
-        return _pack_traced(grads, layout, bucket, replicas)
     plan = _bucket_plan(layout, bucket)
     dst: list[torch.Tensor] = []
     src: list[torch.Tensor] = []
