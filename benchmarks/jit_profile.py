@@ -26,7 +26,7 @@ from typing import Any
 SYSTEMS = ("zerofn-fn-donated", "zerofn-fn-compiled")
 
 
-def _job(model_name: str, quick: bool, steps: int) -> dict[str, Any]:
+def _job(model_name: str, quick: bool, steps: int, names: tuple[str, ...] = SYSTEMS) -> dict[str, Any]:
     from torch.profiler import ProfilerActivity, profile
 
     from benchmarks import models, systems
@@ -34,7 +34,7 @@ def _job(model_name: str, quick: bool, steps: int) -> dict[str, Any]:
     cfg = models.model_config(model_name, quick=quick)
     systems.setup(cfg, 0, 8, "fused")
     out: dict[str, Any] = {}
-    for name in SYSTEMS:
+    for name in names:
         systems.build(name)
         t0 = time.perf_counter()
         systems.run_block(name, 0, 2)
@@ -65,12 +65,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quick", action="store_true", help="the model's --quick config")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--systems", nargs="+", default=list(SYSTEMS), help="systems of benchmarks/systems.py to profile")
     args = p.parse_args(argv)
     os.environ["ZEROFN_BENCH_WARM_COMPILE"] = "0"  # one compile (the ranks inherit it)
     with open("/proc/loadavg") as f:
         load = " ".join(f.read().split()[:3])
     with World(args.world_size, timeout=3600.0, run_timeout=7200.0) as world:
-        res = world.run(_job, args.model, args.quick, args.steps)[0]
+        res = world.run(_job, args.model, args.quick, args.steps, tuple(args.systems))[0]
     print(f"# {args.model}{' --quick' if args.quick else ''}, N = {args.world_size}, rank 0; load at start {load}")
     for key, value in res.items():
         print(f"## {key}\n{value}\n")

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 import zerofn as zf
 from benchmarks import _count, models
+from zerofn.buckets import plan_buckets
 
 __all__ = ["SYSTEMS", "SystemInfo", "deepspeed_available"]
 
@@ -931,7 +932,7 @@ def parts(reps: int, bucket_numel: int | None = None) -> list[tuple[str, float, 
     detached = {name: p.detach().clone() for name, p in params.items()}
     state = zf.shard_params(detached, zf.optim.adamw(**_adamw_kwargs("fused")))
     layout = state.layout
-    buckets = layout.buckets(bucket_numel)
+    buckets = plan_buckets(layout, bucket_numel)
     dtype = torch.float32
     out.append(
         (f"  ({len(buckets)} buckets of <= {bucket_numel:,} elements, {len(layout.params)} params)", math.nan, math.nan)

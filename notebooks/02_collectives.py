@@ -90,7 +90,7 @@ def collectives_on_this_rank():
     rank = dist.get_rank()
     x = torch.arange(6.0) + 10 * rank  # the same x_r as above
     layout = zf.make_layout({"x": x}, N)  # one bucket of one tensor: rows (N, 2)
-    (bucket,) = layout.buckets(2**20)
+    (bucket,) = zf.buckets.plan_buckets(layout, 2**20)
     out = {"before": x}
     with zf.count_bytes() as sent:
         rows = x.view(N, -1).clone()  # the reduce sums into its rows: give it a copy
@@ -173,7 +173,7 @@ def step_bytes(model):
     # DDP: one all-reduce of all gradients (flattened, viewed as N rows: one bucket).
     flat = torch.cat([g.reshape(-1) for g in grads.values()])
     flat_layout = zf.make_layout({"all": flat}, N)
-    (bucket,) = flat_layout.buckets(flat.numel())
+    (bucket,) = zf.buckets.plan_buckets(flat_layout, flat.numel())
     with zf.count_bytes() as sent:
         zf.buckets.launch_reduce(flat.view(N, -1), flat_layout, bucket, None, "all_reduce", whole=True).wait()
     report["DDP"] = dict(sent.by_collective)

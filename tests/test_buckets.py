@@ -22,7 +22,8 @@ from helpers import assert_bitwise_equal, assert_trees_close, seeded
 
 import zerofn as zf
 from zerofn import buckets
-from zerofn.layout import Bucket, make_layout
+from zerofn.buckets import Bucket, plan_buckets
+from zerofn.layout import make_layout
 
 SHAPES = {
     "a": (5, 3),
@@ -60,7 +61,7 @@ def test_pack_grads_is_the_padded_rows_times_the_mean_factor(dtype, n, replicas)
     full = _full(n, dtype)
     grads = {k: v for k, v in full.items() if k != "gone"}
     layout = make_layout(full, n)
-    for bucket in layout.buckets(2**20):
+    for bucket in plan_buckets(layout, 2**20):
         want = _reference_rows(grads, layout, bucket, dtype)
         want.mul_(1.0 / (n * replicas))  # the functional path's rounding: one mul_ by a Python float
         got = buckets.pack_grads(grads, layout, bucket, replicas=replicas)
@@ -75,7 +76,7 @@ def test_pack_grads_is_the_padded_rows_times_the_mean_factor(dtype, n, replicas)
 def test_unpack_rows_writes_full_tensors_and_split_row_cuts_shards(dtype, n):
     full = _full(n, dtype)
     layout = make_layout(full, n)
-    for bucket in layout.buckets(2**20):
+    for bucket in plan_buckets(layout, 2**20):
         rows = _reference_rows(full, layout, bucket, dtype)
         mine = {k: torch.full_like(v, float("nan")) for k, v in full.items()}
         written = buckets.unpack_rows(rows, layout, bucket, mine)
@@ -115,7 +116,7 @@ def test_pack_shards_casts_reuses_out_and_sends_a_lone_shard_itself():
     full = _full(3, torch.float32)
     layout = make_layout(full, 3)
     shards = {s.name: buckets.cut_shard(full[s.name], s, 1) for s in layout.params}
-    for bucket in layout.buckets(2**20):
+    for bucket in plan_buckets(layout, 2**20):
         want = torch.cat([shards[n].to(torch.bfloat16) for n in bucket.names])
         got = buckets.pack_shards(shards, layout, bucket, dtype=torch.bfloat16)
         assert_bitwise_equal(got, want, str(bucket.names))
@@ -126,7 +127,7 @@ def test_pack_shards_casts_reuses_out_and_sends_a_lone_shard_itself():
         else:
             assert buckets.pack_shards(shards, layout, bucket) is shards[bucket.names[0]]
     # Mixed dtypes without a target dtype: promoted exactly, cast back by unpack_rows.
-    bucket = layout.buckets(2**20)[0]
+    bucket = plan_buckets(layout, 2**20)[0]
     mixed = {**shards, bucket.names[0]: shards[bucket.names[0]].to(torch.bfloat16)}
     row = buckets.pack_shards(mixed, layout, bucket)
     assert row.dtype == torch.float32
@@ -149,7 +150,7 @@ def _full_mean_grads(dtype_name: str, comm_dtype_name: str | None) -> dict[str, 
     layout = make_layout(every[rank], n)
     present = [k for k, g in grads.items() if g is not None]
     full: dict[str, torch.Tensor] = {}
-    for bucket in layout.buckets(40):
+    for bucket in plan_buckets(layout, 40):
         if not set(bucket.names) & set(present):
             continue  # nothing to send (reduce_grads skips it too)
         rows = buckets.pack_grads(grads, layout, bucket)
@@ -192,7 +193,7 @@ def _gathers_into_given_buffers(dtype_name: str) -> dict[str, object]:
     layout = make_layout(full, n)
     shards = {k: buckets.cut_shard(full[k], layout[k], rank) for k in full}
     fresh, given, in_place, refused = {}, {}, {}, []
-    for bucket in layout.buckets(40):
+    for bucket in plan_buckets(layout, 40):
         if not bucket.shard_numel:
             continue
         s = bucket.shard_numel
@@ -235,7 +236,7 @@ def test_the_plan_a_compiled_step_reads_is_the_eager_plan_for_split_and_whole_me
 
     params = {"w": torch.zeros(4, 4), "a": torch.zeros(5, 3), "b": torch.zeros(7), "e": torch.zeros(0)}
     layout = zf.make_layout(params, 3, placement={"w": "whole"})
-    for bucket in layout.buckets(16):
+    for bucket in plan_buckets(layout, 16):
         widths, members, split_width, chunked = _traced_bucket_plan(
             layout.fingerprint, bucket.names, bucket.offsets, bucket.shard_numel
         )

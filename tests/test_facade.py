@@ -53,6 +53,7 @@ from helpers import (
 )
 
 import zerofn as zf
+from zerofn.buckets import plan_buckets
 from zerofn.facade._reducer import ShardedGrad
 
 STEPS = 21
@@ -355,9 +356,9 @@ def _count_step_bytes(policy: str, stage: int, bucket: int) -> dict[str, Any]:
     layout = opt.state.layout
     return {
         "by": dict(counter.by_collective),
-        "buckets": [(b.names, b.shard_numel) for b in layout.buckets(bucket)],
+        "buckets": [(b.names, b.shard_numel) for b in plan_buckets(layout, bucket)],
         "reduced": [
-            b.shard_numel for b in layout.buckets(bucket) if not set(b.names) <= {"unused.weight", "unused.bias"}
+            b.shard_numel for b in plan_buckets(layout, bucket) if not set(b.names) <= {"unused.weight", "unused.bias"}
         ],
     }
 

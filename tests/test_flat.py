@@ -11,7 +11,7 @@ import torch.utils._pytree as pytree
 import zerofn as zf
 from zerofn import flat
 from zerofn._tree import FrozenDict
-from zerofn.buckets import cut_shard
+from zerofn.buckets import cut_shard, plan_buckets
 
 
 def _layout(n=3):
@@ -175,18 +175,20 @@ def test_hold_like_returns_values_in_the_templates_form():
 
 @pytest.mark.parametrize("bucket_numel", [1, 8, 4096])
 def test_every_split_bucket_spans_its_row_of_one_buffer(bucket_numel):
-    """The flat layout is the one owner of offsets: a split bucket's span is one range of one
-    group's buffer, exactly its row's length, the buckets of a group tile it in order, and
-    a whole param's bucket has no range."""
+    """zerofn._offsets owns the offsets: a split bucket's span is one range of one group's
+    buffer, exactly its row's length, its columns are the members' group offsets less the
+    span's start, the buckets of a group tile it in order, and a whole param's bucket has
+    no range."""
     layout = _layout(3)
     for rank in range(3):
         fl = flat.flat_layout(layout, rank)
         ends: dict[int, int] = {}
-        for bucket in layout.buckets(bucket_numel):
-            g, start, stop = fl.bucket_span(bucket.names)
+        for bucket in plan_buckets(layout, bucket_numel):
             if layout[bucket.names[0]].is_whole:
-                assert (g, start, stop) == (-1, 0, 0)
+                assert bucket.span is None
                 continue
+            g, start, stop = bucket.span
+            assert [fl.where[n][1] - start for n in bucket.names] == list(bucket.offsets)
             assert stop - start == bucket.shard_numel and start == ends.get(g, 0), (rank, bucket)
             assert fl.runs(bucket.names) == ((g, start, stop, bucket.names),) or bucket.shard_numel == 0
             ends[g] = stop

@@ -15,6 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import zerofn as zf
+from zerofn.buckets import plan_buckets
 from zerofn.testing import strategies as zst
 
 
@@ -89,7 +90,7 @@ def test_world_size_below_one_is_rejected():
 )
 def test_buckets_respect_size_keep_order_and_hold_every_nonempty_param_once(shapes, n, bucket_numel):
     layout = zf.make_layout(_specs(shapes), n)
-    buckets = layout.buckets(bucket_numel)
+    buckets = plan_buckets(layout, bucket_numel)
     flat = [name for b in buckets for name in b.names]
     assert flat == [s.name for s in layout.params if s.numel > 0]
     for b in buckets:
@@ -106,7 +107,7 @@ def test_buckets_respect_size_keep_order_and_hold_every_nonempty_param_once(shap
 
 def test_param_larger_than_a_bucket_travels_alone():
     layout = zf.make_layout(_specs([(3,), (100,), (2,), (2,)]), 2)
-    buckets = layout.buckets(8)
+    buckets = plan_buckets(layout, 8)
     assert [b.names for b in buckets] == [("p0",), ("p1",), ("p2", "p3")]
     assert buckets[1].shard_numel == 50
 
@@ -114,8 +115,8 @@ def test_param_larger_than_a_bucket_travels_alone():
 def test_bucket_closes_when_the_next_param_would_overflow_it():
     # Padded sizes over 2 ranks: 4, 4, 4 -> a bucket of 8 holds two of them.
     layout = zf.make_layout(_specs([(4,), (3,), (4,)]), 2)
-    assert [b.names for b in layout.buckets(8)] == [("p0", "p1"), ("p2",)]
-    assert [b.names for b in layout.buckets(12)] == [("p0", "p1", "p2")]
+    assert [b.names for b in plan_buckets(layout, 8)] == [("p0", "p1"), ("p2",)]
+    assert [b.names for b in plan_buckets(layout, 12)] == [("p0", "p1", "p2")]
 
 
 def test_buckets_are_dtype_homogeneous():
@@ -126,7 +127,7 @@ def test_buckets_are_dtype_homogeneous():
         "d": torch.empty(3, dtype=torch.float32),
     }
     layout = zf.make_layout(params, 2)
-    buckets = layout.buckets(10**6)
+    buckets = plan_buckets(layout, 10**6)
     assert [b.names for b in buckets] == [("a", "b"), ("c",), ("d",)]
     for b in buckets:
         assert len({layout[n].dtype for n in b.names}) == 1
@@ -134,26 +135,26 @@ def test_buckets_are_dtype_homogeneous():
 
 def test_buckets_for_a_subset_of_names_keep_layout_order():
     layout = zf.make_layout(_specs([(2,), (2,), (2,), (2,)]), 2)
-    buckets = layout.buckets(10**6, names=["p3", "p1"])
+    buckets = plan_buckets(layout, 10**6, names=["p3", "p1"])
     assert [b.names for b in buckets] == [("p1", "p3")]
     assert buckets[0].offsets == (0, 1)
 
 
 def test_buckets_accept_names_from_a_one_shot_iterator():
     layout = zf.make_layout(_specs([(2,), (2,), (2,), (2,)]), 2)
-    assert layout.buckets(100, names=iter(["p3", "p1"])) == layout.buckets(100, names=["p1", "p3"])
+    assert plan_buckets(layout, 100, names=iter(["p3", "p1"])) == plan_buckets(layout, 100, names=["p1", "p3"])
 
 
 def test_empty_params_travel_in_no_bucket():
     layout = zf.make_layout(_specs([(0,), (3, 0), ()]), 3)
-    assert [b.names for b in layout.buckets(100)] == [("p2",)]
+    assert [b.names for b in plan_buckets(layout, 100)] == [("p2",)]
 
 
 @pytest.mark.parametrize("bad", [0, -1])
 def test_bucket_numel_must_be_positive(bad):
     layout = zf.make_layout(_specs([(2,)]), 2)
     with pytest.raises(ValueError, match="bucket_numel must be a positive"):
-        layout.buckets(bad)
+        plan_buckets(layout, bad)
 
 
 # --------------------------------------------------------------------------- fingerprint
@@ -204,7 +205,8 @@ def test_fingerprint_changes_with_world_size():
 def test_a_layout_is_found_by_its_fingerprint_also_after_a_pickle_round_trip():
     import pickle
 
-    from zerofn.layout import _traced_plan, layout_by_fingerprint
+    from zerofn._offsets import _traced_plan
+    from zerofn.layout import layout_by_fingerprint
 
     params = {"a": torch.zeros(5, 3), "b": torch.zeros(7)}
     layout = zf.make_layout(params, 3)
@@ -213,5 +215,5 @@ def test_a_layout_is_found_by_its_fingerprint_also_after_a_pickle_round_trip():
     assert back == layout and back.names == layout.names
     assert layout_by_fingerprint(layout.fingerprint) in (layout, back)
     # What a compiled step reads at trace time is the eager plan.
-    assert _traced_plan(layout.fingerprint, None, 8) == layout.buckets(8)
-    assert _traced_plan(layout.fingerprint, ("b",), 64) == layout.buckets(64, ["b"])
+    assert _traced_plan(layout.fingerprint, None, 8) == plan_buckets(layout, 8)
+    assert _traced_plan(layout.fingerprint, ("b",), 64) == plan_buckets(layout, 64, ["b"])

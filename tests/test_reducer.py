@@ -19,6 +19,7 @@ import torch.distributed as dist
 from helpers import Net, Wide, batches, gate_used, seeded
 
 import zerofn as zf
+from zerofn.buckets import plan_buckets
 
 STEPS = 7
 
@@ -117,7 +118,7 @@ def _staging_reuse(overlap: bool, wire: str | None) -> dict[str, Any]:
         sizes.append(opt.staging_bytes())
         ptrs.append(sorted(b.data_ptr() for b in opt._reducer.staging.buffers()))
     n = opt.state.layout.world_size
-    largest = max(b.shard_numel * n for b in opt.state.layout.buckets(bucket))
+    largest = max(b.shard_numel * n for b in plan_buckets(opt.state.layout, bucket))
     opt.close()
     return {"sizes": sizes, "ptrs": ptrs, "largest": largest, "after_close": opt.staging_bytes()}
 

@@ -21,6 +21,7 @@ from torch import nn
 
 import zerofn as zf
 from zerofn._wire._bucket import bucket_bytes, wire_plan
+from zerofn.buckets import plan_buckets
 from zerofn.testing import RankFailure
 
 WIRE = zf.CompressedWire(kind="int8", block=64, min_numel=16)
@@ -123,7 +124,7 @@ def _facade_matches_the_functional_loop(overlap: bool) -> list[dict[str, int]]:
         module=model,
     )
     state, functional_step = _functional_twin(twin, policy)
-    buckets = state.layout.buckets(BUCKET)
+    buckets = plan_buckets(state.layout, BUCKET)
     want_bytes = sum(bucket_bytes(wire_plan(state.layout, b, WIRE), n, WIRE) for b in buckets)
     out = []
     for step in range(_STEPS):

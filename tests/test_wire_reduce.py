@@ -22,7 +22,7 @@ from helpers import Snapshot, assert_bitwise_equal
 import zerofn as zf
 from zerofn._wire._bucket import bucket_bytes, wire_plan
 from zerofn._wire._quant import dequantize_rows, quantize_rows
-from zerofn.buckets import pack_grads
+from zerofn.buckets import pack_grads, plan_buckets
 from zerofn.testing import RankFailure
 
 WIRE = zf.CompressedWire(kind="int8", block=64, min_numel=16)
@@ -78,7 +78,7 @@ def _compressed_steps(steps: int) -> list[dict[str, object]]:
     rank, n = dist.get_rank(), dist.get_world_size()
     state = zf.shard_params(_params(), zf.optim.sgd(lr=0.1), precision=zf.PrecisionPolicy(wire=WIRE))
     layout = state.layout
-    (bucket,) = layout.buckets(state.bucket_numel)
+    (bucket,) = plan_buckets(layout, state.bucket_numel)
     ref_residual = [[torch.zeros(wire_plan(layout, bucket, WIRE).c) for _ in range(n - 1)] for _ in range(n)]
     out = []
     for step in range(steps):

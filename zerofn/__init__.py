@@ -15,9 +15,10 @@ from zerofn._comm_join import NotJoinedError
 from zerofn._sync import broadcast_params
 from zerofn._tree import FrozenDict
 from zerofn._wire._policy import CompressedWire
+from zerofn.buckets import Bucket
 from zerofn.checkpoint import CheckpointError
 from zerofn.facade import ParamsChangedError, ShardedGradError, ZeroOptimizer
-from zerofn.layout import Bucket, ParamSpec, ShardLayout, make_layout
+from zerofn.layout import ParamSpec, ShardLayout, make_layout
 from zerofn.precision import (
     DynamicLossScaler,
     LossScaleState,

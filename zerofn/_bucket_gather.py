@@ -17,7 +17,8 @@ from zerofn import _comm as comm
 from zerofn import _placement, flat
 from zerofn._bucket_plan import BucketPlan, _bucket_plan
 from zerofn._comm import Group
-from zerofn.layout import Bucket, ParamSpec, ShardLayout
+from zerofn._offsets import Bucket
+from zerofn.layout import ParamSpec, ShardLayout
 
 
 def pack_shards(

@@ -14,7 +14,8 @@ from typing import NamedTuple
 import torch
 
 from zerofn import _traced
-from zerofn.layout import Bucket, ShardLayout, layout_by_fingerprint
+from zerofn._offsets import Bucket
+from zerofn.layout import ShardLayout, layout_by_fingerprint
 
 # Members of at least this many elements (N * width) are copied and scaled in one pass
 # (``torch.mul(..., out=)``); smaller ones in one batched ``_foreach_copy_`` +

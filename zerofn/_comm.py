@@ -448,10 +448,8 @@ def broadcast_tensors_(tensors: list[torch.Tensor], group: Group, src: int = 0) 
         flat = torch.cat([t.detach().reshape(-1) for t in members])
         dist.broadcast(flat, src=global_src, group=group)
         record("broadcast", (n - 1) * flat.numel() * flat.element_size() if group_rank(group) == src else 0)
-        offset = 0
-        for t in members:
-            t.detach().copy_(flat[offset : offset + t.numel()].view(t.shape))
-            offset += t.numel()
+        for t, piece in zip(members, flat.split([t.numel() for t in members]), strict=True):
+            t.detach().copy_(piece.view(t.shape))
 
 
 def exchange_rows(rows: torch.Tensor, group: Group) -> Pending:

@@ -29,9 +29,12 @@ Where a piece can write into a caller's buffer it takes ``out=``, so the facade'
 staging buffers go through the same code as the functional path's fresh ones, and both
 give the same bits.
 
-Every name above is public here; the plan (:class:`BucketPlan`) lives in
-``zerofn/_bucket_plan.py`` and the gather side (``pack_shards``, ``launch_gather``,
-``cut_shard``) in ``zerofn/_bucket_gather.py``, each file one concern.
+Which params travel together, and where each sits in the rows, is the bucket plan
+(:func:`plan_buckets`, :class:`Bucket`, its :class:`Span` in the flat buffers), computed
+with every other offset in ``zerofn/_offsets.py``. Every name above is public here; the
+copy plan (:class:`BucketPlan`) lives in ``zerofn/_bucket_plan.py`` and the gather side
+(``pack_shards``, ``launch_gather``, ``cut_shard``) in ``zerofn/_bucket_gather.py``, each
+file one concern.
 """
 
 from __future__ import annotations
@@ -50,11 +53,16 @@ from zerofn._bucket_plan import BucketPlan as BucketPlan
 from zerofn._bucket_plan import MemberPlan as MemberPlan
 from zerofn._bucket_plan import bucket_plan as bucket_plan
 from zerofn._comm import Group
-from zerofn.layout import Bucket, ShardLayout, layout_by_fingerprint
+from zerofn._offsets import Bucket as Bucket
+from zerofn._offsets import Span as Span
+from zerofn._offsets import plan_buckets as plan_buckets
+from zerofn.layout import ShardLayout, layout_by_fingerprint
 
 __all__ = [
+    "Bucket",
     "BucketPlan",
     "MemberPlan",
+    "Span",
     "StagingPool",
     "bucket_plan",
     "cut_shard",
@@ -62,6 +70,7 @@ __all__ = [
     "launch_reduce",
     "pack_grads",
     "pack_shards",
+    "plan_buckets",
     "split_row",
     "unpack_rows",
 ]
@@ -216,13 +225,16 @@ def _pack_traced(
     every gradient is a buffer of its own and identical layers share one kernel.
     """
     present = [name for name in bucket.names if grads.get(name) is not None]
-    desc = _traced.encode((layout.fingerprint, bucket.names, bucket.offsets, bucket.shard_numel, layout.world_size))
+    span = None if bucket.span is None else tuple(bucket.span)
+    desc = _traced.encode(
+        (layout.fingerprint, bucket.names, bucket.offsets, bucket.shard_numel, span, layout.world_size)
+    )
     return _pack_rows_op([grads[name] for name in present], desc, "\0".join(present), replicas)  # type: ignore[misc]
 
 
 def _decode_bucket(desc: str) -> tuple[str, Bucket, int]:
-    fingerprint, names, offsets, shard_numel, world_size = _traced.decode(desc)
-    return fingerprint, Bucket(names, offsets, shard_numel), world_size
+    fingerprint, names, offsets, shard_numel, span, world_size = _traced.decode(desc)
+    return fingerprint, Bucket(names, offsets, shard_numel, None if span is None else Span(*span)), world_size
 
 
 @torch.library.custom_op("zerofn::pack_rows", mutates_args=())

@@ -1,4 +1,4 @@
-"""Where every element of every parameter lives: the shard layout and the bucket plan.
+"""Where every element of every parameter lives: the shard layout and the rules of the bucket plan.
 
 Note: the vocabulary, used the same way everywhere in zerofn
 ------------------------------------------------------------
@@ -53,19 +53,15 @@ communication. Two ranks with equal layouts have equal ``fingerprint`` strings.
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import operator
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
 import torch
 
-from zerofn import _traced
-
-__all__ = ["PLACEMENTS", "Bucket", "ParamSpec", "ShardLayout", "block_of", "blocked", "make_layout", "plan_owners"]
+__all__ = ["PLACEMENTS", "ParamSpec", "ShardLayout", "block_of", "blocked", "make_layout", "plan_owners"]
 
 
 @dataclass(frozen=True)
@@ -134,31 +130,6 @@ class ParamSpec:
         start = min(rank * self.shard_numel, self.numel)
         stop = min((rank + 1) * self.shard_numel, self.numel)
         return start, stop
-
-
-@dataclass(frozen=True)
-class Bucket:
-    """Parameters that travel together in one collective.
-
-    Attributes:
-      names: parameter names, in layout order.
-      offsets: where each parameter's shard starts inside a rank's row of the bucket.
-      shard_numel: elements of one rank's row (sum of the members' ``shard_numel``).
-    """
-
-    names: tuple[str, ...]
-    offsets: tuple[int, ...]
-    shard_numel: int
-
-
-def layout_by_fingerprint(fingerprint: str) -> ShardLayout | None:
-    """A layout of this process with ``fingerprint`` (any: equal fingerprints, equal layouts), or ``None``.
-
-    A compiled step's checks carry the fingerprint, one string, instead of a description of
-    every param (tracing such a tuple costs per param); their error messages look the
-    layout up here when they need the params.
-    """
-    return _BY_FINGERPRINT.get(fingerprint)
 
 
 @dataclass(frozen=True, eq=False)
@@ -234,109 +205,19 @@ class ShardLayout:
         """The fingerprint as a non-negative int64, for comparing over a collective."""
         return int(self.fingerprint[:15], 16)
 
-    def buckets(self, bucket_numel: int, names: Iterable[str] | None = None) -> tuple[Bucket, ...]:
-        """The rank-major bucket plan for ``names`` (default: all params), in layout order.
-
-        Split parameters join a bucket in layout order until the next one would take the
-        bucket's padded size (``world_size * shard_numel``) past ``bucket_numel`` or has
-        another dtype (a bucket is one flat buffer); a parameter larger than
-        ``bucket_numel`` travels alone. Empty parameters
-        (``numel == 0``) have nothing to send and are left out of every bucket.
-
-        Whole parameters travel in buckets of their own, after the split ones, one dtype
-        per bucket. A bucket takes, for every rank, that rank's next whole params in
-        owner-plan order (largest first) while its row stays within the bucket's width:
-        ``max(bucket_numel // world_size, the largest next param of any rank)``. So every
-        row starts with a param of about the same size and the rows are filled to about the
-        same length; the padding (the rows' unused tails) is bounded by one param per row
-        and measured on the benchmark transformer in the tests.
-        Cached per (layout, names, bucket_numel).
-        """
-        if bucket_numel <= 0:
-            raise ValueError(f"bucket_numel must be a positive number of elements, got {bucket_numel}")
-        chosen = None if names is None else tuple(names)  # once: `names` may be a one-shot iterator
-        if torch.compiler.is_compiling():
-            # A compiled step takes the plan as a constant, computed for real (tracing the
-            # planner costs per param); the layout travels as its fingerprint, one string.
-            return _traced_plan(self.fingerprint, chosen, operator.index(bucket_numel))
-        return _plan_buckets(self, _wanted(self, chosen), bucket_numel)
-
 
 #: Every live layout of this process by fingerprint (see :func:`layout_by_fingerprint`).
 _BY_FINGERPRINT: weakref.WeakValueDictionary[str, ShardLayout] = weakref.WeakValueDictionary()
 
 
-def _wanted(layout: ShardLayout, names: tuple[str, ...] | None) -> tuple[str, ...]:
-    """``names`` (default: all) in layout order."""
-    if names is None:
-        return layout.names
-    chosen = set(names)
-    return tuple(n for n in layout.names if n in chosen)
+def layout_by_fingerprint(fingerprint: str) -> ShardLayout | None:
+    """A layout of this process with ``fingerprint`` (any: equal fingerprints, equal layouts), or ``None``.
 
-
-@_traced.constant_result
-def _traced_plan(fingerprint: str, names: tuple[str, ...] | None, bucket_numel: int) -> tuple[Bucket, ...]:
-    """:meth:`ShardLayout.buckets` for a compiled step: run at trace time, its result a constant."""
-    layout = _BY_FINGERPRINT[fingerprint]
-    return _plan_buckets(layout, _wanted(layout, names), bucket_numel)
-
-
-@functools.lru_cache(maxsize=256)
-def _plan_buckets(layout: ShardLayout, names: tuple[str, ...], bucket_numel: int) -> tuple[Bucket, ...]:
-    split = tuple(n for n in names if not layout[n].is_whole)
-    whole = tuple(n for n in names if layout[n].is_whole)
-    return _plan_split_buckets(layout, split, bucket_numel) + _plan_whole_buckets(layout, whole, bucket_numel)
-
-
-def _plan_whole_buckets(layout: ShardLayout, names: tuple[str, ...], bucket_numel: int) -> tuple[Bucket, ...]:
-    """Buckets of whole params: per dtype, rounds over every rank's queue (owner-plan order)."""
-    n = layout.world_size
-    rank_of = {name: i for i, name in enumerate(_owner_order(layout.params))}
-    by_dtype: dict[torch.dtype, list[list[str]]] = {}
-    for name in sorted((m for m in names if layout[m].numel), key=rank_of.__getitem__):
-        queues = by_dtype.setdefault(layout[name].dtype, [[] for _ in range(n)])
-        queues[layout[name].owner].append(name)
-    cap = max(1, bucket_numel // n)
-    index = layout._index
-    buckets: list[Bucket] = []
-    for queues in by_dtype.values():
-        heads = [0] * n
-        while any(heads[r] < len(queues[r]) for r in range(n)):
-            width = max([cap] + [layout[queues[r][heads[r]]].numel for r in range(n) if heads[r] < len(queues[r])])
-            cols: dict[str, int] = {}
-            row_len = 0
-            for r in range(n):
-                used = 0
-                while heads[r] < len(queues[r]) and used + layout[queues[r][heads[r]]].numel <= width:
-                    name = queues[r][heads[r]]
-                    cols[name] = used
-                    used += layout[name].numel
-                    heads[r] += 1
-                row_len = max(row_len, used)
-            members = sorted(cols, key=index.__getitem__)
-            buckets.append(Bucket(tuple(members), tuple(cols[m] for m in members), row_len))
-    return tuple(buckets)
-
-
-def _plan_split_buckets(layout: ShardLayout, names: tuple[str, ...], bucket_numel: int) -> tuple[Bucket, ...]:
-    buckets: list[Bucket] = []
-    members: list[str] = []
-    offsets: list[int] = []
-    row = 0
-    for name in names:
-        spec = layout[name]
-        if spec.numel == 0:
-            continue
-        too_big = (row + spec.shard_numel) * layout.world_size > bucket_numel
-        if members and (too_big or spec.dtype != layout[members[0]].dtype):
-            buckets.append(Bucket(tuple(members), tuple(offsets), row))
-            members, offsets, row = [], [], 0
-        members.append(name)
-        offsets.append(row)
-        row += spec.shard_numel
-    if members:
-        buckets.append(Bucket(tuple(members), tuple(offsets), row))
-    return tuple(buckets)
+    A compiled step's constants carry the fingerprint, one string, instead of a description
+    of every param (tracing such a tuple costs per param): the tables computed at trace
+    time (:mod:`zerofn._offsets`) and the checks' error messages look the layout up here.
+    """
+    return _BY_FINGERPRINT.get(fingerprint)
 
 
 #: Padded elements per bucket (16 MiB in float32; DDP's buckets are 25 MiB). Every collective
@@ -373,12 +254,6 @@ def block_of(placement: str) -> int:
         if digits.isdigit() and int(digits) > 0 and blocked(int(digits)) == placement:
             return int(digits)
     raise ValueError(f"placement must be 'split', 'whole' or 'blocked(B)' with B a positive int, got {placement!r}")
-
-
-def _owner_order(specs: Iterable[ParamSpec]) -> list[str]:
-    """Whole params in owner-plan order: largest first, ties in layout order."""
-    whole = [(i, p) for i, p in enumerate(specs) if p.is_whole]
-    return [p.name for _, p in sorted(whole, key=lambda ip: (-ip[1].numel, ip[0]))]
 
 
 def plan_owners(sizes: Mapping[str, int], world_size: int) -> dict[str, int]:

@@ -67,7 +67,7 @@ class ZeroState:
         from there and ``gather_params`` puts params there. ``None``: the master's device.
       residual: with a compressed wire and error feedback (``precision.wire``), what
         quantization lost of the gradient chunks this rank sends: per bucket of
-        ``layout.buckets(bucket_numel)``, an ``(N - 1, c)`` float32 tensor over its ``c``
+        ``plan_buckets(layout, bucket_numel)``, an ``(N - 1, c)`` float32 tensor over its ``c``
         compressed columns, on the params' device, in the loss scale's units; ``()``
         otherwise. ``reduce_grads`` adds it before quantizing and returns the next one,
         which ``step_shards`` keeps unless the step is skipped.

@@ -36,9 +36,10 @@ from dataclasses import dataclass
 import torch
 
 from zerofn import _comm as comm
+from zerofn._offsets import Bucket, plan_buckets
 from zerofn._wire._policy import CompressedWire
 from zerofn._wire._quant import WireFormat, dequantize_rows, quantize_rows
-from zerofn.layout import Bucket, ShardLayout
+from zerofn.layout import ShardLayout
 
 __all__ = ["WirePlan", "bucket_bytes", "init_residual", "launch_compressed", "wire_plan"]
 
@@ -84,7 +85,7 @@ def wire_plan(layout: ShardLayout, bucket: Bucket, wire: CompressedWire) -> Wire
 def init_residual(
     layout: ShardLayout, bucket_numel: int, wire: CompressedWire, device: torch.device | str
 ) -> tuple[torch.Tensor, ...]:
-    """Zero residuals for every bucket of ``layout.buckets(bucket_numel)``: ``(N - 1, c)`` float32 each.
+    """Zero residuals for every bucket of ``plan_buckets(layout, bucket_numel)``: ``(N - 1, c)`` float32 each.
 
     ``c`` is the bucket's compressed columns (0 for a bucket with none). Memory: ``4 (N - 1) c``
     bytes per bucket, at most ``4 (N - 1) / N`` bytes per element of the params compressed.
@@ -92,7 +93,7 @@ def init_residual(
     n = layout.world_size
     return tuple(
         torch.zeros(n - 1, wire_plan(layout, b, wire).c, dtype=torch.float32, device=device)
-        for b in layout.buckets(bucket_numel)
+        for b in plan_buckets(layout, bucket_numel)
     )
 
 

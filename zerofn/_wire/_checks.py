@@ -12,9 +12,10 @@ import torch
 
 from zerofn import _comm as comm
 from zerofn import _traced
+from zerofn._offsets import Bucket
 from zerofn._wire._bucket import wire_plan
 from zerofn._wire._policy import CompressedWire
-from zerofn.layout import Bucket, ShardLayout
+from zerofn.layout import ShardLayout
 
 __all__ = ["check_wire"]
 

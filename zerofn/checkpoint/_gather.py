@@ -14,6 +14,7 @@ import torch
 from zerofn import _comm as comm
 from zerofn import lowbit
 from zerofn._comm import Group
+from zerofn._offsets import plan_buckets
 from zerofn.buckets import launch_gather, pack_shards, unpack_rows
 from zerofn.layout import ShardLayout
 from zerofn.state import ZeroState
@@ -30,7 +31,7 @@ def gather_full(
     """
     how = comm.CommPolicy().resolve(group)[1]
     out: dict[str, torch.Tensor] = {}
-    for bucket in layout.buckets(bucket_numel, shards):
+    for bucket in plan_buckets(layout, bucket_numel, shards):
         # Shards of mixed dtypes (e.g. bf16 + fp32) are promoted exactly in the row; each
         # full tensor gets its shard's dtype back.
         row = pack_shards(shards, layout, bucket)

@@ -39,10 +39,11 @@ import torch
 
 from zerofn import _comm as comm
 from zerofn._comm import Group
+from zerofn._offsets import Bucket, plan_buckets
 from zerofn._wire._bucket import init_residual
 from zerofn._wire._policy import CompressedWire
 from zerofn.checkpoint._errors import CheckpointError
-from zerofn.layout import Bucket, ShardLayout, make_layout
+from zerofn.layout import ShardLayout, make_layout
 from zerofn.precision import PrecisionPolicy
 from zerofn.state import ZeroState
 
@@ -104,7 +105,7 @@ def sender_rows(state: ZeroState) -> dict[str, torch.Tensor]:
         return {}
     layout, rank = state.layout, state.rank
     n = layout.world_size
-    buckets = layout.buckets(state.bucket_numel)
+    buckets = plan_buckets(layout, state.bucket_numel)
     if len(buckets) != len(state.residual):
         raise CheckpointError(
             f"rank {rank}: state.residual has {len(state.residual)} buckets, the state's bucket_numel="
@@ -134,7 +135,7 @@ def residual_from_rows(
     """
     n = layout.world_size
     residual = init_residual(layout, bucket_numel, wire, device)
-    for bucket, res in zip(layout.buckets(bucket_numel), residual, strict=True):
+    for bucket, res in zip(plan_buckets(layout, bucket_numel), residual, strict=True):
         for name, at, width in _members(layout, bucket, wire):
             row = rows.get(name)
             if row is None:

@@ -27,6 +27,7 @@ from zerofn import _checks as checks
 from zerofn import _comm as comm
 from zerofn import _sync, optim
 from zerofn._comm import CommPolicy
+from zerofn._offsets import plan_buckets
 from zerofn.checkpoint import _async
 from zerofn.facade import _buffers, _compiled, _entry, _guards, _options, _wire
 from zerofn.facade._grads import GradOps
@@ -229,7 +230,7 @@ def assemble(
     gather_how = comm_policy.resolve(group)[1]
     prefetch = None
     if opts.overlap_allgather:  # module owns every param (_options.check_gather_module)
-        buckets = state.layout.buckets(bucket_numel)
+        buckets = plan_buckets(state.layout, bucket_numel)
         staging = reducer.staging  # idle between step and the next backward: the gathers borrow it
         prefetch = ParamPrefetcher(
             params, state.layout, buckets, group=group, how=gather_how, module=module, guard=guard, staging=staging

@@ -58,9 +58,10 @@ import torch.utils._pytree as pytree
 
 from zerofn import _comm as comm
 from zerofn._comm import Group
+from zerofn._offsets import Bucket
 from zerofn.buckets import StagingPool, launch_gather, pack_shards, unpack_rows
 from zerofn.facade._guards import ParamGuard
-from zerofn.layout import Bucket, ShardLayout
+from zerofn.layout import ShardLayout
 from zerofn.state import ZeroState
 
 __all__ = ["PENDING_METADATA", "ParamPrefetcher"]

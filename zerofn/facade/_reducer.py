@@ -56,13 +56,14 @@ import torch
 from zerofn import _checks as checks
 from zerofn import _comm as comm
 from zerofn._comm import CommPolicy, Group
+from zerofn._offsets import plan_buckets
 from zerofn.buckets import StagingPool, launch_gather, launch_reduce, pack_grads, unpack_rows, wire_dtype
 from zerofn.facade._held import Averaged, HeldGrads
 from zerofn.facade._settle import Launched, Settler
 from zerofn.facade._sharded_grad import ShardedGrad, ShardedGradError, sharded_grad
 from zerofn.facade._step_grads import StepGrads
 from zerofn.facade._wire import FacadeWire
-from zerofn.layout import Bucket, ShardLayout
+from zerofn.layout import ShardLayout
 from zerofn.precision import PrecisionPolicy, mul_grads_
 from zerofn.stages._pipeline import MAX_IN_FLIGHT, InFlight
 from zerofn.stages._reduce_grads import reduce_realisation, sum_over_replicas
@@ -137,7 +138,7 @@ class GradReducer:
         self._stage, self._overlap = stage, overlap
         self._loss_scale = loss_scale
         self._how = reduce_realisation(stage, group, comm_policy)
-        self._buckets = layout.buckets(bucket_numel)
+        self._buckets = plan_buckets(layout, bucket_numel)
         self._bucket_of = {name: i for i, b in enumerate(self._buckets) for name in b.names}
         self._position = {name: i for i, name in enumerate(layout.names)}  # layout order, for sorting
         self.require_sync = True  # False inside no_sync()
@@ -253,10 +254,12 @@ class GradReducer:
             row = torch.zeros(spec.numel, dtype=wide, device=self._params[name].device)
             if shard is not None:
                 row.copy_(shard.reshape(-1))
-            alone = Bucket((name,), (0,), spec.numel)  # the owner's row holds it
         else:
             assert shard is not None  # split: every rank holds its shard of a placed param
-            row, alone = shard.contiguous(), Bucket((name,), (0,), spec.shard_numel)
+            row = shard.contiguous()
+        if spec.numel == 0:  # in no bucket: nothing to gather
+            return torch.zeros(spec.shape, dtype=row.dtype, device=row.device)
+        (alone,) = plan_buckets(self._layout, spec.padded_numel, (name,))  # the param in a bucket of its own
         rows = launch_gather(row, self._group, how).wait()
         full = unpack_rows(rows, self._layout, alone)[name]
         scale = self._loss_scale()

@@ -28,9 +28,10 @@ from collections.abc import Callable, Iterable
 import torch
 
 from zerofn import flat
+from zerofn._offsets import Bucket
 from zerofn.buckets import StagingPool, split_row, unpack_rows
 from zerofn.facade._held import Averaged, HeldGrads
-from zerofn.layout import Bucket, ShardLayout
+from zerofn.layout import ShardLayout
 from zerofn.precision import mul_grads_
 from zerofn.stages._grad_shards import GradShards
 

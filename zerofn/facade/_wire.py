@@ -22,10 +22,11 @@ from collections.abc import Callable
 import torch
 
 from zerofn import _comm as comm
+from zerofn._offsets import Bucket, plan_buckets
 from zerofn._wire._bucket import launch_compressed, wire_plan
 from zerofn._wire._checks import check_wire
 from zerofn._wire._policy import CompressedWire
-from zerofn.layout import Bucket, ShardLayout
+from zerofn.layout import ShardLayout
 from zerofn.state import ZeroState
 
 __all__ = ["FacadeWire", "check_facade_wire", "check_facade_wire_options"]
@@ -67,7 +68,7 @@ def check_facade_wire(state: ZeroState, bucket_numel: int, group: comm.Group) ->
     check_wire(
         wire,
         state.layout,
-        state.layout.buckets(bucket_numel),
+        plan_buckets(state.layout, bucket_numel),
         state.residual if wire.error_feedback else None,
         rank=comm.group_rank(group),
         replicate_group=None,

@@ -36,6 +36,8 @@ them so (a zero gradient moves nothing).
 No collectives here.
 """
 
+from zerofn._offsets import FlatGroup, FlatLayout, flat_layout
+from zerofn._offsets import full_param_offsets as full_param_offsets
 from zerofn.flat._dict import FlatDict, as_flat, pack, packable
 
 # zerofn's own boundary helpers, shared by its modules (not in __all__: see docs/design.md).
@@ -54,7 +56,5 @@ from zerofn.flat._forms import metadata as metadata
 from zerofn.flat._forms import named_pieces as named_pieces
 from zerofn.flat._forms import names_with_values as names_with_values
 from zerofn.flat._forms import pack_state as pack_state
-from zerofn.flat._layout import FlatGroup, FlatLayout, flat_layout
-from zerofn.flat._layout import full_param_offsets as full_param_offsets
 
 __all__ = ["FlatDict", "FlatGroup", "FlatLayout", "as_flat", "flat_layout", "pack", "packable"]

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from zerofn._offsets import FlatLayout
 from zerofn._tree import FrozenDict
-from zerofn.flat._layout import FlatLayout
 
 __all__ = ["FlatDict", "as_flat", "owned", "pack", "packable", "pieces", "run_view", "split", "zeros_like"]
 

@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
+from zerofn._offsets import FlatLayout, flat_layout
 from zerofn._tree import FrozenDict
 from zerofn.flat._dict import FlatDict, pack, packable, run_view
-from zerofn.flat._layout import FlatLayout, flat_layout
 
 __all__ = [
     "bucket_range",

@@ -11,8 +11,9 @@ from zerofn import _comm as comm
 from zerofn import flat
 from zerofn._bucket_gather import rows_in_place
 from zerofn._comm import CommPolicy, Group, Pending
+from zerofn._offsets import Bucket, plan_buckets
 from zerofn.buckets import StagingPool, launch_gather, pack_shards, unpack_rows
-from zerofn.layout import Bucket, ShardLayout
+from zerofn.layout import ShardLayout
 from zerofn.stages._pipeline import MAX_IN_FLIGHT, InFlight, _check_staging, check_bucket_numel
 from zerofn.state import ZeroState
 
@@ -102,7 +103,7 @@ def gather_params(
     in_flight: InFlight[tuple[Bucket, torch.Tensor | None]] = InFlight(write, pool)
     n = layout.world_size
     tracing = comm.tracing()
-    for bucket in layout.buckets(bucket_numel):
+    for bucket in plan_buckets(layout, bucket_numel):
         dtype, n_s = layout[bucket.names[0]].dtype, n * bucket.shard_numel
         # A lone unpadded param receives its gather in its own storage (eagerly: a graph plans its buffers).
         recv = None if tracing else rows_in_place(layout, bucket, result)

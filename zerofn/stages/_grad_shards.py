@@ -21,8 +21,9 @@ import torch
 
 from zerofn import _comm as comm
 from zerofn import flat
+from zerofn._offsets import Bucket
 from zerofn.buckets import split_row
-from zerofn.layout import Bucket, ShardLayout
+from zerofn.layout import ShardLayout
 
 __all__ = ["GradShards"]
 
@@ -67,11 +68,11 @@ class GradShards:
         Returns the tensors kept that may share ``row``'s storage (for
         :meth:`~zerofn.buckets.StagingPool.give_unless_aliased`).
         """
-        g, start, stop = self.fl.bucket_span(bucket.names)
-        if g < 0:
+        if bucket.span is None:  # whole params: no range in any buffer
             shards = split_row(row, self.layout, bucket, self.grad_dtypes, dtype=dtype, rank=self.rank)
             self._named.update(shards)
             return list(shards.values())
+        g, start, stop = bucket.span
         dtype = self.buffer_dtypes[g]
         if self.tracing:
             piece = row.to(dtype) if row.dtype != dtype else row.clone() if row._base is not None else row

@@ -12,11 +12,12 @@ import torch
 from zerofn import _checks as checks
 from zerofn import _comm as comm
 from zerofn._comm import CommPolicy, Group, Pending
+from zerofn._offsets import Bucket, plan_buckets
 from zerofn._tree import FrozenDict
 from zerofn._wire._bucket import launch_compressed, wire_plan
 from zerofn._wire._checks import check_wire
 from zerofn.buckets import StagingPool, launch_reduce, pack_grads
-from zerofn.layout import Bucket, ShardLayout
+from zerofn.layout import ShardLayout
 from zerofn.precision import PrecisionPolicy
 from zerofn.stages._grad_shards import GradShards
 from zerofn.stages._pipeline import DEFAULT_BUCKET_NUMEL, MAX_IN_FLIGHT, InFlight, check_reduce_options
@@ -126,7 +127,7 @@ def reduce_grads(
         present = checks.validate_grads(
             grads, layout, group, "reduce_grads", accum_dtype_for=precision.grad_accum_dtype_for
         )
-        buckets = layout.buckets(bucket_numel)
+        buckets = plan_buckets(layout, bucket_numel)
         grad_dtypes = {n: grads[n].dtype for n in present}  # type: ignore[union-attr]
         checks.validate_bucket_dtypes(buckets, grad_dtypes, group, "reduce_grads")
         wire = precision.wire

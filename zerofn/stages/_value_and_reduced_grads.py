@@ -37,12 +37,13 @@ import torch.utils._pytree as pytree
 from zerofn import _checks as checks
 from zerofn import _comm as comm
 from zerofn._comm import CommPolicy, Group, Pending
+from zerofn._offsets import Bucket, plan_buckets
 from zerofn._tree import FrozenDict
 from zerofn._wire._bucket import launch_compressed, wire_plan
 from zerofn._wire._checks import check_wire
 from zerofn._wire._policy import CompressedWire
 from zerofn.buckets import StagingPool, launch_reduce, pack_grads
-from zerofn.layout import Bucket, ShardLayout
+from zerofn.layout import ShardLayout
 from zerofn.precision import PrecisionPolicy
 from zerofn.stages._grad_shards import GradShards
 from zerofn.stages._pipeline import DEFAULT_BUCKET_NUMEL, MAX_IN_FLIGHT, InFlight, check_reduce_options
@@ -70,7 +71,7 @@ TRACE_REASON = (
 @functools.lru_cache(maxsize=256)
 def launch_order(layout: ShardLayout, bucket_numel: int) -> tuple[int, ...]:
     """The order in which :func:`value_and_reduced_grads` launches the buckets (indices into
-    ``layout.buckets(bucket_numel)``).
+    ``plan_buckets(layout, bucket_numel)``).
 
     Last first by the layout position of each bucket's first member: for split params
     (contiguous runs of the layout) the reverse of the plan; whole-param buckets take their
@@ -78,7 +79,7 @@ def launch_order(layout: ShardLayout, bucket_numel: int) -> tuple[int, ...]:
     its collectives in the same order. Cached per pair.
     """
     position = {name: i for i, name in enumerate(layout.names)}
-    buckets = layout.buckets(bucket_numel)
+    buckets = plan_buckets(layout, bucket_numel)
     first = [min(position[n] for n in b.names) for b in buckets]
     return tuple(sorted(range(len(buckets)), key=lambda b: -first[b]))
 
@@ -103,7 +104,7 @@ def _check_wire(
         if residual is not None:
             raise ValueError(f"{_WHERE}: residual= is for a compressed wire with error feedback (precision.wire)")
         return
-    buckets = layout.buckets(bucket_numel)
+    buckets = plan_buckets(layout, bucket_numel)
     rank = comm.group_rank(group)
     check_wire(
         wire, layout, buckets, residual, rank=rank, replicate_group=replicate_group, comm_dtype=comm_dtype, where=_WHERE
@@ -215,7 +216,7 @@ class _Reduction:
         self.comm_dtype, self.replicate_group, self.pool, self.device = comm_dtype, replicate_group, pool, device
         self.rank = comm.group_rank(group)
         self.replicas = comm.group_size(replicate_group) if replicate_group is not None else 1
-        self.buckets = layout.buckets(bucket_numel)
+        self.buckets = plan_buckets(layout, bucket_numel)
         self.order = launch_order(layout, bucket_numel)
         self.bucket_of = {name: b for b, bucket in enumerate(self.buckets) for name in bucket.names}
         self.missing = [len(b.names) for b in self.buckets]  # members whose gradient has not arrived
