@@ -95,3 +95,28 @@ def test_a_step_costs_the_same_aten_calls_for_10_and_1000_tensors(worlds, n):
                 # A small constant: Adam's written-out rule adds about twenty 0-d float64
                 # operations per run (bias corrections, step size), whatever the tensor count.
                 assert sum(b.values()) < 60, what
+
+
+def _steps_of_a_copy(count: int) -> tuple[int, dict[str, int], dict[str, int]]:
+    """``step_shards``' aten calls on a state and on its copy made leaf by leaf, and how many
+    step-count tensors the copy holds."""
+    params = _params(count)
+    grads = zf.reduce_grads({n: torch.ones_like(p) for n, p in params.items()}, zf.make_layout(params, 1))
+    state = zf.shard_params(params, zf.optim.adamw(lr=1e-2), check=False)
+    copy = pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, state)
+    counts = []
+    for s in (state, copy):
+        with _Count() as c:
+            zf.step_shards(s, grads)
+        counts.append(dict(c.calls))
+    return len({id(t) for t in copy.opt_state.step.values()}), counts[0], counts[1]
+
+
+def test_a_state_copied_leaf_by_leaf_shares_its_step_counts_and_steps_in_one_run(worlds):
+    """``tree_map(torch.clone, state)`` gives every name its own step-count tensor; the state
+    shares equal counts again (one per param group), so Adam still runs once per flat
+    buffer, not once per param: a compiled step over such a copy updates each buffer whole
+    instead of as a concatenation of its 1,000 params (a kernel inductor cannot compile)."""
+    shared, original, copied = worlds[1].run(_steps_of_a_copy, 1000)[0]
+    assert shared == 1
+    assert copied == original

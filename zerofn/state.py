@@ -98,7 +98,7 @@ class ZeroState:
         # One representation: the master shards are a FlatDict on the rank's flat layout. Shards
         # given per name (a state built by hand, or read from a checkpoint) are packed here, once.
         master, opt_state = flat.held_flat(self.layout, self.rank, self.master, self.opt_state)
-        if master is not self.master:
+        if master is not self.master or opt_state is not self.opt_state:
             object.__setattr__(self, "master", master)
             object.__setattr__(self, "opt_state", opt_state)
 

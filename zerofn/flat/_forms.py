@@ -170,7 +170,7 @@ def held_flat(layout: Any, rank: int, master: Mapping[str, torch.Tensor], opt_st
         and master.flat_layout.rank == rank
         and master.flat_layout.fingerprint == layout.fingerprint
     ):
-        return master, opt_state
+        return master, _share_steps(opt_state, only_unaliased=True)
     flat = flat_layout(layout, rank)
     if master and not packable(flat, master):
         raise ValueError(
@@ -188,26 +188,35 @@ def _describe(mapping: Mapping[str, Any]) -> str:
     )
 
 
-def _share_steps(tree: Any) -> Any:
+def _share_steps(tree: Any, *, only_unaliased: bool = False) -> Any:
     """An optimizer state whose per-name 0-d ``step`` counts of equal value are one tensor (as
-    ``init`` over a FlatDict makes them), so a flat update runs once per group, not per name.
+    ``init`` over a FlatDict makes them), so a flat update runs once per group, not per name
+    (and a compiled one updates each buffer whole, not as a concatenation of its params).
 
     Only states whose class says ``shares_step_counts = True`` (an update that never adds
     to a shared count in place) are changed: the container knows that protocol, not the
     optimizers. Reads every count (host): for states built per name (a checkpoint load), once.
+    ``only_unaliased``: only a state whose counts are all separate tensors (a copy made leaf
+    by leaf, e.g. ``tree_map(torch.clone, state)``); the states the updates return keep
+    their sharing, and are not read. Nothing is read while tracing.
     """
+    if only_unaliased and torch.compiler.is_compiling():
+        return tree
     if isinstance(tree, tuple) and hasattr(tree, "_fields"):
-        fields = {f: _share_steps(v) for f, v in zip(tree._fields, tree, strict=True)}
+        fields = {f: _share_steps(v, only_unaliased=only_unaliased) for f, v in zip(tree._fields, tree, strict=True)}
         step = fields.get("step")
         counts = isinstance(step, Mapping) and all(isinstance(t, torch.Tensor) and t.dim() == 0 for t in step.values())
-        if getattr(type(tree), "shares_step_counts", False) and step and counts:
+        separate = not only_unaliased or (counts and len(step) > 1 and len({id(t) for t in step.values()}) == len(step))
+        if getattr(type(tree), "shares_step_counts", False) and step and counts and separate:
             shared: dict[tuple[Any, ...], torch.Tensor] = {}
             fields["step"] = FrozenDict(
                 {n: shared.setdefault((t.item(), t.dtype, t.device), t) for n, t in step.items()}
             )
-        return type(tree)(**fields)
+        same = all(fields[f] is v for f, v in zip(tree._fields, tree, strict=True))
+        return tree if same else type(tree)(**fields)
     if isinstance(tree, tuple):
-        return tuple(_share_steps(v) for v in tree)
+        parts = tuple(_share_steps(v, only_unaliased=only_unaliased) for v in tree)
+        return tree if all(a is b for a, b in zip(parts, tree, strict=True)) else parts
     return tree
 
 
