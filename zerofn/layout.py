@@ -1,4 +1,4 @@
-"""Where every element of every parameter lives: the shard layout and the rules of the bucket plan.
+"""Where every element of every parameter lives: the shard layout (padding, placement, per-rank slices).
 
 Note: the vocabulary, used the same way everywhere in zerofn
 ------------------------------------------------------------
