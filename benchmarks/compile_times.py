@@ -1,0 +1,58 @@
+"""Where the first compiled call of zerofn's functional step spends its time, truly cold.
+
+The ``zerofn-fn-compiled-inductor`` system of ``benchmarks/systems.py`` (``torch.func`` +
+the four stages in one ``torch.compile(fullgraph=True)`` graph, inductor) is built on N
+gloo ranks and called once, from a fresh inductor cache with the FX-graph and AOT caches
+off (the benchmark's cold compile). Rank 0 prints the call's wall time and dynamo's own
+table of phases (``torch._dynamo.utils.compile_times``): tracing (``bytecode_tracing``,
+and one ``compile_attempt_K`` per restart of the analysis), AOTAutograd, inductor's passes,
+lowering, scheduling and code generation, and the C++ compiles (``async_compile.wait``)::
+
+    python -m benchmarks.compile_times --model mlp-large      # about 30 s
+    python -m benchmarks.compile_times --model mlp-small      # minutes: 1,028 param tensors
+
+Compare with the ``ddp-compiled`` system's cold compile in a ``benchmarks.run`` report: the
+model's own forward and backward, compiled the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from typing import Any
+
+SYSTEM = "zerofn-fn-compiled-inductor"
+
+
+def _job(model_name: str) -> tuple[float, str]:
+    import torch._dynamo.utils
+
+    from benchmarks import models, systems
+
+    systems.setup(models.model_config(model_name), 0, 8, "fused")
+    systems.build(SYSTEM)
+    t0 = time.perf_counter()
+    systems.run_block(SYSTEM, 0, 1)  # the first call: the compile, cold
+    seconds = time.perf_counter() - t0
+    table: Any = torch._dynamo.utils.compile_times(repr="str", aggregate=True)
+    return seconds, str(table)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from benchmarks import compile_times  # by module name: the pool pickles functions by reference
+    from zerofn.testing import World
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.compile_times", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="mlp-large", choices=("transformer", "mlp-small", "mlp-large"))
+    p.add_argument("--world-size", type=int, default=2)
+    args = p.parse_args(argv)
+    os.environ["ZEROFN_BENCH_WARM_COMPILE"] = "0"  # one compile, cold (the ranks inherit it)
+    with World(args.world_size, timeout=3600.0, run_timeout=7200.0) as world:
+        seconds, table = world.run(compile_times._job, args.model)[0]
+    print(f"# {SYSTEM}, {args.model}, N = {args.world_size}, rank 0: first call {seconds:.1f} s")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
