@@ -89,8 +89,8 @@ def _facade_hands_step_flat_shards() -> None:
         for model, opt in zip(models, opts, strict=True):
             opt.backward(((model(x, step != 1) - y) ** 2).mean())
         reducer = opts[0]._reducer
-        held = dict(reducer.peek_step_grads())
-        taken = reducer.take_step_grads()
+        held = dict(reducer.step_grads.peek_step_grads())
+        taken = reducer.step_grads.take_step_grads()
         master = opts[0]._state.master
         assert isinstance(taken, FlatDict) and taken.flat_layout == master.flat_layout
         assert set(taken) == set(held)
@@ -99,7 +99,7 @@ def _facade_hands_step_flat_shards() -> None:
             if name not in taken and taken.flat_layout.where[name][0] >= 0:
                 g, off, k = taken.flat_layout.where[name]
                 assert torch.count_nonzero(taken.buffers[g][off : off + k]) == 0, name
-        reducer.give_back(taken)  # as a vetoed step does: the next step applies them
+        reducer.step_grads.give_back(taken)  # as a vetoed step does: the next step applies them
         for opt in opts:
             opt.step()
             opt.zero_grad()

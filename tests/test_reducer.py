@@ -68,7 +68,7 @@ def _facade_vs_functional(
         shards = zf.reduce_grads(grads, state.layout, stage=stage, precision=precision, bucket_numel=bucket)
         # The reduced shards themselves (AdamW would hide a gradient scale error): what step
         # will apply (at stage 1 cut from the averaged p.grad).
-        held = opt._reducer.peek_step_grads()
+        held = opt._reducer.step_grads.peek_step_grads()
         mismatches += [(step, "grad", n) for n in shards if n not in held or not torch.equal(held[n], shards[n])]
         mismatches += [(step, "grad", n) for n in held if n not in shards]
         state, _ = zf.step_shards(state, shards)

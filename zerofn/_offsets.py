@@ -159,7 +159,7 @@ def plan_buckets(layout: ShardLayout, bucket_numel: int, names: Iterable[str] | 
         # A compiled step takes the plan as a constant, computed for real (tracing the
         # planner costs per param); the layout travels as its fingerprint, one string.
         return _traced_plan(layout.fingerprint, chosen, operator.index(bucket_numel))
-    return _plan_buckets(layout, _wanted(layout, chosen), bucket_numel)
+    return _plan_buckets(layout, chosen, bucket_numel)
 
 
 def _wanted(layout: ShardLayout, names: tuple[str, ...] | None) -> tuple[str, ...]:
@@ -175,11 +175,12 @@ def _traced_plan(fingerprint: str, names: tuple[str, ...] | None, bucket_numel: 
     """:func:`plan_buckets` for a compiled step: run at trace time, its result a constant."""
     layout = layout_by_fingerprint(fingerprint)
     assert layout is not None, "zerofn: a compiled step's layout is alive while it traces"
-    return _plan_buckets(layout, _wanted(layout, names), bucket_numel)
+    return _plan_buckets(layout, names, bucket_numel)
 
 
 @functools.lru_cache(maxsize=256)
-def _plan_buckets(layout: ShardLayout, names: tuple[str, ...], bucket_numel: int) -> tuple[Bucket, ...]:
+def _plan_buckets(layout: ShardLayout, chosen: tuple[str, ...] | None, bucket_numel: int) -> tuple[Bucket, ...]:
+    names = _wanted(layout, chosen)  # inside the cache: a step asks for every name without listing them
     split = tuple(n for n in names if not layout[n].is_whole)
     whole = tuple(n for n in names if layout[n].is_whole)
     return _plan_split_buckets(layout, split, bucket_numel) + _plan_whole_buckets(layout, whole, bucket_numel)

@@ -98,7 +98,7 @@ class ZeroState:
         # One representation: the master shards are a FlatDict on the rank's flat layout. Shards
         # given per name (a state built by hand, or read from a checkpoint) are packed here, once.
         master, opt_state = flat.held_flat(self.layout, self.rank, self.master, self.opt_state)
-        if master is not self.master or opt_state is not self.opt_state:
+        if master is not self.master:
             object.__setattr__(self, "master", master)
             object.__setattr__(self, "opt_state", opt_state)
 
@@ -208,11 +208,14 @@ pytree.register_pytree_node(
         [s.master, s.opt_state, s.step, s.loss_scale, s.residual],
         (s.layout, s.optimizer, s.rank, s.precision, s.param_device, s.bucket_numel),
     ),
+    # A leaf-by-leaf copy gives every name its own step count: shared again here, where that happens.
     lambda children, ctx: ZeroState(
         ctx[0],
         ctx[1],
         ctx[2],
-        *children[:4],
+        children[0],
+        flat.reshare_steps(children[1]),
+        *children[2:4],
         precision=ctx[3],
         param_device=ctx[4],
         bucket_numel=ctx[5],

@@ -109,7 +109,7 @@ class GradOps:
     def current_norm(self, state: ZeroState, norm_type: float) -> float:
         """The norm of the gradients held now (a collective: one scalar all-reduce, after any pending reduction)."""
         self._reducer.settle()
-        pieces, scale = self._reducer.norm_pieces()
+        pieces, scale = self._reducer.step_grads.norm_pieces()
         return global_grad_norm(pieces, self._group, norm_type=norm_type, scale=scale, device=state.work_device)
 
     def clip_(self, state: ZeroState, max_norm: float, norm_type: float, error_if_nonfinite: bool) -> torch.Tensor:
@@ -133,7 +133,7 @@ class GradOps:
         else:
             coef = clip_coef(total, float(max_norm))
             if coef < 1.0:
-                self._reducer.scale_grads_(coef)
+                self._reducer.step_grads.scale_grads_(coef)
         return torch.tensor(total, dtype=torch.float32, device=device)
 
     def param_grad(self, param: torch.Tensor) -> torch.Tensor | None:

@@ -106,7 +106,8 @@ class GradReducer:
 
     It holds its collaborators: the gradients (:class:`~._held.HeldGrads`, ``held``), the
     bucket settling (:class:`~._settle.Settler`) and the step's view of the gradients
-    (:class:`~._step_grads.StepGrads`, ``step_grads``), which all work on ``held``.
+    (:class:`~._step_grads.StepGrads`, ``step_grads``: what the step takes, gives back,
+    measures and clips, read after :meth:`settle`), which all work on ``held``.
 
     Collectives: per bucket one reduction (see :func:`zerofn.buckets.launch_reduce`), one
     tiny rank-agreement all-gather per backward (and per :meth:`settle` that finds local
@@ -212,28 +213,6 @@ class GradReducer:
         if self.held.local or self.held.foreign():
             self._flush()
 
-    # The step's view (StepGrads): what the facade and the tests call on the reducer.
-
-    def take_step_grads(self) -> Mapping[str, torch.Tensor]:
-        """:meth:`~._step_grads.StepGrads.take_step_grads`; call :meth:`settle` first."""
-        return self.step_grads.take_step_grads()
-
-    def give_back(self, shards: Mapping[str, torch.Tensor]) -> None:
-        """:meth:`~._step_grads.StepGrads.give_back`: the step applied nothing."""
-        self.step_grads.give_back(shards)
-
-    def peek_step_grads(self) -> dict[str, torch.Tensor]:
-        """:meth:`~._step_grads.StepGrads.peek_step_grads`: the shards without consuming them."""
-        return self.step_grads.peek_step_grads()
-
-    def norm_pieces(self) -> tuple[dict[str, torch.Tensor], float]:
-        """:meth:`~._step_grads.StepGrads.norm_pieces`; call :meth:`settle` first."""
-        return self.step_grads.norm_pieces()
-
-    def scale_grads_(self, factor: float) -> None:
-        """:meth:`~._step_grads.StepGrads.scale_grads_` (clipping); call :meth:`settle` first."""
-        self.step_grads.scale_grads_(factor)
-
     def full_grad(self, name: str, how: str) -> torch.Tensor | None:
         """The full averaged gradient of ``name``, unscaled (param shape), or None.
 
@@ -249,19 +228,19 @@ class GradReducer:
             return None
         spec = self._layout[name]
         shard = self.held.shards.get(name)
-        if spec.is_whole:
-            wide = torch.promote_types(spec.dtype, torch.float32)  # the same dtype on every rank
+        if spec.is_whole:  # in the same dtype on every rank; zeros where it is not owned
+            wide = torch.promote_types(spec.dtype, torch.float32)
             row = torch.zeros(spec.numel, dtype=wide, device=self._params[name].device)
             if shard is not None:
                 row.copy_(shard.reshape(-1))
         else:
             assert shard is not None  # split: every rank holds its shard of a placed param
             row = shard.contiguous()
-        if spec.numel == 0:  # in no bucket: nothing to gather
+        alone = plan_buckets(self._layout, max(1, spec.padded_numel), (name,))  # a bucket of its own
+        if not alone:  # an empty param is in no bucket: nothing to gather
             return torch.zeros(spec.shape, dtype=row.dtype, device=row.device)
-        (alone,) = plan_buckets(self._layout, spec.padded_numel, (name,))  # the param in a bucket of its own
         rows = launch_gather(row, self._group, how).wait()
-        full = unpack_rows(rows, self._layout, alone)[name]
+        full = unpack_rows(rows, self._layout, alone[0])[name]
         scale = self._loss_scale()
         if scale != 1.0:
             mul_grads_([full], 1.0 / scale)

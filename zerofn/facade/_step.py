@@ -106,7 +106,7 @@ class Stepper:
         overflow, veto); on a veto, one object all-gather of the reports.
         """
         state = self._hyperparams.apply(state, param_groups)
-        shards = self._reducer.take_step_grads()  # stage 1: p.grad as the user left it, cut into shards
+        shards = self._reducer.step_grads.take_step_grads()  # stage 1: p.grad as the user left it, cut into shards
         wire = self._reducer.wire  # a compressed wire: the residual of the reductions since the last step
         vetoed = False
         try:
@@ -125,7 +125,7 @@ class Stepper:
             )
         except StepVetoed as e:
             vetoed = True  # the gradients (and their residual) wait for the step that follows
-            self._reducer.give_back(shards)
+            self._reducer.step_grads.give_back(shards)
             adopt = params_verdict(e.vetoes, state.layout.names)  # type: ignore[arg-type]
         finally:
             if wire is not None and not vetoed:  # the new state holds it (skipped: the old one, rescaled)

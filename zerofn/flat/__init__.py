@@ -56,5 +56,6 @@ from zerofn.flat._forms import metadata as metadata
 from zerofn.flat._forms import named_pieces as named_pieces
 from zerofn.flat._forms import names_with_values as names_with_values
 from zerofn.flat._forms import pack_state as pack_state
+from zerofn.flat._forms import reshare_steps as reshare_steps
 
 __all__ = ["FlatDict", "FlatGroup", "FlatLayout", "as_flat", "flat_layout", "pack", "packable"]

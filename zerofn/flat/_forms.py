@@ -31,6 +31,7 @@ __all__ = [
     "named_pieces",
     "names_with_values",
     "pack_state",
+    "reshare_steps",
 ]
 
 
@@ -170,7 +171,7 @@ def held_flat(layout: Any, rank: int, master: Mapping[str, torch.Tensor], opt_st
         and master.flat_layout.rank == rank
         and master.flat_layout.fingerprint == layout.fingerprint
     ):
-        return master, _share_steps(opt_state, only_unaliased=True)
+        return master, opt_state
     flat = flat_layout(layout, rank)
     if master and not packable(flat, master):
         raise ValueError(
@@ -186,6 +187,14 @@ def _describe(mapping: Mapping[str, Any]) -> str:
     return str(
         {n: (type(t).__name__, tuple(getattr(t, "shape", ())), getattr(t, "dtype", None)) for n, t in mapping.items()}
     )
+
+
+def reshare_steps(opt_state: Any) -> Any:
+    """``opt_state`` with equal step counts one tensor again where a copy made leaf by leaf
+    (``tree_map(torch.clone, state)``: a pytree round trip) gave every name its own; as it is
+    otherwise. What :class:`~zerofn.state.ZeroState`'s pytree unflatten applies, so that such a
+    copy steps once per flat buffer, as the original does, eagerly and compiled."""
+    return _share_steps(opt_state, only_unaliased=True)
 
 
 def _share_steps(tree: Any, *, only_unaliased: bool = False) -> Any:
