@@ -200,3 +200,59 @@ def test_bad_options_raise_when_the_transform_is_made():
     ]:
         with pytest.raises((ValueError, TypeError), match=match):
             zf.value_and_reduced_grads(_loss_fn, layout, **kwargs)
+
+
+def _one_transform_over_many_calls() -> None:
+    """One transform called step after step, as a training loop does: the params updated in
+    place (``gather_params(out=params)``), one param's memory swapped (``p.data = ...``), a new
+    dict of new tensors; every call's shards are ``reduce_grads`` of ``torch.func.grad`` at the
+    values of that call, bitwise."""
+    import gc
+    import weakref
+
+    params = _params()
+    rank = dist.get_rank()
+    gen = torch.Generator().manual_seed(seeded(20 + rank))
+    x, y = torch.randn(4, 7, generator=gen), torch.randn(4, 5, generator=gen)
+    state = zf.shard_params(params, zf.optim.sgd(lr=0.1))
+    seen: list[dict[str, torch.Tensor]] = []
+
+    def loss_fn(p, x, y):
+        seen.append(dict(p))
+        return _loss_fn(p, x, y)
+
+    fn = zf.value_and_reduced_grads(loss_fn, state.layout, bucket_numel=BUCKET)
+
+    def call_and_compare(params):
+        want = zf.reduce_grads(torch.func.grad(_loss_fn)(params, x, y), state.layout, bucket_numel=BUCKET)
+        _, shards = fn(params, x, y)
+        assert_trees_equal(dict(shards), dict(want))
+        assert all(p.grad is None and not p.requires_grad for p in params.values())
+        return shards
+
+    for _ in range(3):  # the donated loop: the same tensors, new values written into them
+        state, _ = zf.step_shards(state, call_and_compare(params))
+        zf.gather_params(state, out=params)
+    # The leaves were made once and reused (the hooks with them), each a view of its param.
+    assert all(seen[0][n] is seen[-1][n] for n in params)
+    assert all(seen[-1][n].data_ptr() == params[n].data_ptr() for n in params if params[n].numel())
+    # A param whose memory is swapped in place gets a new leaf: the gradient is taken at the new values.
+    params["b.weight"].data = params["b.weight"] * 3.0
+    call_and_compare(params)
+    assert seen[-1]["b.weight"] is not seen[-2]["b.weight"] and seen[-1]["a.weight"] is seen[-2]["a.weight"]
+    # New tensors (the pure loop): a kept leaf goes with the param it was made for, at once.
+    old_leaf = weakref.ref(seen[-1]["a.weight"])
+    seen.clear()
+    params = {n: p.clone() for n, p in params.items()}
+    gc.collect()
+    assert old_leaf() is None, "a kept leaf outlived the param it was made for"
+    call_and_compare(params)
+    # A call from inside its own loss_fn is refused, on every rank, and the transform still works.
+    nested = zf.value_and_reduced_grads(lambda p, x, y: nested(p, x, y)[0], state.layout, bucket_numel=BUCKET)
+    with pytest.raises(RuntimeError, match="called again from inside one of its own calls"):
+        nested(params, x, y)
+    call_and_compare(params)
+
+
+def test_one_transform_over_many_calls_reuses_its_leaves_and_follows_the_params(world):
+    world.run(_one_transform_over_many_calls)

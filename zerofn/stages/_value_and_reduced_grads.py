@@ -46,6 +46,7 @@ from zerofn.buckets import StagingPool, launch_reduce, pack_grads
 from zerofn.layout import ShardLayout
 from zerofn.precision import PrecisionPolicy
 from zerofn.stages._grad_shards import GradShards
+from zerofn.stages._leaves import Leaves, reached
 from zerofn.stages._pipeline import DEFAULT_BUCKET_NUMEL, MAX_IN_FLIGHT, InFlight, check_reduce_options
 from zerofn.stages._reduce_grads import reduce_realisation, sum_over_replicas
 from zerofn.state import DEFAULT_POLICY
@@ -161,31 +162,6 @@ def _split_loss(result: Any, has_aux: bool) -> tuple[torch.Tensor, Any]:
             f"{tuple(loss.shape)} dtype {loss.dtype}"
         )
     return loss, aux
-
-
-def _reachable(loss: torch.Tensor, leaves: Mapping[str, torch.Tensor]) -> set[str]:
-    """Names of the ``leaves`` the backward from ``loss`` reaches (an ``AccumulateGrad`` node in its graph).
-
-    The others will get no gradient: their buckets need not wait for them. One walk over
-    the autograd graph after the forward (as DDP's ``find_unused_parameters``), stopped
-    as soon as every leaf is found; no communication.
-    """
-    want = {id(leaf): name for name, leaf in leaves.items()}
-    found: set[str] = set()
-    seen: set[Any] = set()
-    stack = [loss.grad_fn]
-    while stack and len(found) < len(want):
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if type(node).__name__ == "AccumulateGrad":  # a leaf: node.variable is the tensor it accumulates into
-            name = want.get(id(node.variable))
-            if name is not None:
-                found.add(name)
-            continue
-        stack.extend(fn for fn, _ in node.next_functions)
-    return found
 
 
 class _Reduction:
@@ -338,8 +314,9 @@ def value_and_reduced_grads(
     backward, and each packed gradient is freed at once (peak memory: the params'
     gradients of the buckets not yet sent, not all of them).
 
-    Pure at its boundary: the gradients are taken with respect to fresh leaf tensors
-    (``p.detach().requires_grad_()``, sharing the params' storage, never written), so the
+    Pure at its boundary: the gradients are taken with respect to leaf tensors of its own
+    (``p.detach().requires_grad_()``, sharing the params' storage, never written; made
+    once and kept with their hooks while the caller passes the same tensors), so the
     caller's tensors get no ``.grad``, no hook and no new version, and other tensors that
     ``loss_fn`` reads keep their ``.grad`` too (``backward(inputs=...)``). A param the
     loss does not depend on gets a zero gradient, as ``torch.func.grad`` gives it: zeros in
@@ -425,24 +402,32 @@ def value_and_reduced_grads(
     precision = precision or DEFAULT_POLICY
     wire = comm_dtype if comm_dtype is not None else precision.comm_dtype
     compressed = precision.wire
+    kept = Leaves(_WHERE)
 
     def value_and_grads(params: Mapping[str, torch.Tensor], *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         comm.group_rank(group)  # a rank outside the group cannot take part: raise here, alone
         failure: Exception | None = None
         loss: torch.Tensor | None = None
         aux: Any = None
-        leaves: dict[str, torch.Tensor] = {}
+        leaves: dict[str, torch.Tensor] | None = None
         try:
             checks.validate_world(layout, group, _WHERE)
             checks.validate_replicas(replicate_group, _WHERE)
             _check_wire(compressed, layout, bucket_numel, residual, group, replicate_group, wire)
             _check_params(params, layout, group)
-            leaves = {n: params[n].detach().requires_grad_() for n in params}
+            leaves = kept.take(params)
             with torch.enable_grad():
                 result = loss_fn(leaves, *args, **kwargs)
             loss, aux = _split_loss(result, has_aux)
         except Exception as e:  # it travels in the agreement all-gather: every rank raises
             failure = e
+        try:
+            return _reduced(leaves or {}, loss, aux, failure, params)
+        finally:
+            if leaves is not None:  # this call took them (not refused as a reentrant one)
+                kept.release(leaves)
+
+    def _reduced(leaves: dict[str, torch.Tensor], loss: Any, aux: Any, failure: Exception | None, params: Any) -> Any:
         tensors = params.values() if isinstance(params, Mapping) else ()
         device = next((t.device for t in tensors if isinstance(t, torch.Tensor)), torch.device("cpu"))
         checks.check_ranks_agree(
@@ -471,21 +456,15 @@ def value_and_reduced_grads(
             replicate_group=replicate_group,
             pool=pool,
             device=device,
-            reachable=_reachable(loss, leaves) if loss.requires_grad else set(),
+            reachable=reached(loss, leaves) if loss.requires_grad else set(),
             wire=compressed,
             residual=residual,
         )
         reduction.launch_ready()  # buckets of params the loss does not reach go out at once, in turn
-        hooks = [
-            leaf.register_post_accumulate_grad_hook(lambda _, name=name: reduction.arrived(name))
-            for name, leaf in leaves.items()
-        ]
-        try:
-            if loss.requires_grad:  # else the loss does not depend on the params: every gradient is zero
-                torch.autograd.backward(loss, inputs=list(leaves.values()))
-        finally:
-            for h in hooks:
-                h.remove()
+        kept.listen(reduction.arrived)
+        if loss.requires_grad:  # else the loss does not depend on the params: every gradient is zero
+            torch.autograd.backward(loss, inputs=list(leaves.values()))
+        kept.listen(None)
         shards = reduction.finish()
         if reduction.residual is not None:  # the compressed wire's error feedback: reduce_grads' pair
             shards = (shards, tuple(reduction.residual))
