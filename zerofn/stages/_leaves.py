@@ -9,9 +9,9 @@ passes the same tensors: the usual loop, where ``gather_params(out=params)`` upd
 params in place, makes them once. The hooks stay registered and report to whichever call
 is listening; between calls they report to nobody.
 
-A kept leaf is reused only while it still is a view of the same memory, in the same
-shape, strides, dtype and device, as the caller's tensor (``p.data = other`` or
-``p.set_(...)`` swaps a tensor's memory in place; the next call then makes a new leaf).
+A kept leaf is reused only while it still is a view of the caller's tensor: the same
+memory with the same strides (``p.data = other`` or ``p.set_(...)`` swaps a tensor's
+memory in place; the next call then makes a new leaf).
 Each entry holds the caller's tensor by a weak reference whose callback drops the entry,
 so a kept leaf never keeps the memory of a param the caller has let go of.
 
@@ -69,11 +69,13 @@ class Leaves:
         """Report each gradient accumulated into a leaf, by name, to ``listener`` (``None``: to nobody)."""
         self._listener = listener
 
-    def release(self, leaves: Mapping[str, torch.Tensor]) -> None:
-        """End the call that took ``leaves``: stop listening, drop their gradients."""
+    def release(self, leaves: Mapping[str, torch.Tensor], *, failed: bool) -> None:
+        """End the call that took ``leaves``: stop listening; after a failed call, drop their
+        gradients (a call that finished has handed every one to its reduction and dropped it)."""
         self._listener = None
-        for leaf in leaves.values():
-            leaf.grad = None
+        if failed:
+            for leaf in leaves.values():
+                leaf.grad = None
         self._busy = False
 
     def _make(self, name: str, p: torch.Tensor) -> torch.Tensor:
@@ -93,14 +95,13 @@ class Leaves:
 
 
 def _same_view(leaf: torch.Tensor, p: torch.Tensor) -> bool:
-    """``leaf`` still shows exactly ``p``'s memory (what ``p.detach()`` would give now)."""
-    return (
-        leaf.data_ptr() == p.data_ptr()
-        and leaf.shape == p.shape
-        and leaf.stride() == p.stride()
-        and leaf.dtype == p.dtype
-        and leaf.device == p.device
-    )
+    """``leaf`` still shows exactly ``p``'s memory (what ``p.detach()`` would give now).
+
+    The caller checks ``p``'s shape and dtype against the layout first, as they were when
+    ``leaf`` was made; what ``p.data = ...`` can change beyond them is the memory (a new
+    address; no two live allocations, on any device, share one) and the strides.
+    """
+    return leaf.data_ptr() == p.data_ptr() and leaf.stride() == p.stride()
 
 
 def reached(loss: torch.Tensor, leaves: Mapping[str, torch.Tensor]) -> set[str]:

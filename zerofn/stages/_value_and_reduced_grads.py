@@ -119,13 +119,16 @@ def _check_params(params: Any, layout: ShardLayout, group: Group) -> None:
             f"{_WHERE}: params must be a mapping name -> tensor (e.g. what gather_params returned), "
             f"got {type(params).__name__}"
         )
-    unknown = [n for n in params if n not in layout]
+    if params.keys() == set(layout.names):
+        unknown: list[str] = []
+    else:
+        unknown = [n for n in params if n not in layout]
     if unknown:
         raise KeyError(
             f"{_WHERE} on rank {comm.group_rank(group)}: params the layout does not know: {unknown}; "
             f"known params start with {list(layout.names[:5])}"
         )
-    missing = [n for n in layout.names if n not in params]
+    missing = [n for n in layout.names if n not in params] if len(params) != len(layout.names) else []
     if missing:
         raise KeyError(
             f"{_WHERE} on rank {comm.group_rank(group)}: params has no tensor for {missing[:5]}; give every param "
@@ -136,7 +139,7 @@ def _check_params(params: Any, layout: ShardLayout, group: Group) -> None:
         p = params[spec.name]
         if not isinstance(p, torch.Tensor):
             raise TypeError(f"{_WHERE}: param {spec.name!r} is a {type(p).__name__}, not a torch.Tensor")
-        if tuple(p.shape) != spec.shape or p.dtype != spec.dtype:
+        if p.shape != spec.shape or p.dtype != spec.dtype:
             raise ValueError(
                 f"{_WHERE} on rank {comm.group_rank(group)}: param {spec.name!r} has shape {tuple(p.shape)} "
                 f"dtype {p.dtype}, but the layout has shape {spec.shape} dtype {spec.dtype}"
@@ -421,11 +424,14 @@ def value_and_reduced_grads(
             loss, aux = _split_loss(result, has_aux)
         except Exception as e:  # it travels in the agreement all-gather: every rank raises
             failure = e
+        done = False
         try:
-            return _reduced(leaves or {}, loss, aux, failure, params)
+            out = _reduced(leaves or {}, loss, aux, failure, params)
+            done = True
+            return out
         finally:
             if leaves is not None:  # this call took them (not refused as a reentrant one)
-                kept.release(leaves)
+                kept.release(leaves, failed=not done)
 
     def _reduced(leaves: dict[str, torch.Tensor], loss: Any, aux: Any, failure: Exception | None, params: Any) -> Any:
         tensors = params.values() if isinstance(params, Mapping) else ()
