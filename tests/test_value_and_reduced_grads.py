@@ -9,6 +9,9 @@ size, staging), so the reference's sum is zerofn's own order: bitwise at any N.
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -207,9 +210,6 @@ def _one_transform_over_many_calls() -> None:
     place (``gather_params(out=params)``), one param's memory swapped (``p.data = ...``), a new
     dict of new tensors; every call's shards are ``reduce_grads`` of ``torch.func.grad`` at the
     values of that call, bitwise."""
-    import gc
-    import weakref
-
     params = _params()
     rank = dist.get_rank()
     gen = torch.Generator().manual_seed(seeded(20 + rank))

@@ -61,7 +61,7 @@ class Leaves:
         for name, p in params.items():
             kept = self._kept.get(name)
             leaf = kept[1] if kept is not None and kept[0]() is p and _same_view(kept[1], p) else self._make(name, p)
-            leaf.grad = None  # an earlier call that failed half way may have left one
+            leaf.grad = None  # a backward the caller ran between calls, through a leaf kept from one
             leaves[name] = leaf
         return leaves
 
@@ -69,13 +69,12 @@ class Leaves:
         """Report each gradient accumulated into a leaf, by name, to ``listener`` (``None``: to nobody)."""
         self._listener = listener
 
-    def release(self, leaves: Mapping[str, torch.Tensor], *, failed: bool) -> None:
-        """End the call that took ``leaves``: stop listening; after a failed call, drop their
-        gradients (a call that finished has handed every one to its reduction and dropped it)."""
+    def release(self, leaves: Mapping[str, torch.Tensor]) -> None:
+        """End the call that took ``leaves``: stop listening, drop any gradient left on them
+        (one a failed call did not hand to its reduction)."""
         self._listener = None
-        if failed:
-            for leaf in leaves.values():
-                leaf.grad = None
+        for leaf in leaves.values():
+            leaf.grad = None
         self._busy = False
 
     def _make(self, name: str, p: torch.Tensor) -> torch.Tensor:

@@ -424,14 +424,11 @@ def value_and_reduced_grads(
             loss, aux = _split_loss(result, has_aux)
         except Exception as e:  # it travels in the agreement all-gather: every rank raises
             failure = e
-        done = False
         try:
-            out = _reduced(leaves or {}, loss, aux, failure, params)
-            done = True
-            return out
+            return _reduced(leaves or {}, loss, aux, failure, params)
         finally:
             if leaves is not None:  # this call took them (not refused as a reentrant one)
-                kept.release(leaves, failed=not done)
+                kept.release(leaves)
 
     def _reduced(leaves: dict[str, torch.Tensor], loss: Any, aux: Any, failure: Exception | None, params: Any) -> Any:
         tensors = params.values() if isinstance(params, Mapping) else ()
@@ -470,7 +467,6 @@ def value_and_reduced_grads(
         kept.listen(reduction.arrived)
         if loss.requires_grad:  # else the loss does not depend on the params: every gradient is zero
             torch.autograd.backward(loss, inputs=list(leaves.values()))
-        kept.listen(None)
         shards = reduction.finish()
         if reduction.residual is not None:  # the compressed wire's error feedback: reduce_grads' pair
             shards = (shards, tuple(reduction.residual))
