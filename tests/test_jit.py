@@ -61,15 +61,26 @@ def _batches(steps: int, fp16: bool, overflow_at: int) -> list[tuple[torch.Tenso
     return out
 
 
-def _compiled_against_eager(stage: int, fp16: bool, steps: int, overflow_at: int = -1) -> dict[str, Any]:
-    """The eager loop, then the same loop compiled; what differs, and how often dynamo compiled."""
+def _compiled_against_eager(
+    stage: int, fp16: bool, steps: int, overflow_at: int = -1, fused: bool | None = None
+) -> dict[str, Any]:
+    """The eager loop, then the same loop compiled; what differs, how often dynamo compiled,
+    and the ops of the graph dynamo traced (``ops``: target -> count)."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     model, params = _model(fp16)
     lr = torch.tensor(1e-2, dtype=torch.float64)
     scaler = zf.DynamicLossScaler(initial_scale=2.0**10, growth_interval=3)
     precision = zf.PrecisionPolicy(param_dtype=torch.float16, loss_scaler=scaler) if fp16 else None
-    start = zf.shard_params(params, zf.optim.adamw(lr=lr, weight_decay=0.1), precision=precision)
+    start = zf.shard_params(params, zf.optim.adamw(lr=lr, weight_decay=0.1, fused=fused), precision=precision)
+    ops: dict[str, int] = {}
+
+    def recording(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        ops.clear()  # the graph that runs: dynamo may restart its analysis after a first call here
+        for node in gm.graph.nodes:
+            if node.op == "call_function":
+                ops[str(node.target)] = ops.get(str(node.target), 0) + 1
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
 
     def loss_fn(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return F.mse_loss(torch.func.functional_call(model, p, (x,)), y)
@@ -90,17 +101,20 @@ def _compiled_against_eager(stage: int, fp16: bool, steps: int, overflow_at: int
 
     eager = run(step)
     with torch._dynamo.config.patch(error_on_recompile=True):
-        compiled = run(torch.compile(step, fullgraph=True, backend="aot_eager"))
+        compiled = run(torch.compile(step, fullgraph=True, backend=recording))
     torch._dynamo.reset()
     (se, pe, te), (sc, pc, tc) = eager, compiled
+    moments = zip(pytree.tree_leaves(se.opt_state), pytree.tree_leaves(sc.opt_state), strict=True)
     return {
         "params_equal": all(torch.equal(pe[n].view(torch.uint8), pc[n].view(torch.uint8)) for n in pe),
         "master_equal": all(torch.equal(se.master[n], sc.master[n]) for n in se.master),
+        "opt_state_equal": all(torch.equal(a, b) for a, b in moments),
         "trace_equal": te == tc,
         "trace": tc,
         "eager_trace": te,
         "steps": (int(se.step), int(sc.step)),
         "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
+        "ops": ops,
     }
 
 
@@ -177,6 +191,22 @@ def _readme_loop_compiled_against_eager(steps: int) -> dict[str, Any]:
         "steps": (int(se.step), int(sc.step)),
         "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
     }
+
+
+def test_fused_adamw_compiles_as_one_op_of_torchs_kernel_and_skips_an_overflow_as_eager():
+    # torch's fused kernel runs in the graph as the opaque zerofn::fused_adam_ (one call per
+    # step: one param group, one flat buffer of masters), the kernel the eager step calls, so
+    # the bits are the eager ones; the overflow on rank 1 reaches the kernel as its found_inf.
+    results = get_world(2).run(_compiled_against_eager, 1, True, 8, overflow_at=2, fused=True)
+    for rank, out in enumerate(results):
+        assert out["params_equal"] and out["master_equal"] and out["opt_state_equal"], rank
+        assert out["trace_equal"], (rank, out["trace"], out["eager_trace"])
+        assert [skipped for _, skipped, _ in out["trace"]] == [False, False, True] + [False] * 5
+        assert out["steps"] == (7, 7)
+        assert out["graphs"] == 1
+        assert out["ops"].get("zerofn.fused_adam_.default") == 1, out["ops"]
+        assert not any(name.startswith("aten.where") for name in out["ops"]), out["ops"]  # no select: the kernel skips
+    assert results[0]["trace"] == results[1]["trace"]
 
 
 def test_the_readme_loop_as_written_compiles_fullgraph_and_trains_bitwise_as_eager():
@@ -357,7 +387,7 @@ MIXES: dict[int, dict[str, Any]] = {
     1: {"opt": "sgd_nesterov", "dtype": "fp32", "micro": 2, "donate": True, "offload": False, "stage": 2, "clip": 0.5},
     2: {"opt": "muon_adamw", "dtype": "bf16", "micro": 2, "donate": True, "offload": True, "stage": 2, "clip": 0.5},
     3: {"opt": "sgd", "dtype": "fp16", "micro": 1, "donate": False, "offload": True, "stage": 1, "clip": None},
-    4: {"opt": "adamw", "dtype": "fp32", "micro": 1, "donate": True, "offload": False, "stage": 2, "clip": 0.5},
+    4: {"opt": "adamw_fused", "dtype": "fp32", "micro": 1, "donate": True, "offload": False, "stage": 2, "clip": 0.5},
 }
 BYTE_OPTIMAL = {3, 4}  # world sizes whose mix also uses CommPolicy.byte_optimal()
 _HYBRID: list[Any] = []  # (shard group, replicate group) of this rank at N = 4, made once per worker
@@ -379,8 +409,9 @@ def _optimizer(kind: str, lr: torch.Tensor) -> zf.optim.Optimizer:
         return zf.optim.sgd(lr=lr)
     if kind == "muon_adamw":  # Muon's matrices whole on their owners, AdamW's biases split
         muon = zf.torch_optim.from_torch(torch.optim.Muon, lr=0.02)
-        return zf.optim.partition([(["0.weight", "2.weight"], muon), (lambda n: True, zf.optim.adamw(lr=lr))])
-    return zf.optim.adamw(lr=lr, weight_decay=0.1)
+        adamw = zf.optim.adamw(lr=lr, fused=True)  # torch's fused kernel, through the partition's skip
+        return zf.optim.partition([(["0.weight", "2.weight"], muon), (lambda n: True, adamw)])
+    return zf.optim.adamw(lr=lr, weight_decay=0.1, fused=kind == "adamw_fused" or None)
 
 
 def _mix_compiled_against_eager(steps: int) -> dict[str, Any]:

@@ -208,7 +208,7 @@ def _refusals() -> dict[str, str]:
     cases = {
         "adagrad": lambda: zf.ZeroOptimizer(torch.optim.Adagrad(model.parameters()), compile=True),
         "sgd": lambda: zf.ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), compile=True),
-        "fused": lambda: zf.ZeroOptimizer(torch.optim.AdamW(model.parameters(), fused=True), compile=True),
+        "foreach": lambda: zf.ZeroOptimizer(torch.optim.AdamW(model.parameters(), foreach=True), compile=True),
         "allgather": lambda: zf.ZeroOptimizer(
             torch.optim.AdamW(model.parameters()), module=model, overlap_allgather=True, compile=True
         ),
@@ -227,8 +227,8 @@ def test_what_cannot_compile_is_refused_at_construction_saying_what_to_write():
     (out,) = get_world(1).run(_refusals)
     assert "torch.optim.Adagrad runs on zerofn's generic path" in out["adagrad"]
     assert "zerofn.optim.sgd has no traced update" in out["sgd"]
-    assert "built with fused=True" in out["fused"]
-    for name in ("adagrad", "sgd", "fused"):
+    assert "built with foreach=True" in out["foreach"] and "fused=True is" in out["foreach"]
+    for name in ("adagrad", "sgd", "foreach"):
         assert out[name].startswith("TypeError") and "or build the ZeroOptimizer with compile=False" in out[name]
     assert "pass one of overlap_allgather=True and compile=" in out["allgather"]
     assert "compile must be False, True or a torch.compile backend name" in out["backend"]

@@ -14,8 +14,10 @@ own): the scalar torch's kernel reads. ``addcdiv_(value=-step_size)`` is its thr
 operations in that dtype, which is how the kernel computes it.
 
 ``foreach=True`` or ``fused=True`` call torch's functional kernels (``torch.optim.sgd.sgd``,
-``torch.optim.adam.adam``) eagerly, the bits ``torch.optim`` makes with that choice; a
-compiled step refuses them with :data:`NOT_TRACEABLE` (a graph break, which
+``torch.optim.adam.adam``) eagerly, the bits ``torch.optim`` makes with that choice.
+Adam's ``fused=True`` goes through :func:`zerofn._fused_adam.fused_adam_`, one opaque op
+that a compiled step calls too (the same kernel, the same bits); a compiled step refuses
+``foreach=True`` and SGD's ``fused=True`` with :data:`NOT_TRACEABLE` (a graph break, which
 ``fullgraph=True`` turns into that error). Eagerly, bfloat16/float16 tensors and tensors
 off the CPU take torch's kernel too (:func:`_torch_kernel` says why).
 
@@ -31,12 +33,13 @@ import torch
 import torch.optim.adam as _torch_adam
 import torch.optim.sgd as _torch_sgd
 
+from zerofn._fused_adam import fused_adam_
+
 __all__ = ["NOT_TRACEABLE", "adam_", "one_tensor_at_a_time", "sgd_"]
 
 NOT_TRACEABLE = (
-    "zerofn.optim.{name}: a compiled step runs {kernel}'s single-tensor update; foreach=True or fused=True break "
-    "the graph here. Build the optimizer with foreach=None and fused=None (the CPU default) to compile the step "
-    "into one graph"
+    "zerofn.optim.{name}: a compiled step runs {kernel}'s single-tensor update{fused}; {what} break the graph "
+    "here. Build the optimizer with {fix} to compile the step into one graph"
 )
 
 
@@ -65,22 +68,32 @@ def _torch_kernel(hp: Mapping[str, Any], params: Sequence[torch.Tensor], name: s
     matches on every layout. Compiled, everything else is the written-out rule.
     """
     if hp["foreach"] or hp["fused"]:
-        if torch.compiler.is_compiling():
-            torch._dynamo.graph_break(msg=NOT_TRACEABLE.format(name=name, kernel=kernel))
+        if torch.compiler.is_compiling() and (hp["foreach"] or kernel != "Adam"):
+            adam = kernel == "Adam"
+            torch._dynamo.graph_break(
+                msg=NOT_TRACEABLE.format(
+                    name=name,
+                    kernel=kernel,
+                    fused=" or torch's fused kernel" if adam else "",
+                    what="foreach=True" + ("" if adam else " or fused=True"),
+                    fix="foreach=None" + (" (fused=True compiles)" if adam else " and fused=None (the CPU default)"),
+                )
+            )
         return True
     if torch.compiler.is_compiling():
         return False
     return any(p.dtype in _REDUCED or p.device.type != "cpu" for p in params)
 
 
-def one_tensor_at_a_time(dtype: torch.dtype) -> bool:
+def one_tensor_at_a_time(dtype: torch.dtype, hp: Mapping[str, Any]) -> bool:
     """Whether tensors of ``dtype`` must be stepped one param (or shard) at a time, not in runs.
 
-    Eagerly bfloat16 and float16 do: torch's kernels round such an element by where it
-    falls in their vectorized loop (body or tail), so a shard stepped inside a longer run
-    would not get the bits torch.optim gives it when it steps the param alone.
+    bfloat16 and float16 do wherever torch's kernels run (eagerly, and under ``fused``
+    compiled too): they round such an element by where it falls in their vectorized loop
+    (body or tail), so a shard stepped inside a longer run would not get the bits
+    torch.optim gives it when it steps the param alone.
     """
-    return dtype in _REDUCED and not torch.compiler.is_compiling()
+    return dtype in _REDUCED and (bool(hp["fused"]) or not torch.compiler.is_compiling())
 
 
 def _number(lr: float | torch.Tensor) -> float:
@@ -146,18 +159,33 @@ def adam_(
     exp_avg_sqs: Sequence[torch.Tensor],
     max_exp_avg_sqs: Sequence[torch.Tensor],
     steps: Sequence[torch.Tensor],
+    skip: torch.Tensor | None = None,
 ) -> None:
     r"""``torch.optim.Adam`` (``decoupled=False``) or ``AdamW``'s step over the lists, in place.
 
     ``steps``: 0-d float32 step counts, one per entry, each incremented once (an entry's
     count is its own tensor, or one the caller shares among entries it updates together
     only when it passes it once). ``max_exp_avg_sqs`` is empty without ``amsgrad``.
+    ``skip``: ``None``, or a 0-d bool tensor whose truth leaves every list as it was
+    (torch's fused kernel reads it as its ``found_inf``; the other kernels step, then
+    select the old values back).
 
     .. math::
         \theta \leftarrow \theta - \frac{(-\text{step\_size}) \cdot m}
         {\sqrt{v} / \sqrt{1-\beta_2^t} + \epsilon},\qquad
         \text{step\_size} = \frac{\eta}{1 - \beta_1^t}
     """
+    if hp["fused"]:
+        fused_adam_(decoupled, hp, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, skip)
+        return
+    if skip is not None:  # step, then put the old values back where skip is true
+        lists = (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
+        old = [[t.clone() for t in ts] for ts in lists]
+        adam_(decoupled, hp, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
+        for ts, before in zip(lists, old, strict=True):
+            for t, b in zip(ts, before, strict=True):
+                t.copy_(torch.where(skip, b, t))
+        return
     if _torch_kernel(hp, params, "adamw" if decoupled else "adam", "Adam"):
         _torch_adam.adam(
             list(params),

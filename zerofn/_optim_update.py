@@ -43,12 +43,14 @@ FIRST_STEP_SGD = (
 # --------------------------------------------------------------------------- forms
 
 
-def _runs(params: FlatDict, names: list[str], cut: Callable[[str], object] | None = None) -> list[Run]:
+def _runs(
+    params: FlatDict, names: list[str], hp: Mapping[str, Any], cut: Callable[[str], object] | None = None
+) -> list[Run]:
     """``names`` of one group as runs ``(group, start, stop, members)``: ranges of a flat buffer
     (group ``>= 0``) or single tensors (group ``-1``); cut where ``cut(member)`` changes.
     Each name is its own run where the rules need that (:func:`one_tensor_at_a_time`)."""
     where = params.flat_layout.where
-    if names and one_tensor_at_a_time(params[names[0]].dtype):
+    if names and one_tensor_at_a_time(params[names[0]].dtype, hp):
         runs = [(where[n][0], where[n][1], where[n][1] + where[n][2], (n,)) for n in names]
     else:
         runs = list(params.flat_layout.runs(tuple(names)))
@@ -123,7 +125,7 @@ def sgd_update(
         # No buffers to read or make: the state stays what it is (its form included, so a
         # compiled step's state keeps one structure).
         for group_names in groups.values():
-            runs = _runs(params, group_names)
+            runs = _runs(params, group_names, opt.hyperparams(group_names[0]))
             sgd_(
                 opt.hyperparams(group_names[0]),
                 [_view(new_params, r) for r in runs],
@@ -141,7 +143,7 @@ def sgd_update(
             missing = [n for n in group_names if not _has(bufs, n)]
             if missing:
                 _traced.refuse(FIRST_STEP_SGD.format(names=missing))
-        runs = _runs(params, group_names, (lambda n: _has(bufs, n)) if momentum else None)
+        runs = _runs(params, group_names, hp, (lambda n: _has(bufs, n)) if momentum else None)
         fresh = [momentum and not _has(bufs, r[3][0]) for r in runs]
         run_bufs = [_view(new_bufs, r) if momentum and not f else None for r, f in zip(runs, fresh, strict=True)]
         sgd_(hp, [_view(new_params, r) for r in runs], [_view(grads, r) for r in runs], run_bufs)
@@ -207,10 +209,11 @@ def adam_init(opt: Optimizer, params: Params) -> AdamState:
 
 
 def adam_update(
-    opt: Optimizer, grads: Params, state: AdamState, params: Params, donate: bool
+    opt: Optimizer, grads: Params, state: AdamState, params: Params, donate: bool, skip: torch.Tensor | None = None
 ) -> tuple[Mapping[str, torch.Tensor], AdamState]:
     """``torch.optim.Adam`` / ``AdamW``'s step of the names in ``grads``; the others keep params,
-    moments and step counts."""
+    moments and step counts. ``skip`` (a 0-d bool tensor) true: every value stays as it was
+    (:func:`~zerofn._optim_rules.adam_` says how each kernel honours it)."""
     given, params = params, flat.as_flat(params)
     names = _grads_in_order(opt, grads, params)
     grads = flat.grads_on(params.flat_layout, grads, f"zerofn.optim.{opt.name}.update")
@@ -230,7 +233,7 @@ def adam_update(
     renewed: list[tuple[torch.Tensor, torch.Tensor]] = []
     for group_names in groups.values():
         hp = opt.hyperparams(group_names[0])
-        runs = _runs(params, group_names, lambda n: state.step[n])
+        runs = _runs(params, group_names, hp, lambda n: state.step[n])
         # A rule adds 1 to each count in place: a donated count is reused only when no name
         # outside the run shares it (a param without a gradient keeps its count).
         run_steps = []
@@ -246,6 +249,7 @@ def adam_update(
             [_view(exp_avg_sq, r) for r in runs],
             [_view(max_sq, r) for r in runs] if hp["amsgrad"] else [],
             run_steps,
+            skip,
         )
         for r, s in zip(runs, run_steps, strict=True):
             old_count = state.step[r[3][0]]

@@ -16,11 +16,12 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
+import torch.utils._pytree as pytree
 
-from zerofn import flat
+from zerofn import _traced, flat
 from zerofn._tree import FrozenDict
 
-__all__ = ["NameSelector", "Optimizer", "ParamGroup", "Params", "PartitionState", "partition"]
+__all__ = ["NameSelector", "Optimizer", "ParamGroup", "Params", "PartitionState", "partition", "select_unless"]
 
 Params = Mapping[str, torch.Tensor]
 NameSelector = Collection[str] | Callable[[str], bool]
@@ -64,6 +65,7 @@ class Optimizer:
     parts: tuple[tuple[NameSelector, Optimizer], ...] = dataclasses.field(repr=False, default=())
     _init_placed: Callable[[Optimizer, Params, Any], Any] | None = dataclasses.field(repr=False, default=None)
     static: Mapping[str, Any] = dataclasses.field(repr=False, default_factory=FrozenDict)
+    _skips: bool = dataclasses.field(repr=False, default=False)  # _update takes skip= (honours it itself)
 
     def placement(self, name: str, shape: tuple[int, ...]) -> str:
         """The placement this optimizer needs for param ``name`` of ``shape``.
@@ -98,7 +100,7 @@ class Optimizer:
         return self._init(self, params)
 
     def update(
-        self, grads: Params, state: Any, params: Params, *, donate: bool = False
+        self, grads: Params, state: Any, params: Params, *, donate: bool = False, skip: torch.Tensor | None = None
     ) -> tuple[dict[str, torch.Tensor], Any]:
         """One optimizer step for the names in ``grads``.
 
@@ -111,12 +113,22 @@ class Optimizer:
           donate: if True, update ``params`` and ``state`` tensors in place and return
             them; the caller must not use the inputs afterwards. If False (default),
             nothing given is changed.
+          skip: ``None``, or a 0-d bool tensor decided without a host read (a compiled
+            step's overflow verdict): where it is true the returned params and state hold
+            the values given. Adam and AdamW with ``fused=True`` pass it to torch's
+            kernel as its ``found_inf`` (nothing is written); the others update, then
+            select the given values back (``torch.where`` over every tensor).
 
         Returns:
           ``(new_params, new_state)``: ``new_params`` is a dict over all names of
           ``params``; unchanged entries are the same tensor objects.
         """
-        return self._update(self, grads, state, params, donate)
+        if skip is None:
+            return self._update(self, grads, state, params, donate)
+        if self._skips:
+            return self._update(self, grads, state, params, donate, skip)
+        new_params, new_state = self._update(self, grads, state, params, donate)
+        return select_unless(skip, self.name, params, state, new_params, new_state)
 
     def __post_init__(self) -> None:
         # Every group's hyperparameters merged once (the defaults last): the step asks per
@@ -266,14 +278,14 @@ def _partition_init(opt: Optimizer, params: Params, layout: Any = None) -> Parti
 
 
 def _partition_update(
-    opt: Optimizer, grads: Params, state: PartitionState, params: Params, donate: bool
+    opt: Optimizer, grads: Params, state: PartitionState, params: Params, donate: bool, skip: torch.Tensor | None = None
 ) -> tuple[dict[str, torch.Tensor], PartitionState]:
     new_params = dict(params)
     new_states = []
     sub_grads = _split_names(opt, grads)
     for (_, part), g, p, s in zip(opt.parts, sub_grads, _split_names(opt, params), state.states, strict=True):
         if g:
-            p_new, s = part.update(g, s, p, donate=donate)
+            p_new, s = part.update(g, s, p, donate=donate, skip=skip)
             new_params.update(p_new)
         new_states.append(s)
     return new_params, PartitionState(tuple(new_states))
@@ -315,5 +327,55 @@ def partition(parts: Sequence[tuple[NameSelector, Optimizer]]) -> Optimizer:
     if not checked:
         raise ValueError("zerofn.optim.partition: give at least one (selector, optimizer) pair")
     return Optimizer(
-        "partition", FrozenDict(), (), _partition_init, _partition_update, torch.optim.Optimizer, None, tuple(checked)
+        "partition",
+        FrozenDict(),
+        (),
+        _partition_init,
+        _partition_update,
+        torch.optim.Optimizer,
+        None,
+        tuple(checked),
+        _skips=True,  # each part honours the skip its own way
     )
+
+
+# --------------------------------------------------------------------------- skip
+
+
+def select_unless(
+    skip: torch.Tensor, name: str, params: Params, state: Any, new_params: Params, new_state: Any
+) -> tuple[Any, Any]:
+    """The updated params and state where ``skip`` is false, the given ones where it is true.
+
+    A 0-d tensor that several names share (a flat state's step count) stays shared: found
+    with ``is`` (``id()`` would guard on the object under tracing).
+    """
+    chosen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def select(old: Any, new: Any) -> Any:
+        if not (isinstance(new, torch.Tensor) and old is not None):
+            return new
+        if new.dim() != 0:
+            return torch.where(skip, old, new)
+        for o, n, picked in chosen:
+            if o is old and n is new:
+                return picked
+        picked = torch.where(skip, old, new)
+        chosen.append((old, new, picked))
+        return picked
+
+    old_leaves, spec = pytree.tree_flatten(state)
+    new_leaves, new_spec = pytree.tree_flatten(new_state)
+    if spec != new_spec or any(o is None and n is not None for o, n in zip(old_leaves, new_leaves, strict=True)):
+        _traced.refuse(
+            f"step_shards under torch.compile: zerofn.optim.{name}'s state changes its structure "
+            "in a step (a buffer created on the first step); run one step eagerly before compiling"
+        )
+    new_state = pytree.tree_unflatten([select(o, n) for o, n in zip(old_leaves, new_leaves, strict=True)], spec)
+    held = flat.hold_like(params, new_params)  # the given form: buffer by buffer where it is flat
+    old_leaves, spec = pytree.tree_flatten(params)
+    new_leaves, new_spec = pytree.tree_flatten(held)
+    if spec == new_spec:
+        selected = [select(o, n) for o, n in zip(old_leaves, new_leaves, strict=True)]
+        return pytree.tree_unflatten(selected, spec), new_state
+    return FrozenDict({n: select(params.get(n), t) for n, t in held.items()}), new_state

@@ -71,12 +71,13 @@ def _optimizer(
     init: Callable[..., Any],
     update: Callable[..., Any],
     torch_class: type[torch.optim.Optimizer],
+    skips: bool = False,
 ) -> Optimizer:
     """The ``Optimizer`` of a factory: its hyperparameters and every group's checked (``ValueError``
-    naming ``name``) before anything is built."""
+    naming ``name``) before anything is built. ``skips``: ``update`` takes ``skip=``."""
     frozen = FrozenDict(defaults)
     _check_hyperparams(name, frozen)
-    return Optimizer(name, frozen, _make_groups(name, param_groups), init, update, torch_class)
+    return Optimizer(name, frozen, _make_groups(name, param_groups), init, update, torch_class, _skips=skips)
 
 
 # --------------------------------------------------------------------------- sgd
@@ -162,7 +163,7 @@ def _adam_factory(
         foreach=foreach,
         fused=fused,
     )
-    return _optimizer(name, defaults, param_groups, adam_init, adam_update, torch_class)
+    return _optimizer(name, defaults, param_groups, adam_init, adam_update, torch_class, skips=True)
 
 
 def adam(

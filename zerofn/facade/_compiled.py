@@ -72,10 +72,11 @@ def resolve_backend(compile_: object) -> str | None:
 def check_compilable(opt: optim.Optimizer, *, overlap_allgather: bool) -> None:
     """Raise, naming what cannot run in a compiled step and what to write instead; return if all can.
 
-    Compiled: zerofn's Adam and AdamW (the single-tensor kernel, the CPU default), alone
-    or as the parts of a partition. Not: ``overlap_allgather`` (the gathers leave the step
-    for the next forward), SGD, torch optimizers on zerofn's generic path (their own
-    ``step()`` breaks a graph), low-bit state, ``foreach=True`` / ``fused=True`` kernels.
+    Compiled: zerofn's Adam and AdamW (the single-tensor kernel, the CPU default, or torch's
+    fused kernel as one opaque op), alone or as the parts of a partition. Not:
+    ``overlap_allgather`` (the gathers leave the step for the next forward), SGD, torch
+    optimizers on zerofn's generic path (their own ``step()`` breaks a graph), low-bit
+    state, ``foreach=True``.
     """
     if overlap_allgather:
         raise ValueError(
@@ -89,7 +90,7 @@ def check_compilable(opt: optim.Optimizer, *, overlap_allgather: bool) -> None:
         if what is not None:
             raise TypeError(
                 f"ZeroOptimizer(compile=...): {what}, so its step cannot be compiled into one graph. A compiled "
-                "step runs zerofn's Adam and AdamW: wrap torch.optim.Adam/AdamW (foreach and fused left at None) "
+                "step runs zerofn's Adam and AdamW: wrap torch.optim.Adam/AdamW (foreach left at None) "
                 "or pass zf.optim.adam/adamw, or build the ZeroOptimizer with compile=False"
             )
 
@@ -104,9 +105,8 @@ def _uncompilable(opt: optim.Optimizer) -> str | None:
             )
         return f"zerofn.optim.{opt.name} has no traced update"
     for hp in (opt.defaults, *(g.hyperparams for g in opt.groups)):
-        for key in ("foreach", "fused"):
-            if hp.get(key):
-                return f"{opt.name} is built with {key}=True (torch's {key} kernel is not traced)"
+        if hp.get("foreach"):
+            return f"{opt.name} is built with foreach=True (torch's foreach kernel is not traced; fused=True is)"
     return None
 
 

@@ -11,7 +11,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
 from zerofn import _checks as checks
 from zerofn import _comm as comm
@@ -19,7 +18,6 @@ from zerofn import _placement, _traced, flat
 from zerofn._comm import Group
 from zerofn._norm import exact_sqrt, local_norm_term
 from zerofn._torch_driver import refuse_uncompiled
-from zerofn._tree import FrozenDict
 from zerofn.stages._step_errors import raise_nonfinite, raise_rejected, traced_verdict, validate_step
 from zerofn.state import StepInfo, ZeroState
 
@@ -173,15 +171,13 @@ def step_shards(
         found = None
     flat_grads = flat.pack(state.master.flat_layout, grad_shards)  # a per-name mapping: one cat per buffer
     grads = _scaled(state, flat_grads, coef, donate or flat_grads is not grad_shards)
-    new_master, new_opt_state = state.optimizer.update(
-        grads, state.opt_state, state.master, donate=donate and not tracing
+    # Compiled, a skipped step is the update's skip: it leaves the values as they were.
+    skip = None if found is None else found.to(state.state_device)
+    master, opt_state = state.optimizer.update(
+        grads, state.opt_state, state.master, donate=donate and not tracing, skip=skip
     )
-    new_master = flat.hold_like(state.master, new_master)  # an optimizer that computes per name: packed back
-    if found is None:
-        master, opt_state, step = new_master, new_opt_state, state.step + 1
-    else:  # compiled: a skipped step selects the old state (the update ran, its results are dropped)
-        master, opt_state = _select_unless(found.to(state.state_device), state, new_master, new_opt_state)
-        step = torch.where(found, state.step, state.step + 1)
+    master = flat.hold_like(state.master, master)  # an optimizer that computes per name: packed back
+    step = state.step + 1 if found is None else torch.where(found, state.step, state.step + 1)
     agreed_in = checks.agreement_key(group) if confirms or n == 1 else None
     new_state = state.replace(
         master=master,
@@ -305,35 +301,3 @@ def _decide(
         clip_info = xp.where(clip > 1, max_norm / (true_norm + 1e-6), clip_info)
     coef = 1.0 / div
     return found, coef, StepInfo(xp.where(found, norm, true_norm), found, xp.where(found, 1.0, clip_info))
-
-
-def _select_unless(
-    keep: torch.Tensor, state: ZeroState, new_master: Mapping[str, torch.Tensor], new_opt_state: Any
-) -> tuple[FrozenDict[torch.Tensor], Any]:
-    """The updated masters and optimizer state where ``keep`` is false, the old ones where it is true."""
-
-    # A 0-d tensor shared by names (a flat state's step count) stays shared: found with `is`
-    # (id() would guard on the object).
-    chosen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-
-    def select(old: Any, new: Any) -> Any:
-        if not (isinstance(new, torch.Tensor) and old is not None):
-            return new
-        if new.dim() != 0:
-            return torch.where(keep, old, new)
-        for o, n, picked in chosen:
-            if o is old and n is new:
-                return picked
-        picked = torch.where(keep, old, new)
-        chosen.append((old, new, picked))
-        return picked
-
-    old_leaves, spec = pytree.tree_flatten(state.opt_state)
-    new_leaves, new_spec = pytree.tree_flatten(new_opt_state)
-    if spec != new_spec or any(o is None and n is not None for o, n in zip(old_leaves, new_leaves, strict=True)):
-        _traced.refuse(
-            f"step_shards under torch.compile: zerofn.optim.{state.optimizer.name}'s state changes its structure "
-            "in a step (a buffer created on the first step); run one step eagerly before compiling"
-        )
-    opt_state = pytree.tree_unflatten([select(o, n) for o, n in zip(old_leaves, new_leaves, strict=True)], spec)
-    return pytree.tree_map(select, state.master, new_master), opt_state
