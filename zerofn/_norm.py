@@ -17,6 +17,8 @@ summation order (relative differences of order 1e-16 per element; the sum's roun
 On CUDA, ``torch._foreach_norm`` with ``dtype=torch.float64`` reads the pieces in their
 own dtype and accumulates in float64 in one fused launch, so it is used there.
 The inf-norm is exact in any dtype (a maximum rounds nothing): no conversion at all.
+A compiled step calls the same streamed code as one opaque op, ``zerofn::sum_of_squares``:
+the eager bits under any backend, and no generated reduction kernel to compile.
 """
 
 from __future__ import annotations
@@ -49,16 +51,31 @@ def local_norm_term(pieces: Iterable[torch.Tensor], norm_type: float, device: to
     tensors = [t.detach() for t in pieces if t.numel()]
     if not tensors:
         return torch.zeros((), dtype=torch.float64, device=device)
+    if norm_type != math.inf and not all(t.is_cuda for t in tensors):
+        if torch.compiler.is_compiling():  # the eager code, as one opaque node: the same bits
+            return _sum_of_squares_op(tensors).to(device)
+        return _eager_sum_of_squares(tensors).to(device)
     if not torch.compiler.is_compiling():  # storage addresses exist only eagerly
         tensors = _coalesced(tensors)
-    elif norm_type != math.inf and not all(t.is_cuda for t in tensors):
-        return _streamed_sum_of_squares(tensors, traced=True).to(device)
     if norm_type == math.inf:
         maxima = torch._foreach_norm(tensors, math.inf)
         return torch.stack([m.to(device, torch.float64) for m in maxima]).max()
-    if all(t.is_cuda for t in tensors):
-        return _fused_sum_of_squares(tensors).to(device)
-    return _streamed_sum_of_squares(tensors).to(device)
+    return _fused_sum_of_squares(tensors).to(device)
+
+
+def _eager_sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``sum(x**2)`` in float64 over CPU pieces (some may live elsewhere): streamed, adjacent pieces merged."""
+    return _streamed_sum_of_squares(_coalesced(tensors))
+
+
+@torch.library.custom_op("zerofn::sum_of_squares", mutates_args=())
+def _sum_of_squares_op(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return _eager_sum_of_squares(tensors)
+
+
+@_sum_of_squares_op.register_fake
+def _(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return tensors[0].new_empty((), dtype=torch.float64, device="cpu")
 
 
 def _coalesced(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -109,33 +126,15 @@ def _fused_sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([n.to(tensors[0].device) for n in norms]).square().sum()
 
 
-def _streamed_sum_of_squares(tensors: list[torch.Tensor], *, traced: bool = False) -> torch.Tensor:
-    """``sum(x**2)`` over ``tensors`` in float64, through one float64 buffer per device.
-
-    ``traced`` (under ``torch.compile``): the same chunks, cut from one float64
-    concatenation instead of streamed through a reused buffer, so the same ``dot`` calls
-    add the same numbers in the same order (bitwise equal to the eager sum).
-    """
+def _streamed_sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``sum(x**2)`` over ``tensors`` in float64, through one float64 buffer per device (a CPU 0-d result)."""
     total = torch.zeros((), dtype=torch.float64)
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for t in tensors:
         by_device.setdefault(t.device, []).append(t.reshape(-1))
     for device, flats in by_device.items():
-        total += (_sum_of_squares_traced if traced else _sum_of_squares_on)(flats, device).cpu()
+        total += _sum_of_squares_on(flats, device).cpu()
     return total
-
-
-def _sum_of_squares_traced(flats: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """:func:`_sum_of_squares_on` for a compiled graph: chunk ``k`` is elements ``[k*size, (k+1)*size)``
-    of all ``flats`` side by side, as the eager buffer holds them."""
-    total = sum(f.numel() for f in flats)
-    size = min(CHUNK_NUMEL, total)
-    stream = torch.cat([f.to(torch.float64) for f in flats])
-    acc = torch.zeros((), dtype=torch.float64, device=device)
-    for start in range(0, total, size):
-        chunk = stream[start : start + size]
-        acc = acc + torch.dot(chunk, chunk)
-    return acc
 
 
 def _sum_of_squares_on(flats: list[torch.Tensor], device: torch.device) -> torch.Tensor:
