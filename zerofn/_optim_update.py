@@ -226,7 +226,9 @@ def adam_update(
     if amsgrad:
         max_sq = _owned(_like(params, max_sq), names, donate)
     steps = dict(state.step)
-    refs = _refs(state.step) if donate else {}
+    # Counts are reused only eagerly: a graph's are 0-d copies, and id() would guard on the object.
+    reuse = donate and not torch.compiler.is_compiling()
+    refs = _refs(state.step) if reuse else {}
     # One new count per old one: runs that shared a count share the new one (equal values),
     # so a compiled step's state keeps its aliasing and its graph is reused. Found with
     # `is` (id() would guard on the object).
@@ -239,7 +241,7 @@ def adam_update(
         run_steps = []
         for r in runs:
             s = state.step[r[3][0]]
-            run_steps.append(s if donate and refs[id(s)] == len(r[3]) else s.clone())
+            run_steps.append(s if reuse and refs[id(s)] == len(r[3]) else s.clone())
         adam_(
             opt.name == "adamw",
             hp,

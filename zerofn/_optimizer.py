@@ -127,7 +127,8 @@ class Optimizer:
             return self._update(self, grads, state, params, donate)
         if self._skips:
             return self._update(self, grads, state, params, donate, skip)
-        new_params, new_state = self._update(self, grads, state, params, donate)
+        # The select reads the given values after the update: they must survive it.
+        new_params, new_state = self._update(self, grads, state, params, False)
         return select_unless(skip, self.name, params, state, new_params, new_state)
 
     def __post_init__(self) -> None:

@@ -225,21 +225,26 @@ def _pack_traced(
     every gradient is a buffer of its own and identical layers share one kernel.
     """
     present = [name for name in bucket.names if grads.get(name) is not None]
-    span = None if bucket.span is None else tuple(bucket.span)
-    desc = _traced.encode(
-        (layout.fingerprint, bucket.names, bucket.offsets, bucket.shard_numel, span, layout.world_size)
-    )
+    desc = encode_bucket(layout, bucket)
     return _pack_rows_op([grads[name] for name in present], desc, "\0".join(present), replicas)  # type: ignore[misc]
 
 
-def _decode_bucket(desc: str) -> tuple[str, Bucket, int]:
+def encode_bucket(layout: ShardLayout, bucket: Bucket) -> str:
+    """``bucket`` of ``layout`` as one constant string of a compiled graph (:func:`decode_bucket` reads it)."""
+    span = None if bucket.span is None else tuple(bucket.span)
+    desc = (layout.fingerprint, bucket.names, bucket.offsets, bucket.shard_numel, span, layout.world_size)
+    return _traced.encode(desc)
+
+
+def decode_bucket(desc: str) -> tuple[str, Bucket, int]:
+    """``(layout fingerprint, bucket, world size)`` from :func:`encode_bucket`'s string."""
     fingerprint, names, offsets, shard_numel, span, world_size = _traced.decode(desc)
     return fingerprint, Bucket(names, offsets, shard_numel, None if span is None else Span(*span)), world_size
 
 
 @torch.library.custom_op("zerofn::pack_rows", mutates_args=())
 def _pack_rows_op(grads: list[torch.Tensor], desc: str, present: str, replicas: int) -> torch.Tensor:
-    fingerprint, bucket, _ = _decode_bucket(desc)
+    fingerprint, bucket, _ = decode_bucket(desc)
     layout = layout_by_fingerprint(fingerprint)
     assert layout is not None, "zerofn: a compiled step's layout is alive while it runs"
     return pack_grads(dict(zip(present.split("\0"), grads, strict=True)), layout, bucket, replicas=replicas)
@@ -248,7 +253,7 @@ def _pack_rows_op(grads: list[torch.Tensor], desc: str, present: str, replicas: 
 @_pack_rows_op.register_fake
 def _(grads: list[torch.Tensor], desc: str, present: str, replicas: int) -> torch.Tensor:
     del present, replicas
-    _, bucket, world_size = _decode_bucket(desc)
+    _, bucket, world_size = decode_bucket(desc)
     return grads[0].new_empty(world_size, bucket.shard_numel)
 
 

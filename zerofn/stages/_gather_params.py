@@ -12,8 +12,8 @@ from zerofn import flat
 from zerofn._bucket_gather import rows_in_place
 from zerofn._comm import CommPolicy, Group, Pending
 from zerofn._offsets import Bucket, plan_buckets
-from zerofn.buckets import StagingPool, launch_gather, pack_shards, unpack_rows
-from zerofn.layout import ShardLayout
+from zerofn.buckets import StagingPool, decode_bucket, encode_bucket, launch_gather, pack_shards, unpack_rows
+from zerofn.layout import ShardLayout, layout_by_fingerprint
 from zerofn.stages._pipeline import MAX_IN_FLIGHT, InFlight, _check_staging, check_bucket_numel
 from zerofn.state import ZeroState
 
@@ -84,10 +84,11 @@ def gather_params(
     if check and not confirmed:
         checks.check_ranks_agree(layout, group, "gather_params", settings={"bucket_numel": bucket_numel}, device=device)
     how = (comm_policy or CommPolicy()).resolve(group)[1]
-    result = dict(out) if out is not None else _fresh_params(layout, device, separate=comm.tracing())
+    tracing = comm.tracing()
+    result = dict(out) if out is not None else _fresh_params(layout, device, separate=tracing)
     # Without the caller's pool, one for this call: bucket k + 2 reuses bucket k's pages.
     # (Under torch.compile the compiler plans buffers: a caller's pool is left alone.)
-    pool = staging if staging is not None and not comm.tracing() else StagingPool(keep=MAX_IN_FLIGHT + 1)
+    pool = staging if staging is not None and not tracing else StagingPool(keep=MAX_IN_FLIGHT + 1)
 
     def write(item: tuple[Bucket, torch.Tensor | None], pending: Pending) -> None:
         bucket, borrowed = item
@@ -95,14 +96,16 @@ def gather_params(
         if borrowed is None:  # gathered into the param itself
             return
         with torch.no_grad():  # `out` may be leaf params that require grad
-            unpack_rows(rows, layout, bucket, result)  # copied out of the (N, S) buffer
+            if tracing:  # the eager copies as one opaque node: memcpy, not a generated index loop per param
+                _unpack_rows_op(rows, [result[n] for n in bucket.names], encode_bucket(layout, bucket))
+            else:
+                unpack_rows(rows, layout, bucket, result)  # copied out of the (N, S) buffer
         pool.give(borrowed)
 
     # Pipelined: earlier buckets' rows are written into the params while this one is on
     # the wire; at most MAX_IN_FLIGHT + 1 gathered buffers exist at once.
     in_flight: InFlight[tuple[Bucket, torch.Tensor | None]] = InFlight(write, pool)
     n = layout.world_size
-    tracing = comm.tracing()
     for bucket in plan_buckets(layout, bucket_numel):
         dtype, n_s = layout[bucket.names[0]].dtype, n * bucket.shard_numel
         # A lone unpadded param receives its gather in its own storage (eagerly: a graph plans its buffers).
@@ -131,3 +134,18 @@ def _fresh_params(layout: ShardLayout, device: torch.device, *, separate: bool =
     sizes, offsets = flat.full_param_offsets(layout)
     buffers = {dtype: torch.empty(size, dtype=dtype, device=device) for dtype, size in sizes}
     return {s.name: buffers[s.dtype][offsets[s.name] : offsets[s.name] + s.numel].view(s.shape) for s in layout.params}
+
+
+@torch.library.custom_op("zerofn::unpack_rows", mutates_args=("outs",))
+def _unpack_rows_op(rows: torch.Tensor, outs: list[torch.Tensor], desc: str) -> None:
+    """:func:`~zerofn.buckets.unpack_rows` of a bucket (:func:`~zerofn.buckets.encode_bucket`'s
+    ``desc``) into ``outs``, its members' full tensors in bucket order."""
+    fingerprint, bucket, _ = decode_bucket(desc)
+    layout = layout_by_fingerprint(fingerprint)
+    assert layout is not None, "zerofn: a compiled step's layout is alive while it runs"
+    unpack_rows(rows, layout, bucket, dict(zip(bucket.names, outs, strict=True)))
+
+
+@_unpack_rows_op.register_fake
+def _(rows: torch.Tensor, outs: list[torch.Tensor], desc: str) -> None:
+    del rows, outs, desc

@@ -173,9 +173,7 @@ def step_shards(
     grads = _scaled(state, flat_grads, coef, donate or flat_grads is not grad_shards)
     # Compiled, a skipped step is the update's skip: it leaves the values as they were.
     skip = None if found is None else found.to(state.state_device)
-    master, opt_state = state.optimizer.update(
-        grads, state.opt_state, state.master, donate=donate and not tracing, skip=skip
-    )
+    master, opt_state = state.optimizer.update(grads, state.opt_state, state.master, donate=donate, skip=skip)
     master = flat.hold_like(state.master, master)  # an optimizer that computes per name: packed back
     step = state.step + 1 if found is None else torch.where(found, state.step, state.step + 1)
     agreed_in = checks.agreement_key(group) if confirms or n == 1 else None
