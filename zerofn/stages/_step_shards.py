@@ -109,8 +109,9 @@ def step_shards(
 
     Under ``torch.compile`` (one graph with the other stage functions) the same body runs
     without a host sync, bitwise equal with ``backend="aot_eager"``: the overflow decision,
-    the loss-scale update and the coefficient are tensor math, a skipped step is a
-    ``torch.where`` between the old and the updated state, and ``info``'s fields are 0-d
+    the loss-scale update and the coefficient are tensor math, a skipped step is the
+    optimizer's ``update(..., skip=found)`` (torch's fused Adam kernel writes nothing; other
+    rules select the old values with ``torch.where``), and ``info``'s fields are 0-d
     tensors (float64, bool, float64). The checks above run once per trace; their verdict,
     and the errors, on every call. The decision (overflow, coefficient, ``info``) is the
     same tensor math eagerly (:func:`_decide`); eagerly the step reads it on the host once,
