@@ -217,3 +217,27 @@ def test_a_layout_is_found_by_its_fingerprint_also_after_a_pickle_round_trip():
     # What a compiled step reads at trace time is the eager plan.
     assert _traced_plan(layout.fingerprint, None, 8) == plan_buckets(layout, 8)
     assert _traced_plan(layout.fingerprint, ("b",), 64) == plan_buckets(layout, 64, ["b"])
+
+
+def test_a_fingerprint_finds_a_live_layout_whichever_of_equal_layouts_dies_first():
+    # A compiled step looks its layout up by fingerprint (its graph keeps only the string);
+    # equal layouts are separate objects (one per facade or state), and any live one serves.
+    from zerofn.layout import layout_by_fingerprint  # internal: the registry the compiled nodes read
+
+    params = {"w": torch.empty(5, 3, device="meta"), "b": torch.empty(3, device="meta")}
+    for dies in ("first", "last"):
+        first, last = zf.make_layout(params, 2), zf.make_layout(params, 2)
+        assert first == last and first is not last
+        survivor = last if dies == "first" else first
+        if dies == "first":
+            del first
+        else:
+            del last
+        assert layout_by_fingerprint(survivor.fingerprint) is survivor, dies
+        fingerprint = survivor.fingerprint
+        del survivor
+        if dies == "last":
+            del first
+        else:
+            del last
+        assert layout_by_fingerprint(fingerprint) is None  # nothing alive: nothing found

@@ -18,7 +18,8 @@ without a select over every buffer. No collectives.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.optim.adam as _torch_adam
@@ -28,7 +29,7 @@ __all__ = ["fused_adam_"]
 
 def fused_adam_(
     decoupled: bool,
-    hp: dict,
+    hp: Mapping[str, Any],
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
     exp_avgs: Sequence[torch.Tensor],
@@ -44,10 +45,11 @@ def fused_adam_(
     ``skip``: ``None``, or a 0-d bool tensor: true leaves every list as it was.
     """
     lr = hp["lr"]
-    if isinstance(lr, torch.Tensor):
-        lr = lr.detach().to("cpu", torch.float64)
-    elif torch.compiler.is_compiling():  # a graph input, not a constant baked into the graph
-        lr = torch.tensor(float(lr), dtype=torch.float64)
+    lr = (
+        lr.detach().to("cpu", torch.float64)
+        if isinstance(lr, torch.Tensor)
+        else torch.tensor(float(lr), dtype=torch.float64)
+    )
     args = (
         list(params),
         list(grads),
@@ -55,7 +57,7 @@ def fused_adam_(
         list(exp_avg_sqs),
         list(max_exp_avg_sqs),
         list(steps),
-        lr,
+        lr,  # a graph input under compile, not a constant baked into the graph
         None if skip is None else skip.to(torch.float32),
         decoupled,
         bool(hp["amsgrad"]),
@@ -65,10 +67,8 @@ def fused_adam_(
         float(hp["eps"]),
         bool(hp["maximize"]),
     )
-    if torch.compiler.is_compiling():
-        _fused_adam_op(*args)
-    else:  # the op's own body: the dispatcher's bookkeeping is for graphs
-        _run(*args)
+    # Eagerly the op's own body: the dispatcher's bookkeeping is for graphs.
+    (_fused_adam_op if torch.compiler.is_compiling() else _run)(*args)
 
 
 def _run(
@@ -78,7 +78,7 @@ def _run(
     exp_avg_sqs: list[torch.Tensor],
     max_exp_avg_sqs: list[torch.Tensor],
     steps: list[torch.Tensor],
-    lr: torch.Tensor | float,
+    lr: torch.Tensor,
     found_inf: torch.Tensor | None,
     decoupled: bool,
     amsgrad: bool,
@@ -103,8 +103,7 @@ def _run(
         has_complex=False,
         beta1=beta1,
         beta2=beta2,
-        # A CPU tensor read on the host (no device sync): the float torch.optim passes its kernel.
-        lr=lr.item() if isinstance(lr, torch.Tensor) else float(lr),
+        lr=lr.item(),  # a CPU tensor read on the host (no device sync): the float torch.optim passes
         weight_decay=weight_decay,
         eps=eps,
         maximize=maximize,
@@ -114,43 +113,9 @@ def _run(
     )
 
 
-@torch.library.custom_op(
-    "zerofn::fused_adam_", mutates_args=("params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "steps")
+_fused_adam_op = torch.library.custom_op(
+    "zerofn::fused_adam_", _run, mutates_args=("params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "steps")
 )
-def _fused_adam_op(
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    exp_avgs: list[torch.Tensor],
-    exp_avg_sqs: list[torch.Tensor],
-    max_exp_avg_sqs: list[torch.Tensor],
-    steps: list[torch.Tensor],
-    lr: torch.Tensor,
-    found_inf: torch.Tensor | None,
-    decoupled: bool,
-    amsgrad: bool,
-    beta1: float,
-    beta2: float,
-    weight_decay: float,
-    eps: float,
-    maximize: bool,
-) -> None:
-    _run(
-        params,
-        grads,
-        exp_avgs,
-        exp_avg_sqs,
-        max_exp_avg_sqs,
-        steps,
-        lr,
-        found_inf,
-        decoupled,
-        amsgrad,
-        beta1,
-        beta2,
-        weight_decay,
-        eps,
-        maximize,
-    )
 
 
 @_fused_adam_op.register_fake

@@ -151,7 +151,7 @@ class ShardLayout:
     _index: Mapping[str, int] = field(repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        _BY_FINGERPRINT[self.fingerprint] = self
+        _register(self)
 
     def __reduce__(self) -> tuple[object, ...]:  # through __init__, so an unpickled layout is registered too
         return (ShardLayout, (self.world_size, self.params, self.fingerprint, dict(self._index)))
@@ -206,8 +206,22 @@ class ShardLayout:
         return int(self.fingerprint[:15], 16)
 
 
-#: Every live layout of this process by fingerprint (see :func:`layout_by_fingerprint`).
-_BY_FINGERPRINT: weakref.WeakValueDictionary[str, ShardLayout] = weakref.WeakValueDictionary()
+#: Every live layout of this process by fingerprint (see :func:`layout_by_fingerprint`): a
+#: weak reference to each, since equal layouts are separate objects that die separately.
+_BY_FINGERPRINT: dict[str, list[weakref.ref[ShardLayout]]] = {}
+
+
+def _register(layout: ShardLayout) -> None:
+    fingerprint = layout.fingerprint
+
+    def forget(ref: weakref.ref[ShardLayout]) -> None:
+        refs = _BY_FINGERPRINT.get(fingerprint, [])
+        if ref in refs:
+            refs.remove(ref)
+        if not refs:
+            _BY_FINGERPRINT.pop(fingerprint, None)
+
+    _BY_FINGERPRINT.setdefault(fingerprint, []).append(weakref.ref(layout, forget))
 
 
 def layout_by_fingerprint(fingerprint: str) -> ShardLayout | None:
@@ -215,9 +229,14 @@ def layout_by_fingerprint(fingerprint: str) -> ShardLayout | None:
 
     A compiled step's constants carry the fingerprint, one string, instead of a description
     of every param (tracing such a tuple costs per param): the tables computed at trace
-    time (:mod:`zerofn._offsets`) and the checks' error messages look the layout up here.
+    time (:mod:`zerofn._offsets`), the opaque bucket nodes and the checks' error messages
+    look the layout up here. Any live layout with it serves, whichever was made first.
     """
-    return _BY_FINGERPRINT.get(fingerprint)
+    for ref in _BY_FINGERPRINT.get(fingerprint, ()):
+        layout = ref()
+        if layout is not None:
+            return layout
+    return None
 
 
 #: Padded elements per bucket (16 MiB in float32; DDP's buckets are 25 MiB). Every collective
