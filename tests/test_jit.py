@@ -653,3 +653,37 @@ def test_two_models_steps_compiled_one_after_the_other_in_one_process_train_bitw
                 "norms_equal": True,
                 "steps": (2, 2),
             }, (rank, name, out[name])
+
+
+# --------------------------------------------------------------------------- a donated compiled step that raises
+
+
+def _donated_step_that_raises(backend: str) -> tuple[str | None, bool]:
+    """A compiled ``step_shards(donate=True)`` with fused AdamW (its kernel writes the donated
+    state in place) whose verdict raises on every rank (rank 1's state gathers in other
+    buckets): what this rank raised, and whether masters and moments kept their values."""
+    torch._dynamo.reset()
+    _, params = _model(False)
+    lr = torch.tensor(1e-2, dtype=torch.float64)
+    state = zf.shard_params(params, zf.optim.adamw(lr=lr, fused=True)).as_tensors()
+    grads = {n: torch.full_like(p, 0.5) for n, p in params.items()}
+    step = torch.compile(lambda s, g: zf.step_shards(s, g, donate=True), fullgraph=True, backend=backend)
+    state, _ = step(state, zf.reduce_grads(grads, state.layout))  # compiles; a good step
+    other = state.replace(bucket_numel=state.bucket_numel // 2) if dist.get_rank() == 1 else state
+    before = [t.clone() for t in pytree.tree_leaves((state.master, state.opt_state))]
+    raised = None
+    try:
+        step(other, zf.reduce_grads(grads, state.layout))
+    except Exception as e:  # what the graph's verdict raised
+        raised = type(e).__name__
+    after = pytree.tree_leaves((state.master, state.opt_state))
+    torch._dynamo.reset()
+    return raised, all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_a_donated_compiled_step_that_raises_leaves_the_state_as_it_was(backend):
+    # In the graph the verdict node runs before the update node (nothing orders them but the
+    # program order, which both backends keep today), so a rejected step writes nothing into
+    # the donated buffers; a compiler that moved the update first would fail this test.
+    assert get_world(2).run(_donated_step_that_raises, backend) == [("RankMismatchError", True)] * 2
