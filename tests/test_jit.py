@@ -683,7 +683,6 @@ def _donated_step_that_raises(backend: str) -> tuple[str | None, bool]:
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_a_donated_compiled_step_that_raises_leaves_the_state_as_it_was(backend):
-    # In the graph the verdict node runs before the update node (nothing orders them but the
-    # program order, which both backends keep today), so a rejected step writes nothing into
-    # the donated buffers; a compiler that moved the update first would fail this test.
+    # The decision, and so the update, reads the verdict node's output: a rejected step
+    # writes nothing into the donated buffers, whatever order a backend gives the nodes.
     assert get_world(2).run(_donated_step_that_raises, backend) == [("RankMismatchError", True)] * 2

@@ -66,8 +66,9 @@ def _encode(desc: tuple) -> str:
 
 
 @torch.library.custom_op("zerofn::verdict", mutates_args=())
-def _verdict_op(table: torch.Tensor, tensors: list[torch.Tensor], kind: str, desc: str) -> None:
+def _verdict_op(table: torch.Tensor, tensors: list[torch.Tensor], kind: str, desc: str) -> torch.Tensor:
     _HANDLERS[kind](table, tensors, *_decode(desc))
+    return table.clone()  # (an op may not return its input itself)
 
 
 @functools.lru_cache(maxsize=256)  # one string per trace point: parsed once, not every step
@@ -76,15 +77,22 @@ def _decode(desc: str) -> tuple[Any, ...]:
 
 
 @_verdict_op.register_fake
-def _(table: torch.Tensor, tensors: list[torch.Tensor], kind: str, desc: str) -> None:
-    del table, tensors, kind, desc
+def _(table: torch.Tensor, tensors: list[torch.Tensor], kind: str, desc: str) -> torch.Tensor:
+    del tensors, kind, desc
+    return torch.empty_like(table)
 
 
 torch.fx.node.has_side_effect(torch.ops.zerofn.verdict.default)
 
 
-def verdict(table: torch.Tensor, kind: str, desc: tuple[Any, ...], tensors: list[torch.Tensor] | None = None) -> None:
+def verdict(
+    table: torch.Tensor, kind: str, desc: tuple[Any, ...], tensors: list[torch.Tensor] | None = None
+) -> torch.Tensor:
     """Run the ``kind`` handler on ``table`` every time the compiled graph runs (eagerly: now).
+
+    Returns ``table`` as the handler passed it (in a graph, the node's output): what is
+    computed from the result instead of from ``table`` runs after the verdict by data
+    dependency, whatever order a compiler gives the graph's other nodes.
 
     Args:
       table: the collective's result the verdict reads (on every rank the same).
@@ -96,9 +104,9 @@ def verdict(table: torch.Tensor, kind: str, desc: tuple[Any, ...], tensors: list
     """
     tensors = list(tensors or [])
     if torch.compiler.is_compiling():
-        torch.ops.zerofn.verdict(table, tensors, kind, _encode(_constant(desc)))
-    else:
-        _HANDLERS[kind](table, tensors, *desc)
+        return torch.ops.zerofn.verdict(table, tensors, kind, _encode(_constant(desc)))
+    _HANDLERS[kind](table, tensors, *desc)
+    return table
 
 
 def encode(desc: tuple[Any, ...]) -> str:

@@ -84,8 +84,9 @@ def traced_verdict(
     veto: object,
     total: torch.Tensor,
     agreement: tuple[int, str] | None,
-) -> None:
-    """A compiled step's verdict on the all-reduced scalars, without a host sync.
+) -> torch.Tensor:
+    """A compiled step's verdict on the all-reduced scalars, without a host sync; ``total`` as
+    the verdict passed it (decide from this, so the update follows the verdict by data).
 
     The local checks ran once, at trace time (shapes and dtypes are static); their
     verdict rides in the scalar all-reduce as eagerly, and :func:`zerofn._traced.verdict`
@@ -110,7 +111,7 @@ def traced_verdict(
         agreement,
         state.bucket_numel,
     )
-    _traced.verdict(total, "step_shards", desc, tensors)
+    return _traced.verdict(total, "step_shards", desc, tensors)
 
 
 @_traced.handler("step_shards")

@@ -149,7 +149,8 @@ def step_shards(
     )
     total = comm.all_reduce_scalars(packed, op, group)
     if tracing:  # the verdict of every rank's checks, raised on every rank (eagerly: the host read below)
-        traced_verdict(state, grad_shards, group, failure, veto, total, (n, op) if confirms else None)
+        # The decision reads the verdict's output: the update cannot run before the verdict.
+        total = traced_verdict(state, grad_shards, group, failure, veto, total, (n, op) if confirms else None)
         found, coef, info = _decide(total[0], total[1], loss_scale.scale, max_norm, norm_type, _TensorMath(total[0]))
         new_loss_scale = policy.loss_scaler.update(loss_scale, found)
     else:
