@@ -139,7 +139,8 @@ def test_the_functional_step_compiles_once_and_trains_bitwise_as_eager_for_20_st
 
 
 def test_an_fp16_overflow_on_one_rank_skips_on_both_with_the_same_scale_trajectory_compiled():
-    # Donated: the single-tensor rule writes in place and selects the given values back.
+    # Donated: the single-tensor rule cannot skip in place, so Optimizer.update steps copies
+    # and selects the given values back.
     results = get_world(2).run(_compiled_against_eager, 1, True, 8, overflow_at=2, donate=True)
     for out in results:
         assert out["params_equal"] and out["master_equal"] and out["trace_equal"]

@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
 from helpers import Snapshot, assert_bitwise_equal, assert_trees_equal, seeded
 
 import zerofn as zf
@@ -367,3 +368,31 @@ def test_param_group_without_params_or_with_a_string_is_rejected():
         zf.optim.sgd(param_groups=[{"lr": 0.1}])
     with pytest.raises(TypeError, match="collection of names, not a str"):
         zf.optim.sgd(param_groups=[{"params": "a.bias", "lr": 0.1}])
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: zf.optim.adamw(lr=0.1, weight_decay=0.1, fused=True),  # torch's kernel reads the skip
+        lambda: zf.optim.adamw(lr=0.1, weight_decay=0.1),  # stepped on copies, then selected
+        lambda: zf.optim.sgd(lr=0.1, momentum=0.9),
+        lambda: zf.optim.partition([(["w"], zf.optim.adamw(lr=0.1, fused=True)), (lambda n: True, zf.optim.adam())]),
+    ],
+)
+def test_update_with_a_skip_keeps_every_value_when_true_and_is_the_plain_update_when_false(make):
+    opt = make()
+    params = {"w": torch.linspace(-1, 1, 12).reshape(3, 4), "b": torch.linspace(0, 1, 5)}
+    grads = {n: torch.cos(3 * p) for n, p in params.items()}
+    state = opt.init(params)
+    state = opt.update(grads, state, params)[1]  # momentum buffers exist: a skip keeps the structure
+    plain_params, plain_state = opt.update(grads, state, params)
+    kept_params, kept_state = opt.update(grads, state, params, skip=torch.tensor(True))
+    taken_params, taken_state = opt.update(grads, state, params, skip=torch.tensor(False))
+
+    def leaves(tree):
+        return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+    assert all(torch.equal(kept_params[n], params[n]) for n in params)
+    assert all(torch.equal(a, b) for a, b in zip(leaves(kept_state), leaves(state), strict=True))
+    assert all(torch.equal(taken_params[n], plain_params[n]) for n in params)
+    assert all(torch.equal(a, b) for a, b in zip(leaves(taken_state), leaves(plain_state), strict=True))

@@ -38,8 +38,8 @@ from zerofn._fused_adam import fused_adam_
 __all__ = ["NOT_TRACEABLE", "adam_", "one_tensor_at_a_time", "sgd_"]
 
 NOT_TRACEABLE = (
-    "zerofn.optim.{name}: a compiled step runs {kernel}'s single-tensor update{fused}; {what} break the graph "
-    "here. Build the optimizer with {fix} to compile the step into one graph"
+    "zerofn.optim.{name}: torch's {option}=True kernel cannot be traced, so the graph breaks here. Build the "
+    "optimizer with {fix} to compile the step into one graph"
 )
 
 
@@ -68,17 +68,11 @@ def _torch_kernel(hp: Mapping[str, Any], params: Sequence[torch.Tensor], name: s
     matches on every layout. Compiled, everything else is the written-out rule.
     """
     if hp["foreach"] or hp["fused"]:
-        if torch.compiler.is_compiling() and (hp["foreach"] or kernel != "Adam"):
-            adam = kernel == "Adam"
-            torch._dynamo.graph_break(
-                msg=NOT_TRACEABLE.format(
-                    name=name,
-                    kernel=kernel,
-                    fused=" or torch's fused kernel" if adam else "",
-                    what="foreach=True" + ("" if adam else " or fused=True"),
-                    fix="foreach=None" + (" (fused=True compiles)" if adam else " and fused=None (the CPU default)"),
-                )
-            )
+        adam = kernel == "Adam"  # Adam's fused kernel compiles (zerofn._fused_adam); SGD's does not
+        if torch.compiler.is_compiling() and (hp["foreach"] or not adam):
+            option = "foreach" if hp["foreach"] else "fused"
+            fix = "fused=True or foreach=None" if adam else "foreach=None and fused=None (the CPU default)"
+            torch._dynamo.graph_break(msg=NOT_TRACEABLE.format(name=name, option=option, fix=fix))
         return True
     if torch.compiler.is_compiling():
         return False
@@ -166,9 +160,8 @@ def adam_(
     ``steps``: 0-d float32 step counts, one per entry, each incremented once (an entry's
     count is its own tensor, or one the caller shares among entries it updates together
     only when it passes it once). ``max_exp_avg_sqs`` is empty without ``amsgrad``.
-    ``skip``: ``None``, or a 0-d bool tensor whose truth leaves every list as it was
-    (torch's fused kernel reads it as its ``found_inf``; the other kernels step, then
-    select the old values back).
+    ``skip``: ``None``, or (``fused=True`` only) a 0-d bool tensor whose truth leaves every
+    list as it was: torch's fused kernel reads it as its ``found_inf``.
 
     .. math::
         \theta \leftarrow \theta - \frac{(-\text{step\_size}) \cdot m}
@@ -178,14 +171,7 @@ def adam_(
     if hp["fused"]:
         fused_adam_(decoupled, hp, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, skip)
         return
-    if skip is not None:  # step, then put the old values back where skip is true
-        lists = (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
-        old = [[t.clone() for t in ts] for ts in lists]
-        adam_(decoupled, hp, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
-        for ts, before in zip(lists, old, strict=True):
-            for t, b in zip(ts, before, strict=True):
-                t.copy_(torch.where(skip, b, t))
-        return
+    assert skip is None, "zerofn: only the fused kernel takes a skip (Optimizer.update selects for the others)"
     if _torch_kernel(hp, params, "adamw" if decoupled else "adam", "Adam"):
         _torch_adam.adam(
             list(params),

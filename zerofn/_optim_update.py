@@ -212,8 +212,8 @@ def adam_update(
     opt: Optimizer, grads: Params, state: AdamState, params: Params, donate: bool, skip: torch.Tensor | None = None
 ) -> tuple[Mapping[str, torch.Tensor], AdamState]:
     """``torch.optim.Adam`` / ``AdamW``'s step of the names in ``grads``; the others keep params,
-    moments and step counts. ``skip`` (a 0-d bool tensor) true: every value stays as it was
-    (:func:`~zerofn._optim_rules.adam_` says how each kernel honours it)."""
+    moments and step counts. ``skip`` (a 0-d bool tensor; every group ``fused``, see
+    ``optim._all_fused``) true: torch's kernel leaves every value as it was."""
     given, params = params, flat.as_flat(params)
     names = _grads_in_order(opt, grads, params)
     grads = flat.grads_on(params.flat_layout, grads, f"zerofn.optim.{opt.name}.update")

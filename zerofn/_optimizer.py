@@ -65,7 +65,8 @@ class Optimizer:
     parts: tuple[tuple[NameSelector, Optimizer], ...] = dataclasses.field(repr=False, default=())
     _init_placed: Callable[[Optimizer, Params, Any], Any] | None = dataclasses.field(repr=False, default=None)
     static: Mapping[str, Any] = dataclasses.field(repr=False, default_factory=FrozenDict)
-    _skips: bool = dataclasses.field(repr=False, default=False)  # _update takes skip= (honours it itself)
+    # Whether ``_update`` honours ``skip=`` itself under the hyperparameters now in force.
+    _skips: Callable[[Optimizer], bool] | None = dataclasses.field(repr=False, default=None)
 
     def placement(self, name: str, shape: tuple[int, ...]) -> str:
         """The placement this optimizer needs for param ``name`` of ``shape``.
@@ -115,9 +116,10 @@ class Optimizer:
             nothing given is changed.
           skip: ``None``, or a 0-d bool tensor decided without a host read (a compiled
             step's overflow verdict): where it is true the returned params and state hold
-            the values given. Adam and AdamW with ``fused=True`` pass it to torch's
-            kernel as its ``found_inf`` (nothing is written); the others update, then
-            select the given values back (``torch.where`` over every tensor).
+            the values given. Adam and AdamW whose every group is ``fused=True`` pass it
+            to torch's kernel as its ``found_inf`` (nothing is written); the others
+            update copies (not donated), then select the given values back
+            (:func:`select_unless`: ``torch.where`` over every tensor).
 
         Returns:
           ``(new_params, new_state)``: ``new_params`` is a dict over all names of
@@ -125,7 +127,7 @@ class Optimizer:
         """
         if skip is None:
             return self._update(self, grads, state, params, donate)
-        if self._skips:
+        if self._skips is not None and self._skips(self):
             return self._update(self, grads, state, params, donate, skip)
         # The select reads the given values after the update: they must survive it.
         new_params, new_state = self._update(self, grads, state, params, False)
@@ -336,7 +338,7 @@ def partition(parts: Sequence[tuple[NameSelector, Optimizer]]) -> Optimizer:
         torch.optim.Optimizer,
         None,
         tuple(checked),
-        _skips=True,  # each part honours the skip its own way
+        _skips=lambda opt: True,  # each part's update honours the skip its own way
     )
 
 

@@ -71,10 +71,10 @@ def _optimizer(
     init: Callable[..., Any],
     update: Callable[..., Any],
     torch_class: type[torch.optim.Optimizer],
-    skips: bool = False,
+    skips: Callable[[Optimizer], bool] | None = None,
 ) -> Optimizer:
     """The ``Optimizer`` of a factory: its hyperparameters and every group's checked (``ValueError``
-    naming ``name``) before anything is built. ``skips``: ``update`` takes ``skip=``."""
+    naming ``name``) before anything is built. ``skips``: whether ``update`` honours ``skip=`` itself."""
     frozen = FrozenDict(defaults)
     _check_hyperparams(name, frozen)
     return Optimizer(name, frozen, _make_groups(name, param_groups), init, update, torch_class, _skips=skips)
@@ -163,7 +163,12 @@ def _adam_factory(
         foreach=foreach,
         fused=fused,
     )
-    return _optimizer(name, defaults, param_groups, adam_init, adam_update, torch_class, skips=True)
+    return _optimizer(name, defaults, param_groups, adam_init, adam_update, torch_class, skips=_all_fused)
+
+
+def _all_fused(opt: Optimizer) -> bool:
+    """Every group runs torch's fused kernel, which reads a skip as its ``found_inf``."""
+    return all(hp["fused"] for hp in (opt.defaults, *(g.hyperparams for g in opt.groups)) if "fused" in hp)
 
 
 def adam(
