@@ -88,6 +88,8 @@ def test_pack_rows_op_passes_opcheck_and_packs_what_pack_grads_packs():
     layout = zf.make_layout({n: torch.empty(s) for n, s in shapes.items()}, 2)
     (bucket,) = plan_buckets(layout, 1 << 10)
     grads = {n: torch.randn(shapes[n], generator=g) for n in bucket.names}
-    args = ([grads[n] for n in bucket.names], encode_bucket(layout, bucket), "\0".join(bucket.names), 1)
-    torch.library.opcheck(_pack_rows_op, args)
-    assert torch.equal(_pack_rows_op(*args), pack_grads(grads, layout, bucket))
+    table = torch.zeros(2, 3, dtype=torch.int64)  # the agreement verdict's output: read for order only
+    for after in (None, table):
+        args = ([grads[n] for n in bucket.names], encode_bucket(layout, bucket), "\0".join(bucket.names), 1, after)
+        torch.library.opcheck(_pack_rows_op, args)
+        assert torch.equal(_pack_rows_op(*args), pack_grads(grads, layout, bucket))

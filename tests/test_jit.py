@@ -374,6 +374,57 @@ def test_a_compiled_step_runs_one_agreement_shared_by_its_stages():
         assert counts == {"all_gather_into_tensor": 1, "all_reduce": 2, "broadcast": 2}, counts
 
 
+def _bucket_collectives_in_graph_order() -> dict[str, Any]:
+    """A compiled step of several buckets, traced: what feeds each packed bucket, and the
+    graph-order positions of the bucket collectives' launches and waits."""
+    torch._dynamo.reset()
+    model, params = _model(False)
+    state = zf.shard_params(params, zf.optim.adamw(lr=torch.tensor(1e-2, dtype=torch.float64)), bucket_numel=16)
+    seen: dict[str, Any] = {"pack_after": [], "launch": {}, "wait": {}}
+
+    def recording(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        del example_inputs
+        for i, node in enumerate(gm.graph.nodes):
+            target = str(node.target)
+            if "zerofn.pack_rows" in target:
+                after = node.args[4] if len(node.args) > 4 else node.kwargs.get("after")
+                seen["pack_after"].append(None if after is None else (str(after.target), after.args[2]))
+            elif "_c10d_functional" in target and ("all_reduce" in target or "broadcast" in target):
+                seen["launch"][node.name] = i
+            elif "wait_tensor" in target and node.args[0].name not in seen["wait"]:
+                seen["wait"][node.args[0].name] = i  # the first wait of each collective
+        return gm.forward
+
+    def loss_fn(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(torch.func.functional_call(model, p, (x,)), y)
+
+    def step(state: zf.ZeroState, params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> Any:
+        grads = torch.func.grad(loss_fn)(params, x, y)
+        state, _ = zf.step_shards(state, zf.reduce_grads(grads, state.layout, bucket_numel=16))
+        return state, zf.gather_params(state, bucket_numel=16)
+
+    x, y = _batches(1, False, -1)[0]
+    torch.compile(step, fullgraph=True, backend=recording)(state, params, x, y)
+    torch._dynamo.reset()
+    return seen
+
+
+def test_bucket_collectives_follow_the_agreement_verdict_and_stay_in_flight_together():
+    """Under compile the rank agreement's verdict feeds every packed bucket, so no compiler
+    can send a bucket before it (a rank with another layout raises, none hangs); and the
+    graph launches each bucket's collective before it waits on the previous one, as the eager
+    pipeline keeps two in flight (``functional_collectives`` would wait on each at once)."""
+    for seen in get_world(2).run(_bucket_collectives_in_graph_order):
+        assert len(seen["pack_after"]) >= 3, seen  # several buckets
+        assert all(a == ("zerofn.verdict", "ranks_agree") for a in seen["pack_after"]), seen["pack_after"]
+        launches = sorted(seen["launch"].items(), key=lambda kv: kv[1])
+        bucket_launches = [(name, i) for name, i in launches if name in seen["wait"]]
+        overlapped = [
+            a for (a, _), (_, j) in zip(bucket_launches, bucket_launches[1:], strict=False) if seen["wait"][a] > j
+        ]
+        assert len(overlapped) >= 2, (launches, seen["wait"])  # reduce and gather both pipeline
+
+
 # --------------------------------------------------------------------------- coverage: a mix of features per world size
 #
 # Each world size compiles one step that combines several of the eager loop's options, so

@@ -199,7 +199,7 @@ def check_ranks_agree(
     settings: Mapping[str, int] | None = None,
     device: torch.device | str = "cpu",
     failure: Exception | None = None,
-) -> None:
+) -> torch.Tensor:
     """Confirm every rank has the same layout, gradient set and settings, or raise.
 
     ``failure`` is this rank's local validation error, if any: it travels in the same
@@ -215,6 +215,9 @@ def check_ranks_agree(
     Under ``torch.compile`` the local values (fingerprint, names, settings, this rank's
     ``failure``) are static metadata, computed once per trace; the all-gather and the
     verdict on its table run on every call of the compiled step, with the same messages.
+
+    Returns the all-gathered ``(N, k)`` table (in a graph: the verdict node's output), for
+    a caller whose next collectives must follow the verdict by data dependency.
     """
     settings = dict(settings or {})
     values = [
@@ -225,7 +228,7 @@ def check_ranks_agree(
     ]
     table = comm.all_gather_ints(values, group, device=device)
     if not comm.tracing() and failure is None and bool((table == table[0]).all()):
-        return  # the common case, without building the description below
+        return table  # the common case, without building the description below
     # Eagerly settled now; in a compiled step, every time the graph runs (zerofn._traced).
     # Strings, not a tuple per param: a compiled step traces this once, at a cost per element.
     desc = (
@@ -237,7 +240,7 @@ def check_ranks_agree(
         tuple(settings.items()),
         failure if not comm.tracing() else _traced.failure_desc(failure),
     )
-    _traced.verdict(table, "ranks_agree", desc)
+    return _traced.verdict(table, "ranks_agree", desc)
 
 
 @_traced.handler("ranks_agree")

@@ -43,6 +43,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+_c10d = torch.ops._c10d_functional
+
 from zerofn._comm_count import record, ring_share
 
 __all__ = [
@@ -166,16 +168,21 @@ class Pending:
     computation (``async_op=True`` work handles on gloo, the comm stream on NCCL).
     """
 
-    __slots__ = ("_finish", "_handles", "_result")
+    __slots__ = ("_finish", "_handles", "_result", "_traced")
 
-    def __init__(self, handles: list, finish: Callable[[], torch.Tensor]) -> None:
+    def __init__(self, handles: list, finish: Callable[[], torch.Tensor], *, traced: bool = False) -> None:
         self._handles = handles
         self._finish = finish
         self._result: torch.Tensor | None = None
+        # A functional collective in a graph being traced: whether it has finished is a
+        # question for run time, so a pipeline keeps it pending until its depth or its end.
+        self._traced = traced
 
     def done(self) -> bool:
-        """True once the collective has finished (``wait()`` would not block)."""
-        return self._result is not None or all(h is None or h.is_completed() for h in self._handles)
+        """True once the collective has finished (``wait()`` would not block); never while traced."""
+        if self._result is not None:
+            return True
+        return not self._traced and all(h is None or h.is_completed() for h in self._handles)
 
     def then(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Pending:
         """The same collective, finished by ``fn`` of this one's result (this one is not waited)."""
@@ -233,17 +240,24 @@ def _functional_group(group: Group) -> dist.ProcessGroup:
     return group if group is not None else dist.group.WORLD
 
 
+def _launched(out: torch.Tensor, finish: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> Pending:
+    """A functional collective's output in a traced graph, with its ``wait_tensor`` at ``wait()``.
+
+    ``torch.distributed._functional_collectives`` waits on its result at once under tracing,
+    so the graph would wait for each bucket before launching the next; the
+    ``_c10d_functional`` ops themselves launch, and the wait goes where the pipeline settles.
+    """
+    return Pending([], lambda: finish(_c10d.wait_tensor(out)), traced=True)
+
+
 def _sum_rows_traced(rows: torch.Tensor, group: Group, how: str, rank: int, whole: bool) -> Pending:
     """:func:`sum_rows` under tracing: the functional collective, waited on at ``wait()``."""
-    pg = _functional_group(group)
+    n, name = rows.shape[0], _functional_group(group).group_name
     if how == "reduce_scatter":
-        out = funcol.reduce_scatter_tensor(rows.reshape(-1), "sum", 0, pg)
-        return Pending([], lambda: funcol.wait_tensor(out))
+        return _launched(_c10d.reduce_scatter_tensor(rows.reshape(-1), "sum", n, name))
     if how == "all_reduce":
-        summed = funcol.all_reduce(rows, "sum", pg)
-        if whole:
-            return Pending([], lambda: funcol.wait_tensor(summed))
-        return Pending([], lambda: funcol.wait_tensor(summed)[rank])
+        summed = _c10d.all_reduce(rows, "sum", name)
+        return _launched(summed) if whole else _launched(summed, lambda t: t[rank])
     raise ValueError(f"unknown reduce realisation {how!r}")
 
 
@@ -332,14 +346,13 @@ def _gather_rows_traced(
     (s,) = row.shape
     if n == 1:
         return Pending([], lambda: row.reshape(1, s).clone())
-    pg = _functional_group(group)
+    name = _functional_group(group).group_name
     if how == "all_gather":
-        gathered = funcol.all_gather_single(row.contiguous(), 0, pg)
-        return Pending([], lambda: funcol.wait_tensor(gathered).view(n, s))
+        return _launched(_c10d.all_gather_into_tensor(row.contiguous(), n, name), lambda t: t.view(n, s))
     if how == "broadcast":
         sent = [row if r == rank else torch.empty_like(row) for r in range(n)]
-        rows = [funcol.broadcast(sent[r], r, pg) for r in range(n)]  # c10d roots are group ranks
-        return Pending([], lambda: torch.stack([funcol.wait_tensor(t) for t in rows]))
+        rows = [_c10d.broadcast(sent[r], r, name) for r in range(n)]  # c10d roots are group ranks
+        return Pending([], lambda: torch.stack([_c10d.wait_tensor(t) for t in rows]), traced=True)
     raise ValueError(f"unknown gather realisation {how!r}")
 
 

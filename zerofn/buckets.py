@@ -149,6 +149,7 @@ def pack_grads(
     *,
     replicas: int = 1,
     out: torch.Tensor | None = None,
+    after: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A bucket's full local gradients as rank-major rows, times the mean factor ``1/(N*R)``.
 
@@ -170,6 +171,9 @@ def pack_grads(
       out: an ``(N, S)`` buffer of the gradients' dtype to write into (the facade's reused
         staging buffer); default a new one. Under ``torch.compile`` it is not written: the
         rows are new (the graph plans its buffers).
+      after: under ``torch.compile``, a tensor the rows are computed after (the rank
+        agreement's verdict): the graph then runs that check before this bucket's
+        collective, whatever order the compiler gives its other nodes. Not read eagerly.
 
     Returns:
       The ``(N, bucket.shard_numel)`` rows in the gradients' dtype (``out`` itself if given,
@@ -178,7 +182,7 @@ def pack_grads(
     Collectives: none.
     """
     if torch.compiler.is_compiling():  # new rows from one opaque node; ``out`` is the graph's to plan
-        return _pack_traced(grads, layout, bucket, replicas)
+        return _pack_traced(grads, layout, bucket, replicas, after)
     n = layout.world_size
     scale = 1.0 / (n * replicas)
     if out is None:
@@ -214,7 +218,11 @@ def pack_grads(
 
 
 def _pack_traced(
-    grads: Mapping[str, torch.Tensor | None], layout: ShardLayout, bucket: Bucket, replicas: int
+    grads: Mapping[str, torch.Tensor | None],
+    layout: ShardLayout,
+    bucket: Bucket,
+    replicas: int,
+    after: torch.Tensor | None,
 ) -> torch.Tensor:
     """:func:`pack_grads` in a compiled graph: one opaque ``zerofn::pack_rows`` node that runs
     the eager packing (the same bits) on new rows.
@@ -226,7 +234,8 @@ def _pack_traced(
     """
     present = [name for name in bucket.names if grads.get(name) is not None]
     desc = encode_bucket(layout, bucket)
-    return _pack_rows_op([grads[name] for name in present], desc, "\0".join(present), replicas)  # type: ignore[misc]
+    tensors = [grads[name] for name in present]
+    return _pack_rows_op(tensors, desc, "\0".join(present), replicas, after)  # type: ignore[misc,arg-type]
 
 
 def encode_bucket(layout: ShardLayout, bucket: Bucket) -> str:
@@ -243,7 +252,10 @@ def decode_bucket(desc: str) -> tuple[str, Bucket, int]:
 
 
 @torch.library.custom_op("zerofn::pack_rows", mutates_args=())
-def _pack_rows_op(grads: list[torch.Tensor], desc: str, present: str, replicas: int) -> torch.Tensor:
+def _pack_rows_op(
+    grads: list[torch.Tensor], desc: str, present: str, replicas: int, after: torch.Tensor | None
+) -> torch.Tensor:
+    del after  # an input only for the order of the graph's nodes
     fingerprint, bucket, _ = decode_bucket(desc)
     layout = layout_by_fingerprint(fingerprint)
     assert layout is not None, "zerofn: a compiled step's layout is alive while it runs"
@@ -251,8 +263,8 @@ def _pack_rows_op(grads: list[torch.Tensor], desc: str, present: str, replicas: 
 
 
 @_pack_rows_op.register_fake
-def _(grads: list[torch.Tensor], desc: str, present: str, replicas: int) -> torch.Tensor:
-    del present, replicas
+def _(grads: list[torch.Tensor], desc: str, present: str, replicas: int, after: torch.Tensor | None) -> torch.Tensor:
+    del present, replicas, after
     _, bucket, world_size = decode_bucket(desc)
     return grads[0].new_empty(world_size, bucket.shard_numel)
 

@@ -148,7 +148,7 @@ def reduce_grads(
     except (TypeError, ValueError, KeyError) as e:
         failure, present, grad_dtypes, buckets, wire = e, [], {}, (), None  # (compiled: traced on, never run)
     device = next((grads[n].device for n in present), torch.device("cpu"))  # type: ignore[union-attr]
-    checks.check_ranks_agree(
+    agreed = checks.check_ranks_agree(
         layout,
         group,
         "reduce_grads",
@@ -191,7 +191,9 @@ def reduce_grads(
             continue
         dtype, shape = grad_dtypes[members[0]], (layout.world_size, bucket.shard_numel)
         borrowed = pool.take(shape[0] * shape[1], dtype, device)
-        rows = pack_grads(grads, layout, bucket, replicas=replicas, out=borrowed[: shape[0] * shape[1]].view(shape))
+        rows = pack_grads(
+            grads, layout, bucket, replicas=replicas, out=borrowed[: shape[0] * shape[1]].view(shape), after=agreed
+        )
         if wire is not None:
             mine = next_residual[i] if next_residual is not None else None
             pending, mine = launch_compressed(rows, wire_plan(layout, bucket, wire), wire.format, mine, group)
