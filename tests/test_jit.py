@@ -21,6 +21,7 @@ noise floor is involved (at 3 ranks those are torch's portable kernels, tests/co
 
 from __future__ import annotations
 
+import itertools
 import re
 import textwrap
 from pathlib import Path
@@ -419,9 +420,7 @@ def test_bucket_collectives_follow_the_agreement_verdict_and_stay_in_flight_toge
         assert all(a == ("zerofn.verdict", "ranks_agree") for a in seen["pack_after"]), seen["pack_after"]
         launches = sorted(seen["launch"].items(), key=lambda kv: kv[1])
         bucket_launches = [(name, i) for name, i in launches if name in seen["wait"]]
-        overlapped = [
-            a for (a, _), (_, j) in zip(bucket_launches, bucket_launches[1:], strict=False) if seen["wait"][a] > j
-        ]
+        overlapped = [a for (a, _), (_, j) in itertools.pairwise(bucket_launches) if seen["wait"][a] > j]
         assert len(overlapped) >= 2, (launches, seen["wait"])  # reduce and gather both pipeline
 
 

@@ -43,8 +43,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-_c10d = torch.ops._c10d_functional
-
 from zerofn._comm_count import record, ring_share
 
 __all__ = [
@@ -69,6 +67,8 @@ __all__ = [
 ]
 
 Group = dist.ProcessGroup | None
+
+_c10d = torch.ops._c10d_functional  # the functional collective ops themselves (launch and wait apart)
 
 # torch >= 2.10 renames the flat-tensor collectives to *_single and deprecates the old
 # names; older torch (down to 2.4) only has the old ones.
