@@ -84,6 +84,11 @@ def test_unpack_rows_writes_full_tensors_and_split_row_cuts_shards(dtype, n):
         for name in bucket.names:
             assert written[name] is mine[name]
             assert_bitwise_equal(mine[name], full[name], name)
+        # The same rows as N separate tensors (a compiled gather's broadcasts): the same writes.
+        apart = {k: torch.full_like(v, float("nan")) for k, v in full.items()}
+        buckets.unpack_rows([r.clone() for r in rows], layout, bucket, apart)
+        for name in bucket.names:
+            assert_bitwise_equal(apart[name], full[name], f"{name} from separate rows")
         # New tensors in another dtype (a wire row cast back), for some members only.
         some = bucket.names[::2]
         fresh = buckets.unpack_rows(rows, layout, bucket, names=some, dtype=torch.float64)

@@ -73,13 +73,14 @@ def test_unpack_rows_op_passes_opcheck_and_writes_what_unpack_rows_writes():
     layout = zf.make_layout(params, 2)
     (bucket,) = plan_buckets(layout, 1 << 10)
     rows = torch.randn(2, bucket.shard_numel, generator=g)
-    outs = [torch.zeros(layout[n].shape) for n in bucket.names]
     desc = encode_bucket(layout, bucket)
-    torch.library.opcheck(_unpack_rows_op, (rows, outs, desc))
-    _unpack_rows_op(rows, outs, desc)
     expected = unpack_rows(rows, layout, bucket)
-    for name, out in zip(bucket.names, outs, strict=True):
-        assert torch.equal(out, expected[name]), name
+    for listed in ([rows], [r.clone() for r in rows]):  # the (N, S) buffer alone, or its rows apart
+        outs = [torch.zeros(layout[n].shape) for n in bucket.names]
+        torch.library.opcheck(_unpack_rows_op, (listed, outs, desc))
+        _unpack_rows_op(listed, outs, desc)
+        for name, out in zip(bucket.names, outs, strict=True):
+            assert torch.equal(out, expected[name]), name
 
 
 def test_pack_rows_op_passes_opcheck_and_packs_what_pack_grads_packs():

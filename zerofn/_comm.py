@@ -295,7 +295,9 @@ def gather_rows(
 
     Returns:
       A :class:`Pending` whose ``wait()`` gives the ``(N, S)`` buffer (``out`` if given),
-      row ``r`` from rank ``r``.
+      row ``r`` from rank ``r``. Under ``torch.compile`` the broadcast realisation gives
+      the ``N`` rows as a list instead: each broadcast lands in a tensor of its own, and
+      :func:`~zerofn.buckets.unpack_rows` reads them where they are.
 
     Collectives: one ``all_gather`` of ``N*S`` elements, or ``N`` broadcasts of ``S``.
     """
@@ -352,7 +354,7 @@ def _gather_rows_traced(
     if how == "broadcast":
         sent = [row if r == rank else torch.empty_like(row) for r in range(n)]
         rows = [_c10d.broadcast(sent[r], r, name) for r in range(n)]  # c10d roots are group ranks
-        return Pending([], lambda: torch.stack([_c10d.wait_tensor(t) for t in rows]), traced=True)
+        return Pending([], lambda: [_c10d.wait_tensor(t) for t in rows], traced=True)  # type: ignore[arg-type,return-value]
     raise ValueError(f"unknown gather realisation {how!r}")
 
 

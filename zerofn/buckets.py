@@ -39,7 +39,8 @@ file one concern.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -56,6 +57,7 @@ from zerofn._comm import Group
 from zerofn._offsets import Bucket as Bucket
 from zerofn._offsets import Span as Span
 from zerofn._offsets import plan_buckets as plan_buckets
+from zerofn._staging import StagingPool as StagingPool
 from zerofn.layout import ShardLayout, layout_by_fingerprint
 
 __all__ = [
@@ -74,69 +76,6 @@ __all__ = [
     "split_row",
     "unpack_rows",
 ]
-
-
-class StagingPool:
-    """A free list of flat bucket buffers per (dtype, device), reused between buckets and steps.
-
-    Explicit reuse: the facade keeps one (its gradient staging, which its param gathers
-    borrow between ``step`` and the next ``backward``), and a functional loop may pass
-    one to :func:`~zerofn.reduce_grads` and :func:`~zerofn.gather_params` (``staging=``).
-    Fresh multi-MB buffers every step fault in new pages, which costs more than the copy
-    into them; a reused buffer's pages are mapped already. What comes out of the
-    stage functions never aliases a pool buffer: results are copied out first.
-
-    ``take`` hands out the smallest free buffer with room (or a new one of at least
-    ``min_numel`` elements); ``give`` returns one once nothing reads it any more, keeping at
-    most ``keep`` per (dtype, device) (the smallest are dropped). Not thread safe; one
-    pool per training loop.
-    """
-
-    def __init__(self, keep: int = 3, min_numel: int = 0) -> None:
-        self._keep = keep
-        self._min_numel = min_numel
-        self._free: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-
-    @property
-    def keep(self) -> int:
-        """Idle buffers kept per (dtype, device)."""
-        return self._keep
-
-    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        if torch.compiler.is_compiling():  # a compiled graph plans its own buffers: never reuse in a trace
-            return torch.empty(max(numel, self._min_numel), dtype=dtype, device=device)
-        free = self._free.get((dtype, device))
-        if free:
-            fits = [i for i, b in enumerate(free) if b.numel() >= numel]
-            if fits:
-                return free.pop(min(fits, key=lambda i: free[i].numel()))
-        return torch.empty(max(numel, self._min_numel), dtype=dtype, device=device)
-
-    def give(self, buf: torch.Tensor) -> None:
-        if torch.compiler.is_compiling():  # nothing kept between calls of a compiled graph
-            return
-        free = self._free.setdefault((buf.dtype, buf.device), [])
-        free.append(buf)
-        if len(free) > self._keep:
-            free.pop(min(range(len(free)), key=lambda i: free[i].numel()))
-
-    def give_unless_aliased(self, buf: torch.Tensor, readers: Iterable[torch.Tensor]) -> None:
-        """Return ``buf`` unless one of ``readers`` is a view of it (then it is simply dropped)."""
-        if torch.compiler.is_compiling():  # no storage addresses in a trace: the compiler owns buffers
-            return
-        ptr = buf.untyped_storage().data_ptr()
-        if all(t.untyped_storage().data_ptr() != ptr for t in readers):
-            self.give(buf)
-
-    def buffers(self) -> list[torch.Tensor]:
-        """The idle buffers held now."""
-        return [b for free in self._free.values() for b in free]
-
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers())
-
-    def clear(self) -> None:
-        self._free = {}
 
 
 # --------------------------------------------------------------------------- reduce side
@@ -429,7 +368,7 @@ def split_row(
 
 
 def unpack_rows(
-    rows: torch.Tensor,
+    rows: torch.Tensor | Sequence[torch.Tensor],
     layout: ShardLayout,
     bucket: Bucket,
     out: Mapping[str, torch.Tensor] | None = None,
@@ -445,7 +384,9 @@ def unpack_rows(
     casts when the buffer's dtype differs from a destination's).
 
     Args:
-      rows: ``(N, S)`` buffer, any dtype.
+      rows: ``(N, S)`` buffer, any dtype; or its ``N`` rows as separate ``(S,)`` tensors
+        (a compiled gather's broadcasts: each lands in a tensor of its own, and stacking
+        them would copy the bucket once more).
       layout: the layout the rows follow.
       bucket: the bucket of ``layout`` the rows hold.
       out: name -> destination of the param's shape (contiguous), written in place
@@ -466,7 +407,17 @@ def unpack_rows(
     result: dict[str, torch.Tensor] = {}
     dst: list[torch.Tensor] = []
     src: list[torch.Tensor] = []
-    split_blocks = rows[:, : plan.split_width].split(plan.widths, dim=1)
+    separate = not isinstance(rows, torch.Tensor)
+    if separate:  # a member's block is its N row pieces; its destination rows are unbound to match
+        per_row = [r[: plan.split_width].split(plan.widths) for r in rows]
+        split_blocks: Sequence[Any] = [list(pieces) for pieces in zip(*per_row, strict=True)] if per_row else []
+    else:
+        split_blocks = rows[:, : plan.split_width].split(plan.widths, dim=1)  # type: ignore[call-overload]
+
+    def add(d: torch.Tensor, block: Any) -> None:  # d: (k, s) rows, block: their k source rows
+        dst.extend(d.unbind(0) if separate else [d])
+        src.extend(block if separate else [block])
+
     blocks = dict(zip((m.name for m in plan.split_members), split_blocks, strict=True))
     for name, s, whole, rest, col, owner in plan.members:
         if wanted is not None and name not in wanted:
@@ -481,20 +432,18 @@ def unpack_rows(
             continue
         if owner >= 0:  # a whole param: its owner's row
             dst.append(full.view(-1))
-            src.append(rows[owner, col : col + s])
+            src.append(rows[owner][col : col + s])
             continue
         block = blocks[name]
         if whole == n:
-            dst.append(full.view(n, s))
-            src.append(block)
+            add(full.view(n, s), block)
             continue
         flat = full.view(-1)
         if whole:
-            dst.append(flat[: whole * s].view(whole, s))
-            src.append(block[:whole])
+            add(flat[: whole * s].view(whole, s), block[:whole])
         if rest:
             dst.append(flat[whole * s :])
-            src.append(block[whole, :rest])
+            src.append(block[whole][:rest])
     if dst:
         torch._foreach_copy_(dst, src)
     return result

@@ -97,7 +97,8 @@ def gather_params(
             return
         with torch.no_grad():  # `out` may be leaf params that require grad
             if tracing:  # the eager copies as one opaque node: memcpy, not a generated index loop per param
-                _unpack_rows_op(rows, [result[n] for n in bucket.names], encode_bucket(layout, bucket))
+                listed = list(rows) if isinstance(rows, (list, tuple)) else [rows]
+                _unpack_rows_op(listed, [result[n] for n in bucket.names], encode_bucket(layout, bucket))
             else:
                 unpack_rows(rows, layout, bucket, result)  # copied out of the (N, S) buffer
         pool.give(borrowed)
@@ -137,15 +138,16 @@ def _fresh_params(layout: ShardLayout, device: torch.device, *, separate: bool =
 
 
 @torch.library.custom_op("zerofn::unpack_rows", mutates_args=("outs",))
-def _unpack_rows_op(rows: torch.Tensor, outs: list[torch.Tensor], desc: str) -> None:
+def _unpack_rows_op(rows: list[torch.Tensor], outs: list[torch.Tensor], desc: str) -> None:
     """:func:`~zerofn.buckets.unpack_rows` of a bucket (:func:`~zerofn.buckets.encode_bucket`'s
-    ``desc``) into ``outs``, its members' full tensors in bucket order."""
+    ``desc``) into ``outs``, its members' full tensors in bucket order. ``rows``: the
+    gathered ``(N, S)`` buffer alone, or its ``N`` rows (one per broadcast)."""
     fingerprint, bucket, _ = decode_bucket(desc)
     layout = layout_by_fingerprint(fingerprint)
     assert layout is not None, "zerofn: a compiled step's layout is alive while it runs"
-    unpack_rows(rows, layout, bucket, dict(zip(bucket.names, outs, strict=True)))
+    unpack_rows(rows[0] if rows[0].dim() == 2 else rows, layout, bucket, dict(zip(bucket.names, outs, strict=True)))
 
 
 @_unpack_rows_op.register_fake
-def _(rows: torch.Tensor, outs: list[torch.Tensor], desc: str) -> None:
+def _(rows: list[torch.Tensor], outs: list[torch.Tensor], desc: str) -> None:
     del rows, outs, desc

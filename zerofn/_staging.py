@@ -1,0 +1,72 @@
+"""Explicit buffer reuse for bucket rows: :class:`StagingPool`, public as ``zerofn.buckets.StagingPool``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+__all__ = ["StagingPool"]
+
+
+class StagingPool:
+    """A free list of flat bucket buffers per (dtype, device), reused between buckets and steps.
+
+    Explicit reuse: the facade keeps one (its gradient staging, which its param gathers
+    borrow between ``step`` and the next ``backward``), and a functional loop may pass
+    one to :func:`~zerofn.reduce_grads` and :func:`~zerofn.gather_params` (``staging=``).
+    Fresh multi-MB buffers every step fault in new pages, which costs more than the copy
+    into them; a reused buffer's pages are mapped already. What comes out of the
+    stage functions never aliases a pool buffer: results are copied out first.
+
+    ``take`` hands out the smallest free buffer with room (or a new one of at least
+    ``min_numel`` elements); ``give`` returns one once nothing reads it any more, keeping at
+    most ``keep`` per (dtype, device) (the smallest are dropped). Not thread safe; one
+    pool per training loop.
+    """
+
+    def __init__(self, keep: int = 3, min_numel: int = 0) -> None:
+        self._keep = keep
+        self._min_numel = min_numel
+        self._free: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+
+    @property
+    def keep(self) -> int:
+        """Idle buffers kept per (dtype, device)."""
+        return self._keep
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # a compiled graph plans its own buffers: never reuse in a trace
+            return torch.empty(max(numel, self._min_numel), dtype=dtype, device=device)
+        free = self._free.get((dtype, device))
+        if free:
+            fits = [i for i, b in enumerate(free) if b.numel() >= numel]
+            if fits:
+                return free.pop(min(fits, key=lambda i: free[i].numel()))
+        return torch.empty(max(numel, self._min_numel), dtype=dtype, device=device)
+
+    def give(self, buf: torch.Tensor) -> None:
+        if torch.compiler.is_compiling():  # nothing kept between calls of a compiled graph
+            return
+        free = self._free.setdefault((buf.dtype, buf.device), [])
+        free.append(buf)
+        if len(free) > self._keep:
+            free.pop(min(range(len(free)), key=lambda i: free[i].numel()))
+
+    def give_unless_aliased(self, buf: torch.Tensor, readers: Iterable[torch.Tensor]) -> None:
+        """Return ``buf`` unless one of ``readers`` is a view of it (then it is simply dropped)."""
+        if torch.compiler.is_compiling():  # no storage addresses in a trace: the compiler owns buffers
+            return
+        ptr = buf.untyped_storage().data_ptr()
+        if all(t.untyped_storage().data_ptr() != ptr for t in readers):
+            self.give(buf)
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The idle buffers held now."""
+        return [b for free in self._free.values() for b in free]
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    def clear(self) -> None:
+        self._free = {}
