@@ -91,6 +91,33 @@ def test_a_subset_of_names_leaves_the_others_zero_and_unheld():
     assert not d.holds_all and flat.pack(fl, shards).holds_all
 
 
+@pytest.mark.parametrize("held", [None, ("c",)])
+def test_group_views_are_the_names_views_cut_by_one_split(held):
+    layout = _layout(3)
+    fl = flat.flat_layout(layout, 1)
+    shards = _shards(layout, 1)
+    d = flat.pack(fl, shards if held is None else {n: shards[n] for n in held})
+    for g, group in enumerate(fl.groups):
+        views = d.group_views(g)
+        assert list(views) == [n for n in group.names if n in d]
+        for name, view in views.items():
+            assert view is d[name]  # one view object per name, whichever asked first
+            assert torch.equal(view, shards[name]) and view.untyped_storage().data_ptr() == d.buffers[g].data_ptr()
+    fresh = flat.pack(fl, shards)
+    first = fresh["a"]
+    assert fresh.group_views(0)["a"] is first  # a view made before keeps its identity
+
+
+def test_mappings_read_their_items_values_and_keys_as_dicts_do():
+    frozen = FrozenDict({"x": 1, "y": 2})
+    assert dict(frozen.items()) == {"x": 1, "y": 2} and list(frozen.values()) == [1, 2]
+    assert list(frozen.keys()) == ["x", "y"] and frozen.get("z", 3) == 3 and "x" in frozen
+    layout = _layout(2)
+    d = flat.pack(flat.flat_layout(layout, 0), {"c": _shards(layout, 0)["c"]})
+    assert list(d.keys()) == ["c"] and d.get("a") is None and [n for n, _ in d.items()] == ["c"]
+    assert len(list(d.values())) == 1 and d.get("c") is d["c"]
+
+
 def test_packable_refuses_what_a_buffer_cannot_hold():
     layout = _layout(2)
     fl = flat.flat_layout(layout, 0)

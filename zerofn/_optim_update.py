@@ -17,6 +17,7 @@ whole buffers, and the loose tensors of the names updated). No collectives.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -92,10 +93,7 @@ def _in_form_of(given: Params, params: FlatDict, new_params: FlatDict) -> Mappin
 
 def _refs(steps: Mapping[str, torch.Tensor]) -> dict[int, int]:
     """How many names share each step count tensor (by identity)."""
-    out: dict[int, int] = {}
-    for t in steps.values():
-        out[id(t)] = out.get(id(t), 0) + 1
-    return out
+    return collections.Counter(map(id, steps.values()))
 
 
 # --------------------------------------------------------------------------- sgd
@@ -225,7 +223,8 @@ def adam_update(
     max_sq = state.max_exp_avg_sq  # untouched without amsgrad (its form included)
     if amsgrad:
         max_sq = _owned(_like(params, max_sq), names, donate)
-    steps = dict(state.step)
+    steps = dict(state.step.items())
+    count_of = dict(steps).__getitem__  # the counts before this step (``steps`` is rewritten below)
     # Counts are reused only eagerly: a graph's are 0-d copies, and id() would guard on the object.
     reuse = donate and not torch.compiler.is_compiling()
     refs = _refs(state.step) if reuse else {}
@@ -235,7 +234,7 @@ def adam_update(
     renewed: list[tuple[torch.Tensor, torch.Tensor]] = []
     for group_names in groups.values():
         hp = opt.hyperparams(group_names[0])
-        runs = _runs(params, group_names, hp, lambda n: state.step[n])
+        runs = _runs(params, group_names, hp, count_of)
         # A rule adds 1 to each count in place: a donated count is reused only when no name
         # outside the run shares it (a param without a gradient keeps its count).
         run_steps = []

@@ -7,7 +7,7 @@ node, so ``torch.utils._pytree.tree_map`` (and anything built on it) sees the te
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import ItemsView, Iterable, Iterator, KeysView, Mapping, ValuesView
 from typing import Any, TypeVar
 
 import torch.utils._pytree as pytree
@@ -38,6 +38,23 @@ class FrozenDict(Mapping[str, V]):
 
     def __len__(self) -> int:
         return len(self._data)
+
+    # The dict's own (read-only) views and lookups: Mapping's mixins would call __getitem__
+    # per key in Python, and a state holds a step count per param.
+    def __contains__(self, key: object) -> bool:
+        return key in self._data
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self._data.get(key, default)
+
+    def keys(self) -> KeysView[str]:
+        return self._data.keys()
+
+    def values(self) -> ValuesView[V]:
+        return self._data.values()
+
+    def items(self) -> ItemsView[str, V]:
+        return self._data.items()
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("FrozenDict is immutable; build a new one instead")

@@ -133,7 +133,7 @@ class Settler:
         held = self._held
         for g, shards in self._open.items():
             result = shards.result()
-            views = {n: result[n] for n in self._flat.groups[g].names if n in self._open_names[g]}
+            views = {n: v for n, v in result.group_views(g).items() if n in self._open_names[g]}
             held.grad_bufs[g] = result.buffers[g]  # type: ignore[assignment]
             held.grad_views.update(views)
             held.merge(views)

@@ -105,6 +105,29 @@ class FlatDict(FrozenDict[torch.Tensor]):
             view = self._views[key] = self._buffers[g][off : off + n]  # type: ignore[index]
         return view
 
+    def group_views(self, g: int) -> dict[str, torch.Tensor]:
+        """Group ``g``'s held names -> their tensors (``d[name]``'s objects), in layout order.
+
+        Eagerly the buffer is cut by one ``split`` (one call, not a slice per name: the
+        facade takes every shard of a reduction at once).
+        """
+        group, buf = self._flat.groups[g], self._buffers[g]
+        if buf is None:
+            return {}
+        if torch.compiler.is_compiling():
+            return {n: self[n] for n in group.names if n in self}
+        views = self._views
+        for name, view in zip(group.names, buf.split(group.numels), strict=True):
+            views.setdefault(name, view)
+        return {n: views[n] for n in group.names if n in self}
+
+    # Its values are views made on demand (no dict of them): Mapping's generic lookups and
+    # views over __getitem__, not FrozenDict's views of its dict.
+    get = Mapping.get
+    keys = Mapping.keys
+    values = Mapping.values
+    items = Mapping.items
+
     def __contains__(self, key: object) -> bool:
         if self._held is None:
             return key in self._flat.where
