@@ -125,10 +125,12 @@ for op in comm:
 # each rank's verdict on its input) and its verdict; the bucket's `all_reduce` (gloo's
 # realisation of the reduce-scatter; NCCL's would be `reduce_scatter_tensor`); the scalar
 # `all_reduce` of `step_shards` (squared norm, overflow flag, input verdict) and its
-# verdict; the agreement check of `gather_params`; and one `broadcast` per rank (gloo's
-# all-gather). Every one is followed by its `wait_tensor` (the graph waits where the eager
-# step waits on its work handle; a second `wait_tensor` of a result already waited on costs
-# nothing).
+# verdict; and one `broadcast` per rank (gloo's all-gather; the step's all-reduce has
+# confirmed every rank's layout, so the gather needs no agreement of its own). Every one is
+# waited on inside the graph by a `wait_tensor`: the small ones at once, a bucket's where
+# the bucket pipeline settles it, as eagerly, so the broadcasts of a bucket (and the next
+# bucket's collective, on a model of several buckets) are in flight together. A second
+# `wait_tensor` of a result already waited on costs nothing.
 #
 # ## Compile count, bits and time
 
@@ -157,4 +159,7 @@ for r, got in enumerate(ranks):
 assert all(got["graphs"] == 1 and got["bitwise"] for got in ranks)
 assert sum("all_reduce" in op for op in comm) >= 2 and sum("broadcast" in op for op in comm) == 2
 launched = [i for i, op in enumerate(comm) if "_c10d_functional" in op and "wait_tensor" not in op]
-assert all("wait_tensor" in comm[i + 1] for i in launched)  # each collective waited on, inside the graph
+waits = [i for i, op in enumerate(comm) if "wait_tensor" in op]
+assert all(any(w > i for w in waits) for i in launched)  # each collective waited on, inside the graph
+casts = [i for i, op in enumerate(comm) if "broadcast" in op]
+assert not any(casts[0] < w < casts[-1] for w in waits)  # the bucket's broadcasts in flight together
