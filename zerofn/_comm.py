@@ -295,9 +295,9 @@ def gather_rows(
 
     Returns:
       A :class:`Pending` whose ``wait()`` gives the ``(N, S)`` buffer (``out`` if given),
-      row ``r`` from rank ``r``. Under ``torch.compile`` the broadcast realisation gives
-      the ``N`` rows as a list instead: each broadcast lands in a tensor of its own, and
-      :func:`~zerofn.buckets.unpack_rows` reads them where they are.
+      row ``r`` from rank ``r``. Under ``torch.compile`` it gives a list instead: that
+      buffer alone (all-gather), or the ``N`` rows apart (broadcasts: each lands in a
+      tensor of its own, and :func:`~zerofn.buckets.unpack_rows` reads them where they are).
 
     Collectives: one ``all_gather`` of ``N*S`` elements, or ``N`` broadcasts of ``S``.
     """
@@ -340,17 +340,18 @@ def gather_rows(
 def _gather_rows_traced(
     row: torch.Tensor, group: Group, how: str, n: int, rank: int, out: torch.Tensor | None
 ) -> Pending:
-    """:func:`gather_rows` under tracing: functional collectives into a new ``(N, S)`` tensor.
+    """:func:`gather_rows` under tracing: functional collectives; ``wait()`` gives a list, the
+    new ``(N, S)`` buffer alone or its ``N`` rows apart (one per broadcast).
 
     ``out`` is not written (a compiled graph plans its own buffers); a row packed into
     ``out[rank]`` is read from there.
     """
     (s,) = row.shape
     if n == 1:
-        return Pending([], lambda: row.reshape(1, s).clone())
+        return Pending([], lambda: [row.reshape(1, s)])  # type: ignore[arg-type,return-value]
     name = _functional_group(group).group_name
     if how == "all_gather":
-        return _launched(_c10d.all_gather_into_tensor(row.contiguous(), n, name), lambda t: t.view(n, s))
+        return _launched(_c10d.all_gather_into_tensor(row.contiguous(), n, name), lambda t: [t.view(n, s)])  # type: ignore[arg-type,return-value]
     if how == "broadcast":
         sent = [row if r == rank else torch.empty_like(row) for r in range(n)]
         rows = [_c10d.broadcast(sent[r], r, name) for r in range(n)]  # c10d roots are group ranks

@@ -410,7 +410,7 @@ def unpack_rows(
     separate = not isinstance(rows, torch.Tensor)
     if separate:  # a member's block is its N row pieces; its destination rows are unbound to match
         per_row = [r[: plan.split_width].split(plan.widths) for r in rows]
-        split_blocks: Sequence[Any] = [list(pieces) for pieces in zip(*per_row, strict=True)] if per_row else []
+        split_blocks: Sequence[Any] = [list(pieces) for pieces in zip(*per_row, strict=True)]
     else:
         split_blocks = rows[:, : plan.split_width].split(plan.widths, dim=1)  # type: ignore[call-overload]
 

@@ -97,8 +97,7 @@ def gather_params(
             return
         with torch.no_grad():  # `out` may be leaf params that require grad
             if tracing:  # the eager copies as one opaque node: memcpy, not a generated index loop per param
-                listed = list(rows) if isinstance(rows, (list, tuple)) else [rows]
-                _unpack_rows_op(listed, [result[n] for n in bucket.names], encode_bucket(layout, bucket))
+                _unpack_rows_op(rows, [result[n] for n in bucket.names], encode_bucket(layout, bucket))
             else:
                 unpack_rows(rows, layout, bucket, result)  # copied out of the (N, S) buffer
         pool.give(borrowed)
