@@ -424,6 +424,54 @@ def test_bucket_collectives_follow_the_agreement_verdict_and_stay_in_flight_toge
         assert len(overlapped) >= 2, (launches, seen["wait"])  # reduce and gather both pipeline
 
 
+def _gradient_sized_multiplies() -> dict[str, int]:
+    """Multiplies over a whole gradient buffer in a compiled ``step_shards`` (dynamo's graph),
+    for an fp32 state (``NoLossScaling``) without and with clipping, and an fp16 one (a
+    ``StaticLossScaler``) without clipping. The optimizer is torch's fused AdamW, one opaque
+    op, so every such multiply is the step's unscale-and-clip coefficient."""
+    torch._dynamo.reset()
+    out = {}
+    static = zf.PrecisionPolicy.for_dtype(torch.float16, loss_scaler=zf.StaticLossScaler(8.0))
+    for label, dtype, policy, max_norm in (
+        ("fp32", torch.float32, None, None),
+        ("fp32_clip", torch.float32, None, 1.0),
+        ("fp16_static", torch.float16, static, None),
+    ):
+        _, params = _model(False)
+        params = {n: p.to(dtype) for n, p in params.items()}
+        opt = zf.optim.adamw(lr=torch.tensor(1e-2, dtype=torch.float64), fused=True)
+        state = zf.shard_params(params, opt, precision=policy)
+        shards = zf.reduce_grads({n: torch.ones_like(p) for n, p in params.items()}, state.layout)
+        numel = {b.numel() for b in state.master.buffers if b is not None}
+        count = 0
+
+        def counting(gm: torch.fx.GraphModule, example_inputs: Any, sizes: set[int] = numel) -> Any:
+            nonlocal count
+            del example_inputs
+            for node in gm.graph.nodes:
+                value = node.meta.get("example_value")
+                if "mul" in str(node.target) and isinstance(value, torch.Tensor) and value.numel() in sizes:
+                    count += 1
+            return gm.forward
+
+        def step_fn(s: zf.ZeroState, g: Any, m: float | None = max_norm) -> Any:
+            return zf.step_shards(s, g, max_norm=m)
+
+        step = torch.compile(step_fn, fullgraph=True, backend=counting)
+        step(state, shards)
+        out[label] = count
+        torch._dynamo.reset()
+    return out
+
+
+def test_a_compiled_step_multiplies_the_gradients_only_when_it_unscales_or_clips():
+    """``NoLossScaling``'s scale is 1 by definition, so without clipping the coefficient is a
+    constant 1 and the compiled step spends no pass over the gradients on it, as eagerly; a
+    loss scale or a max norm makes it one multiply per flat buffer."""
+    for out in get_world(1).run(_gradient_sized_multiplies):
+        assert out == {"fp32": 0, "fp32_clip": 1, "fp16_static": 1}, out
+
+
 # --------------------------------------------------------------------------- coverage: a mix of features per world size
 #
 # Each world size compiles one step that combines several of the eager loop's options, so
