@@ -24,6 +24,9 @@ from zerofn._tree import FrozenDict
 __all__ = ["NameSelector", "Optimizer", "ParamGroup", "Params", "PartitionState", "partition", "select_unless"]
 
 Params = Mapping[str, torch.Tensor]
+
+#: Name tuples whose grouping one optimizer remembers (a run steps one or a few).
+_GROUPINGS_KEPT = 16
 NameSelector = Collection[str] | Callable[[str], bool]
 
 
@@ -138,6 +141,8 @@ class Optimizer:
         # name, and a merge per name per step is a cost that grows with the tensor count.
         merged = tuple(FrozenDict({**self.defaults, **g.hyperparams}) for g in self.groups)
         object.__setattr__(self, "_merged", (*merged, FrozenDict(self.defaults)))
+        # Names -> their groups, for the few name tuples a training run steps (``_by_group``).
+        object.__setattr__(self, "_grouped", {})
 
     def hyperparams(self, name: str) -> Mapping[str, Any]:
         """The hyperparameters in force for parameter ``name`` (a read-only mapping)."""
@@ -230,13 +235,25 @@ def _make_groups(name: str, param_groups: Sequence[Mapping[str, Any]] | None) ->
 
 
 def _by_group(opt: Optimizer, names: Sequence[str]) -> dict[int, list[str]]:
-    """Names bucketed by group index, order kept, so each group is one kernel call."""
+    """Names bucketed by group index, order kept, so each group is one kernel call.
+
+    Eagerly remembered per names tuple (each step asks for the same names; the selectors
+    are fixed): a new dict of the same lists each call, which callers must not change.
+    """
     if not opt.groups:  # every name in the defaults' group
         return {0: list(names)} if names else {}
+    key = tuple(names)
+    cache: dict[tuple[str, ...], dict[int, list[str]]] = opt._grouped  # type: ignore[attr-defined]
+    eager = not torch.compiler.is_compiling()  # a graph plans with constants: no cache to guard on
+    hit = cache.get(key) if eager else None
+    if hit is not None:
+        return dict(hit)
     out: dict[int, list[str]] = {}
-    for n in names:
+    for n in key:
         out.setdefault(opt.group_index(n), []).append(n)
-    return out
+    if eager and len(cache) < _GROUPINGS_KEPT:
+        cache[key] = out
+    return dict(out)
 
 
 def _own(t: torch.Tensor, donate: bool) -> torch.Tensor:

@@ -67,6 +67,11 @@ __all__ = [
 ]
 
 
+#: Names tuples whose index range :class:`ParamGuard` remembers (a model's buckets; any
+#: other tuple is looked up name by name).
+_SPANS_KEPT = 64
+
+
 class ParamsChangedError(RuntimeError):
     """The model's params changed in a way the optimizer cannot follow; raised on every rank alike."""
 
@@ -134,10 +139,27 @@ class ParamGuard:
         self._index = {n: i for i, n in enumerate(self._names)}
         self._meta = [(tuple(p.shape), p.dtype, p.device) for p in self._tensors]
         self._bindings = _bindings(module, params)
+        # What each binding holds, by identity (the objects are kept alive by the bindings).
+        self._bound_ids = [id(obj) for _, _, obj, _ in self._bindings]
         self._stale: set[str] = set()  # written while overlap_allgather's gather was pending
         self._versions: list[int] = []
         self._ptrs: list[int] = []
+        self._spans: dict[tuple[str, ...], tuple[int, int] | None] = {}  # a names tuple -> its index range
         self.record()
+
+    def _span(self, names: tuple[str, ...]) -> tuple[int, int] | None:
+        """``(start, stop)`` when ``names`` are the params ``start:stop`` in order (a bucket's), else ``None``.
+
+        Asked per bucket twice a step; remembered for the few tuples a model's buckets are.
+        """
+        span = self._spans.get(names, False)
+        if span is False:
+            start = self._index[names[0]] if names else 0
+            stop = start + len(names)
+            span = (start, stop) if self._names[start:stop] == names else None
+            if len(self._spans) < _SPANS_KEPT:
+                self._spans[names] = span
+        return span  # type: ignore[return-value]
 
     def record(self, names: Iterable[str] | None = None) -> None:
         """The facade has just written these params (default: all): their current state is its own."""
@@ -146,14 +168,32 @@ class ParamGuard:
             self._ptrs = [p.data_ptr() for p in self._tensors]
             self._stale.clear()
             return
+        names = tuple(names)
+        if self._stale:
+            self._stale.difference_update(names)
+        span = self._span(names)
+        if span is not None:  # a bucket: two list reads of its params, written over the range
+            start, stop = span
+            tensors = self._tensors[start:stop]
+            self._versions[start:stop] = [p._version for p in tensors]
+            self._ptrs[start:stop] = [p.data_ptr() for p in tensors]
+            return
         for n in names:
-            self._stale.discard(n)
             i = self._index[n]
             self._versions[i] = self._tensors[i]._version
             self._ptrs[i] = self._tensors[i].data_ptr()
 
     def written_since(self, names: Iterable[str]) -> list[str]:
         """Of ``names``, those written by someone else since the facade's last write."""
+        names = tuple(names)
+        span = self._span(names)
+        if span is not None:  # a bucket: compared as two lists first, the common case being no change
+            start, stop = span
+            tensors = self._tensors[start:stop]
+            versions = [p._version for p in tensors]
+            ptrs = [p.data_ptr() for p in tensors]
+            if versions == self._versions[start:stop] and ptrs == self._ptrs[start:stop]:
+                return []
         out = []
         for n in names:
             i = self._index[n]
@@ -175,12 +215,16 @@ class ParamGuard:
         dict lookup per module/param edge (a cast or move always makes new storage).
         """
         ptrs = [p.data_ptr() for p in self._tensors]
-        if ptrs == self._ptrs and all(c.get(k) is obj for c, k, obj, _ in self._bindings):
+        if ptrs == self._ptrs and self._bound():
             return
         problems = self._structure_problems()
         if problems:
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
             raise ParamsChangedError(f"{where}: {problems[0]}{more}.")
+
+    def _bound(self) -> bool:
+        """Every module/param edge of ``module=`` still holds the object it held at construction."""
+        return [id(c.get(k)) for c, k, _, _ in self._bindings] == self._bound_ids
 
     def _structure_problems(self) -> list[str]:
         problems = [
@@ -215,7 +259,7 @@ class ParamGuard:
         """
         versions = [p._version for p in self._tensors]
         ptrs = [p.data_ptr() for p in self._tensors]
-        bound = all(container.get(key) is obj for container, key, obj, _ in self._bindings)
+        bound = self._bound()
         if versions == self._versions and ptrs == self._ptrs and bound and not self._stale:
             return None
         problems = self._structure_problems()

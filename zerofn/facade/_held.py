@@ -13,7 +13,7 @@ stage 1 leaves in ``p.grad``; a *shard* is this rank's slice of an averaged grad
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -102,15 +102,16 @@ class HeldGrads:
 
     def foreign(self) -> list[str]:
         """Names whose ``p.grad`` holds a tensor the facade did not produce or consume (set by hand)."""
-        out = []
-        for name, p in self.params.items():
-            g = p.grad
-            if g is None or type(g) is ShardedGrad or name in self.local or name in self.averaged:
-                continue
-            if self.used.get(name) is g:
-                continue
-            out.append(name)
-        return out
+        local, averaged, used = self.local, self.averaged, self.used
+        return [
+            name
+            for name, p in self.params.items()
+            if (g := p.grad) is not None
+            and type(g) is not ShardedGrad
+            and name not in local
+            and name not in averaged
+            and used.get(name) is not g
+        ]
 
     def merge(self, shards: Mapping[str, torch.Tensor]) -> None:
         """Add ``shards`` to those held (a new tensor where both hold one: ``have + shard``)."""
@@ -131,7 +132,8 @@ class HeldGrads:
 
     def drop_cleared(self) -> None:
         """Stage 2: a placeholder the user cleared or replaced (``p.grad = None``) drops its shard."""
-        for name in [n for n in self.placed if self.params[n].grad is not self.placeholders[n]]:
+        params, placeholders = self.params, self.placeholders
+        for name in [n for n in self.placed if params[n].grad is not placeholders[n]]:
             self.placed.discard(name)
             self.shards.pop(name, None)
 
@@ -146,6 +148,19 @@ class HeldGrads:
         else:
             acc.add_(p.grad)
         p.grad = None
+
+    def take_locals(self, names: Iterable[str]) -> dict[str, torch.Tensor | None]:
+        """:meth:`take_local` of each of ``names``, in their order."""
+        if self.accumulating or self.accum:
+            return {n: self.take_local(n) for n in names}
+        out: dict[str, torch.Tensor | None] = {}
+        params = self.params
+        for n in names:  # nothing accumulated: each is p.grad, taken
+            p = params[n]
+            out[n] = p.grad
+            p.grad = None
+        self.local.difference_update(out)
+        return out
 
     def take_local(self, name: str) -> torch.Tensor | None:
         """The local gradient to reduce for ``name`` (accumulated or ``p.grad``); frees it here."""

@@ -107,6 +107,7 @@ class ParamPrefetcher:
         self._buckets = buckets
         self._group, self._how = group, how
         self._name_of = {id(p): n for n, p in params.items()}
+        self._members = [tuple(params[n] for n in b.names) for b in buckets]  # each bucket's params
         self._position = {name: i for i, name in enumerate(layout.names)}
         # Per bucket: the gather launched by the last step and not yet written (its Pending,
         # the row it sends, kept alive until then, and the borrowed receive buffer), or None.
@@ -141,10 +142,10 @@ class ParamPrefetcher:
             pending = launch_gather(row, self._group, self._how, async_op=True, out=recv)
             self._gathers[b] = (pending, row, borrowed)
             self.pending += 1
-            for name in bucket.names:  # the guard: a read or write of these waits for this gather
-                p = self._params[name]
-                p.__class__ = _pending_class(type(p))
-                _IN_FLIGHT[id(p)] = (self._me, b)
+            members = self._members[b]
+            for p in members:  # the guard: a read or write of these waits for this gather
+                p.__class__ = _PENDING_OF.get(type(p)) or _pending_class(type(p))
+            _IN_FLIGHT.update(dict.fromkeys(map(id, members), (self._me, b)))
 
     def _send_row(self, b: int, bucket: Bucket, dtype: torch.dtype, state: ZeroState) -> torch.Tensor | None:
         """Bucket ``b``'s ``(S,)`` send row, reused every step; ``None`` where ``pack_shards`` needs none.
@@ -172,8 +173,8 @@ class ParamPrefetcher:
                 self._gathers[b] = None
                 self.pending -= 1
                 names = self._buckets[b].names
-                for name in names:  # plain params again, before anything here reads or writes them
-                    _unguard(self._params[name])
+                for p in self._members[b]:  # plain params again, before anything here reads or writes them
+                    _unguard(p)
                 rows = entry[0].wait()
                 if self._guard is not None:
                     written = self._guard.written_since(names)  # by the user, after the step: keep theirs

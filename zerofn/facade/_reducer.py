@@ -349,7 +349,7 @@ class GradReducer:
         present = self._ready[b] - self._sent[b]
         self._sent[b] |= present
         fresh = present & self.held.local  # autograd's own gradients (not tensors the user set)
-        grads = {n: self.held.take_local(n) for n in bucket.names if n in present}
+        grads = self.held.take_locals(n for n in bucket.names if n in present)
         first = next(g for g in grads.values() if g is not None)
         n, s = self._layout.world_size, bucket.shard_numel
         buf = self.staging.take(n * s, first.dtype, first.device)
