@@ -472,6 +472,48 @@ def test_a_compiled_step_multiplies_the_gradients_only_when_it_unscales_or_clips
         assert out == {"fp32": 0, "fp32_clip": 1, "fp16_static": 1}, out
 
 
+def _restarts_of_a_step_with_a_tensor_lr() -> dict[str, Any]:
+    """The restart reasons dynamo recorded compiling the README's step (lr a 0-d float64 tensor
+    a schedule updates in place), and whether a changed lr reaches the compiled step."""
+    torch._dynamo.reset()
+    model, params = _model(False)
+    lr = torch.tensor(1e-2, dtype=torch.float64)
+    state = zf.shard_params(params, zf.optim.adamw(lr=lr, fused=True))
+
+    def loss_fn(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(torch.func.functional_call(model, p, (x,)), y)
+
+    def step(state: zf.ZeroState, params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> Any:
+        grads = torch.func.grad(loss_fn)(params, x, y)
+        state, _ = zf.step_shards(state, zf.reduce_grads(grads, state.layout))
+        return state, zf.gather_params(state)
+
+    x, y = _batches(1, False, -1)[0]
+    before = len(torch._dynamo.utils.get_compilation_metrics())
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    lr.fill_(0.0)  # a step at lr 0 leaves the params as they were: the graph reads the tensor's value
+    _, same = compiled(state, params, x, y)
+    lr.fill_(1e-2)
+    _, moved = compiled(state, params, x, y)
+    metrics = torch._dynamo.utils.get_compilation_metrics()[before:]
+    torch._dynamo.reset()
+    return {
+        "restarts": sorted(r for m in metrics for r in (m.restart_reasons or ())),
+        "compiles": len(metrics),
+        "lr_zero_kept": all(torch.equal(same[n], params[n]) for n in params),
+        "lr_read": any(not torch.equal(moved[n], params[n]) for n in params),
+    }
+
+
+def test_a_step_with_a_tensor_lr_compiles_in_one_trace_and_reads_the_lr_it_holds():
+    """A 0-d float64 CPU tensor input gets a Python-float symbol from dynamo that the graph never
+    uses, and dynamo then restarts the whole trace to specialize it (a first compile traced
+    twice); the optimizer hands the compiled step a view of the lr instead, so the step is
+    traced once, and the graph still reads the lr's current value."""
+    for out in get_world(2).run(_restarts_of_a_step_with_a_tensor_lr):
+        assert out == {"restarts": [], "compiles": 1, "lr_zero_kept": True, "lr_read": True}, out
+
+
 # --------------------------------------------------------------------------- coverage: a mix of features per world size
 #
 # Each world size compiles one step that combines several of the eager loop's options, so

@@ -139,14 +139,29 @@ class Optimizer:
     def __post_init__(self) -> None:
         # Every group's hyperparameters merged once (the defaults last): the step asks per
         # name, and a merge per name per step is a cost that grows with the tensor count.
-        merged = tuple(FrozenDict({**self.defaults, **g.hyperparams}) for g in self.groups)
-        object.__setattr__(self, "_merged", (*merged, FrozenDict(self.defaults)))
+        merged = (*(FrozenDict({**self.defaults, **g.hyperparams}) for g in self.groups), FrozenDict(self.defaults))
+        object.__setattr__(self, "_merged", merged)
         # Names -> their groups, for the few name tuples a training run steps (``_by_group``).
         object.__setattr__(self, "_grouped", {})
+        # A compiled step reads each 0-d CPU tensor hyperparameter (a float64 lr a schedule
+        # updates in place) through a (1,)-view of it, made here: dynamo gives a 0-d float64
+        # CPU input a Python-float symbol that its graph never uses, and then restarts the
+        # whole trace to specialize it (the first compile of a step paid twice its tracing).
+        views = tuple(FrozenDict({k: v.view(1) for k, v in hp.items() if _symbolic_scalar(v)}) for hp in merged)
+        object.__setattr__(self, "_scalar_views", views)
 
     def hyperparams(self, name: str) -> Mapping[str, Any]:
-        """The hyperparameters in force for parameter ``name`` (a read-only mapping)."""
-        return self._merged[self.group_index(name)]
+        """The hyperparameters in force for parameter ``name`` (a read-only mapping).
+
+        Under ``torch.compile`` a 0-d CPU tensor among them is a 0-d view of the same
+        storage (it reads the values the tensor holds when the graph runs), not the object.
+        """
+        i = self.group_index(name)
+        views = self._scalar_views[i]
+        if views and torch.compiler.is_compiling():
+            hp = self._merged[i]
+            return FrozenDict({k: views[k].view(()) if k in views else hp[k] for k in hp.keys()})
+        return self._merged[i]
 
     def group_index(self, name: str) -> int:
         """Index of the group that selects ``name``; ``len(groups)`` for the defaults."""
@@ -232,6 +247,17 @@ def _make_groups(name: str, param_groups: Sequence[Mapping[str, Any]] | None) ->
             )
         groups.append(ParamGroup(select if callable(select) else frozenset(select), FrozenDict(hp)))
     return tuple(groups)
+
+
+def _symbolic_scalar(value: Any) -> bool:
+    """A tensor dynamo would give a Python-number symbol as a graph input: 0-d, on the CPU,
+    float64 or a signed integer dtype."""
+    return (
+        isinstance(value, torch.Tensor)
+        and value.dim() == 0
+        and value.device.type == "cpu"
+        and value.dtype in (torch.float64, torch.int64, torch.int32, torch.int16, torch.int8)
+    )
 
 
 def _by_group(opt: Optimizer, names: Sequence[str]) -> dict[int, list[str]]:
