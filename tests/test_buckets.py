@@ -71,6 +71,35 @@ def test_pack_grads_is_the_padded_rows_times_the_mean_factor(dtype, n, replicas)
         assert_bitwise_equal(buf, want, str(bucket.names))
 
 
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 7])
+@pytest.mark.parametrize("members", [1, 3, 64])
+def test_sub_buckets_are_consecutive_column_runs_whose_rows_unpack_as_the_bucket(n, members):
+    """A compiled gather unpacks a bucket of many params as sub-buckets (``_offsets.sub_buckets``):
+    each a bucket of its own over consecutive columns of the rows, together the bucket's
+    members in order, and unpacking each from its columns writes what the whole bucket does."""
+    from zerofn._offsets import sub_buckets
+
+    torch.manual_seed(seeded(5))
+    full = {f"p{i}": torch.randn(1 + i % 6, 1 + i % 3) for i in range(150)}
+    layout = make_layout(full, n)
+    for bucket in plan_buckets(layout, 2**20):
+        subs = sub_buckets(layout, bucket, members)
+        assert [name for sub, _ in subs for name in sub.names] == list(bucket.names)
+        assert all(len(sub.names) <= members for sub, _ in subs) or subs == ((bucket, 0),)
+        column, start = 0, 0
+        for sub, first in subs:
+            assert first == column and sub.offsets[0] == 0
+            assert tuple(o + first for o in sub.offsets) == bucket.offsets[start : start + len(sub.names)]
+            column, start = column + sub.shard_numel, start + len(sub.names)
+        assert column == bucket.shard_numel
+        rows = _reference_rows(full, layout, bucket, torch.float32)
+        mine = {k: torch.full_like(v, float("nan")) for k, v in full.items()}
+        for sub, first in subs:
+            buckets.unpack_rows(rows[:, first : first + sub.shard_numel], layout, sub, mine)
+        for name in bucket.names:
+            assert_bitwise_equal(mine[name], full[name], name)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 7])
 def test_unpack_rows_writes_full_tensors_and_split_row_cuts_shards(dtype, n):

@@ -514,6 +514,37 @@ def test_a_step_with_a_tensor_lr_compiles_in_one_trace_and_reads_the_lr_it_holds
         assert out == {"restarts": [], "compiles": 1, "lr_zero_kept": True, "lr_read": True}, out
 
 
+def _gather_of_many_params_compiled() -> dict[str, Any]:
+    """``gather_params`` of a bucket of more params than one unpack node writes, compiled: the
+    params against the eager gather's, and the unpack nodes of the graph."""
+    from zerofn.stages._gather_params import UNPACK_MEMBERS
+
+    torch._dynamo.reset()
+    torch.manual_seed(seeded(7))
+    params = {f"p{i}": torch.randn(2 + i % 5, 1 + i % 2) for i in range(2 * UNPACK_MEMBERS + 7)}
+    state = zf.shard_params(params, zf.optim.sgd(lr=0.1))
+    nodes = 0
+
+    def counting(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        nonlocal nodes
+        del example_inputs
+        nodes += sum(1 for node in gm.graph.nodes if "unpack_rows" in str(node.target))
+        return gm.forward
+
+    eager = zf.gather_params(state)
+    compiled = torch.compile(lambda s: zf.gather_params(s), fullgraph=True, backend=counting)(state)
+    torch._dynamo.reset()
+    return {"equal": all(torch.equal(eager[n], compiled[n]) for n in params), "nodes": nodes}
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_a_compiled_gather_unpacks_a_bucket_of_many_params_in_nodes_of_at_most_64(n):
+    """One bucket of 135 params, gathered (one broadcast per rank on gloo, the rows apart; at N = 1
+    the row itself): three unpack nodes of at most 64 params each, the eager gather's bits."""
+    for out in get_world(n).run(_gather_of_many_params_compiled):
+        assert out == {"equal": True, "nodes": 3}, out
+
+
 # --------------------------------------------------------------------------- coverage: a mix of features per world size
 #
 # Each world size compiles one step that combines several of the eager loop's options, so

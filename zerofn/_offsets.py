@@ -50,6 +50,7 @@ __all__ = [
     "flat_layout",
     "full_param_offsets",
     "plan_buckets",
+    "sub_buckets",
 ]
 
 
@@ -213,6 +214,26 @@ def _split_bucket(table: Mapping[str, tuple[int, int, int]], members: list[str],
     g, start, _ = table[members[0]]
     run = all(table[m][0] == g and table[m][1] == start + c for m, c in zip(members, cols, strict=True))
     return Bucket(tuple(members), cols, sum(widths), Span(g, start, start + sum(widths)) if run else None)
+
+
+def sub_buckets(layout: ShardLayout, bucket: Bucket, members: int) -> tuple[tuple[Bucket, int], ...]:
+    """``bucket`` cut into runs of at most ``members`` members, each ``(sub-bucket, first column)``.
+
+    A sub-bucket is a bucket of its own, its members side by side from column 0: its rows
+    are columns ``first : first + sub.shard_numel`` of ``bucket``'s rows. A bucket with whole
+    params (placed by owner, not side by side) is returned whole, as is one of at most
+    ``members`` members.
+    """
+    if len(bucket.names) <= members or any(layout[n].is_whole for n in bucket.names):
+        return ((bucket, 0),)
+    out = []
+    for i in range(0, len(bucket.names), members):
+        names, cols = bucket.names[i : i + members], bucket.offsets[i : i + members]
+        first = cols[0]
+        width = cols[-1] + layout[names[-1]].shard_numel - first
+        span = bucket.span and Span(bucket.span.group, bucket.span.start + first, bucket.span.start + first + width)
+        out.append((Bucket(names, tuple(c - first for c in cols), width, span), first))
+    return tuple(out)
 
 
 def _plan_whole_buckets(layout: ShardLayout, names: tuple[str, ...], bucket_numel: int) -> tuple[Bucket, ...]:

@@ -11,11 +11,18 @@ from zerofn import _comm as comm
 from zerofn import flat
 from zerofn._bucket_gather import rows_in_place
 from zerofn._comm import CommPolicy, Group, Pending
-from zerofn._offsets import Bucket, plan_buckets
+from zerofn._offsets import Bucket, plan_buckets, sub_buckets
 from zerofn.buckets import StagingPool, decode_bucket, encode_bucket, launch_gather, pack_shards, unpack_rows
 from zerofn.layout import ShardLayout, layout_by_fingerprint
 from zerofn.stages._pipeline import MAX_IN_FLIGHT, InFlight, _check_staging, check_bucket_numel
 from zerofn.state import ZeroState
+
+#: Params one ``zerofn::unpack_rows`` node of a compiled gather writes at most. The node
+#: returns every tensor it writes, and inductor's passes visit each output together with
+#: all its siblings, a cost quadratic in the outputs: on the benchmarks' 1,028-tensor MLP
+#: (two buckets) the reinplacing pass took 35 s of the first compile with one node per
+#: bucket, 2.6 s with one per 64 params. Each node is one op call at run time.
+UNPACK_MEMBERS = 64
 
 
 def gather_params(
@@ -96,8 +103,8 @@ def gather_params(
         if borrowed is None:  # gathered into the param itself
             return
         with torch.no_grad():  # `out` may be leaf params that require grad
-            if tracing:  # the eager copies as one opaque node: memcpy, not a generated index loop per param
-                _unpack_rows_op(rows, [result[n] for n in bucket.names], encode_bucket(layout, bucket))
+            if tracing:  # the eager copies as opaque nodes: memcpy, not a generated index loop per param
+                _unpack_traced(rows, layout, bucket, result)
             else:
                 unpack_rows(rows, layout, bucket, result)  # copied out of the (N, S) buffer
         pool.give(borrowed)
@@ -134,6 +141,19 @@ def _fresh_params(layout: ShardLayout, device: torch.device, *, separate: bool =
     sizes, offsets = flat.full_param_offsets(layout)
     buffers = {dtype: torch.empty(size, dtype=dtype, device=device) for dtype, size in sizes}
     return {s.name: buffers[s.dtype][offsets[s.name] : offsets[s.name] + s.numel].view(s.shape) for s in layout.params}
+
+
+def _unpack_traced(
+    rows: list[torch.Tensor], layout: ShardLayout, bucket: Bucket, result: Mapping[str, torch.Tensor]
+) -> None:
+    """A compiled gather's rows of ``bucket`` into ``result``: one ``zerofn::unpack_rows`` node
+    per run of at most :data:`UNPACK_MEMBERS` members, each reading its columns of the rows."""
+    for sub, first in sub_buckets(layout, bucket, UNPACK_MEMBERS):
+        part = rows
+        if sub is not bucket:
+            cols = slice(first, first + sub.shard_numel)
+            part = [rows[0][:, cols]] if rows[0].dim() == 2 else [r[cols] for r in rows]
+        _unpack_rows_op(part, [result[n] for n in sub.names], encode_bucket(layout, sub))
 
 
 @torch.library.custom_op("zerofn::unpack_rows", mutates_args=("outs",))
