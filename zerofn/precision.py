@@ -387,6 +387,13 @@ class PrecisionPolicy:
         return dataclasses.replace(self, **changes)
 
     @property
+    def scales_loss(self) -> bool:
+        """Whether the loss is multiplied by a loss scale: not under :class:`NoLossScaling`,
+        whose scale is 1 by definition (a step divides by the constant 1, whatever number
+        the state's ``loss_scale`` holds, and so makes no pass over the gradients for it)."""
+        return not isinstance(self.loss_scaler, NoLossScaling)
+
+    @property
     def cpu_offload(self) -> bool:
         """True when master shards and optimizer state live on the CPU."""
         return self.state_device == "cpu"

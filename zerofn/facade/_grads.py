@@ -21,7 +21,7 @@ from zerofn.facade._guards import ParamGuard
 from zerofn.facade._prefetch import ParamPrefetcher
 from zerofn.facade._reducer import GradReducer
 from zerofn.facade._sharded_grad import ShardedGrad
-from zerofn.precision import NoLossScaling, clip_coef, scale_loss
+from zerofn.precision import clip_coef, scale_loss
 from zerofn.stages import global_grad_norm
 from zerofn.state import StepInfo, ZeroState
 
@@ -80,7 +80,7 @@ class GradOps:
         # Pending gathers here mean a forward ran outside the model's hooks and read old params: writing
         # them now makes autograd refuse the saved tensors (modified in place) instead of training on them.
         self.wait_params()
-        if isinstance(state.precision.loss_scaler, NoLossScaling):
+        if not state.precision.scales_loss:
             return x
         return scale_loss(x, state.loss_scale)
 

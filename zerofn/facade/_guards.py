@@ -67,11 +67,6 @@ __all__ = [
 ]
 
 
-#: Names tuples whose index range :class:`ParamGuard` remembers (a model's buckets; any
-#: other tuple is looked up name by name).
-_SPANS_KEPT = 64
-
-
 class ParamsChangedError(RuntimeError):
     """The model's params changed in a way the optimizer cannot follow; raised on every rank alike."""
 
@@ -144,22 +139,13 @@ class ParamGuard:
         self._stale: set[str] = set()  # written while overlap_allgather's gather was pending
         self._versions: list[int] = []
         self._ptrs: list[int] = []
-        self._spans: dict[tuple[str, ...], tuple[int, int] | None] = {}  # a names tuple -> its index range
         self.record()
 
     def _span(self, names: tuple[str, ...]) -> tuple[int, int] | None:
-        """``(start, stop)`` when ``names`` are the params ``start:stop`` in order (a bucket's), else ``None``.
-
-        Asked per bucket twice a step; remembered for the few tuples a model's buckets are.
-        """
-        span = self._spans.get(names, False)
-        if span is False:
-            start = self._index[names[0]] if names else 0
-            stop = start + len(names)
-            span = (start, stop) if self._names[start:stop] == names else None
-            if len(self._spans) < _SPANS_KEPT:
-                self._spans[names] = span
-        return span  # type: ignore[return-value]
+        """``(start, stop)`` when ``names`` are the params ``start:stop`` in order (a bucket's), else ``None``."""
+        start = self._index[names[0]] if names else 0
+        stop = start + len(names)
+        return (start, stop) if self._names[start:stop] == names else None
 
     def record(self, names: Iterable[str] | None = None) -> None:
         """The facade has just written these params (default: all): their current state is its own."""

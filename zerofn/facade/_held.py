@@ -150,29 +150,23 @@ class HeldGrads:
         p.grad = None
 
     def take_locals(self, names: Iterable[str]) -> dict[str, torch.Tensor | None]:
-        """:meth:`take_local` of each of ``names``, in their order."""
-        if self.accumulating or self.accum:
-            return {n: self.take_local(n) for n in names}
+        """The local gradient to reduce for each of ``names`` (accumulated, or ``p.grad``), in
+        their order; each is freed here."""
         out: dict[str, torch.Tensor | None] = {}
-        params = self.params
-        for n in names:  # nothing accumulated: each is p.grad, taken
-            p = params[n]
-            out[n] = p.grad
-            p.grad = None
+        for n in names:
+            if self.accumulating and n in self.accum_names:
+                self.fold(n)
+            acc = self.accum.pop(n, None) if self.accum else None
+            if acc is None:
+                p = self.params[n]
+                acc, p.grad = p.grad, None
+            out[n] = acc
         self.local.difference_update(out)
         return out
 
     def take_local(self, name: str) -> torch.Tensor | None:
-        """The local gradient to reduce for ``name`` (accumulated or ``p.grad``); frees it here."""
-        self.local.discard(name)
-        if self.accumulating and name in self.accum_names:
-            self.fold(name)
-        acc = self.accum.pop(name, None)
-        if acc is not None:
-            return acc
-        p = self.params[name]
-        g, p.grad = p.grad, None
-        return g
+        """The local gradient to reduce for ``name`` (:meth:`take_locals` of one name)."""
+        return self.take_locals((name,))[name]
 
     def snapshot(self) -> tuple[Any, ...]:
         """What a take consumes (averaged, edited, shards, used, placed), as copies to restore."""

@@ -144,7 +144,7 @@ class ParamPrefetcher:
             self.pending += 1
             members = self._members[b]
             for p in members:  # the guard: a read or write of these waits for this gather
-                p.__class__ = _PENDING_OF.get(type(p)) or _pending_class(type(p))
+                p.__class__ = _pending_class(type(p))
             _IN_FLIGHT.update(dict.fromkeys(map(id, members), (self._me, b)))
 
     def _send_row(self, b: int, bucket: Bucket, dtype: torch.dtype, state: ZeroState) -> torch.Tensor | None:

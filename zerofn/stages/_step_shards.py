@@ -16,7 +16,6 @@ from zerofn import _checks as checks
 from zerofn import _comm as comm
 from zerofn import _placement, _traced, flat
 from zerofn._comm import Group
-from zerofn._loss_scale import NoLossScaling
 from zerofn._norm import exact_sqrt, local_norm_term
 from zerofn._torch_driver import refuse_uncompiled
 from zerofn.stages._step_errors import raise_nonfinite, raise_rejected, traced_verdict, validate_step
@@ -132,9 +131,9 @@ def step_shards(
     else:
         state = state._with_tensor_numbers()  # a state built by hand with Python numbers
     policy, loss_scale = state.precision, state.loss_scale
-    # NoLossScaling's scale is 1 by definition: a Python 1.0, so that without clipping the
-    # coefficient is the constant 1.0 and no pass multiplies by it, compiled as eagerly.
-    unscaled = isinstance(policy.loss_scaler, NoLossScaling)
+    # Without a loss scale, a Python 1.0: without clipping the coefficient is then the
+    # constant 1.0 and no pass multiplies by it, compiled as eagerly.
+    scale = loss_scale.scale if policy.scales_loss else 1.0
     refused = failure is not None or veto is not None
     device = state.work_device
     pieces = flat.pieces(grad_shards)
@@ -157,14 +156,13 @@ def step_shards(
     if tracing:  # the verdict of every rank's checks, raised on every rank (eagerly: the host read below)
         # The decision reads the verdict's output: the update cannot run before the verdict.
         total = traced_verdict(state, grad_shards, group, failure, veto, total, (n, op) if confirms else None)
-        scale = 1.0 if unscaled else loss_scale.scale
         found, coef, info = _decide(total[0], total[1], scale, max_norm, norm_type, _TensorMath(total[0]))
         new_loss_scale = policy.loss_scaler.update(loss_scale, found)
     else:
         # Eagerly every rank reads the all-reduced scalars (and the scale) once and decides on
         # the host, with the same formula: a skipped step runs no update.
-        norm_sq, flag, rejected, *agreed, scale = torch.cat([total, loss_scale.scale.reshape(1).to(total)]).tolist()
-        scale = 1.0 if unscaled else scale
+        read = torch.cat([total, torch.as_tensor(scale).reshape(1).to(total)])
+        norm_sq, flag, rejected, *agreed, scale = read.tolist()
         if rejected > 0:
             raise_rejected(failure, group, veto)
         if agreed and not checks.agreement_holds(agreed, n, op):  # every rank raises, with the details
