@@ -242,8 +242,8 @@ def markdown(results: dict[str, Any]) -> str:
         costs = [
             "",
             "| system | peak RSS MiB/rank (Δ) | state+master MiB/rank | ÷ (4+K)·⌈Ψ/N⌉ | sent MiB/rank/step "
-            "| ÷ 2(N-1)/N·Ψ·b |",
-            "|---|---:|---:|---:|---:|---:|",
+            "| ÷ 2(N-1)/N·Ψ·b | page faults/step |",
+            "|---|---:|---:|---:|---:|---:|---:|",
         ]
         notes = []
         for name, s in run["systems"].items():
@@ -268,7 +268,8 @@ def markdown(results: dict[str, Any]) -> str:
             )
             costs.append(
                 f"| {label} | {rss} | {_mib(s.get('state_master_bytes'))} | {_f(s.get('state_ratio'), '{:.4f}')} "
-                f"| {_mib(s.get('bytes_sent'))}{theory_mark} | {_f(s.get('bytes_ratio'), '{:.3f}')} |"
+                f"| {_mib(s.get('bytes_sent'))}{theory_mark} | {_f(s.get('bytes_ratio'), '{:.3f}')} "
+                f"| {_f(s.get('minor_faults'), '{:,.0f}')} |"
             )
             if s.get("note"):
                 notes.append(f"- `{name}`: {s['note']}")

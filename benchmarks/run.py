@@ -363,6 +363,7 @@ def _bench_one(model: str, n: int, backend: str, args: argparse.Namespace) -> di
                     zerofn_by_collective=last[0]["zerofn_by_collective"],
                     python_bytes=max(rr["python_bytes"] for rr in last),
                     python_by_collective=last[0]["python_by_collective"],
+                    minor_faults=max(rr["minor_faults"] for rr in last),
                 )
             world.run(systems.drop, name)
         run["loadavg_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
