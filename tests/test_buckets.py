@@ -131,6 +131,41 @@ def test_unpack_rows_writes_full_tensors_and_split_row_cuts_shards(dtype, n):
                 assert_bitwise_equal(shards[name], want, f"{name} rank {r}")
 
 
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 7])
+@pytest.mark.parametrize("padded", [True, False])
+def test_unpack_targets_made_once_write_the_rows_of_every_later_call(n, padded):
+    """The facade's cached views (``unpack_rows(..., targets=)``): each call's rows land in
+    full, bitwise, through views made once; with padding, and without (every member's block
+    is all of it: the copy sources are the column blocks themselves)."""
+    shapes = SHAPES if padded else {"x": (4 * n, 6), "y": (12 * n,), "z": (n, 5)}
+    gen = torch.Generator().manual_seed(seeded(n))
+    layout = make_layout({k: torch.empty(s) for k, s in shapes.items()}, n)
+    for bucket in plan_buckets(layout, 2**20):
+        mine = {k: torch.full(s, float("nan")) for k, s in shapes.items()}
+        some = bucket.names[1::2]
+        targets = buckets.unpack_targets(layout, bucket, mine)
+        part = buckets.unpack_targets(layout, bucket, mine, names=some)
+        apart = buckets.unpack_targets(layout, bucket, mine, separate=True)
+        for _ in range(2):
+            full = {k: torch.randn(s, generator=gen) for k, s in shapes.items()}
+            rows = _reference_rows(full, layout, bucket, torch.float32)
+            written = buckets.unpack_rows(rows, layout, bucket, mine, targets=targets)
+            assert list(written) == list(bucket.names)
+            for name in bucket.names:
+                assert written[name] is mine[name]
+                assert_bitwise_equal(mine[name], full[name], name)
+            again = {k: v * 2 for k, v in full.items()}
+            rows = _reference_rows(again, layout, bucket, torch.float32)
+            buckets.unpack_rows(list(rows.unbind(0)), layout, bucket, mine, targets=apart)
+            for name in bucket.names:
+                assert_bitwise_equal(mine[name], again[name], f"{name} from separate rows")
+            buckets.unpack_rows(
+                _reference_rows(full, layout, bucket, torch.float32), layout, bucket, mine, names=some, targets=part
+            )
+            for name in bucket.names:
+                assert_bitwise_equal(mine[name], (full if name in some else again)[name], f"{name}, some written")
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_cut_shard_is_the_owned_range_zero_padded(n):
     full = _full(n, torch.float32)

@@ -558,7 +558,7 @@ _NAMES = ("a.weight", "a.bias", "gate.weight", "gate.bias", "b.weight", "b.bias"
 _OPS = st.one_of(
     st.just(("train",)),
     st.tuples(st.just("read"), st.sampled_from(_NAMES)),
-    st.tuples(st.just("write"), st.sampled_from(_NAMES), st.sampled_from(["mul_", "copy_", "data.clamp_"])),
+    st.tuples(st.just("write"), st.sampled_from(_NAMES), st.sampled_from(["mul_", "copy_", "data.clamp_", "data ="])),
     st.just(("state_dict",)),
     st.just(("eval",)),
     st.just(("save",)),
@@ -571,8 +571,9 @@ def _replay(ops: list[tuple[Any, ...]], path: str) -> dict[str, Any]:
 
     ``train``: forward, ``backward``, ``step``, ``zero_grad``; ``read``: one param;
     ``write``: one param in place (``p.mul_``, ``p.copy_`` under no_grad, or through
-    ``p.data``); ``state_dict``: the model's; ``eval``: a forward under no_grad; ``save`` /
-    ``load``: the facade's checkpoint (``load`` takes the last one saved). No wait_params().
+    ``p.data``), or given new storage (``p.data = ...``); ``state_dict``: the model's;
+    ``eval``: a forward under no_grad; ``save`` / ``load``: the facade's checkpoint
+    (``load`` takes the last one saved). No wait_params().
     """
     rank = dist.get_rank()
     systems = []
@@ -613,6 +614,8 @@ def _replay(ops: list[tuple[Any, ...]], path: str) -> dict[str, Any]:
                         p.mul_(0.5)
                     elif op[2] == "copy_":
                         p.copy_(torch.full_like(p, 0.125))
+                    elif op[2] == "data =":  # new storage: the next gather writes into it
+                        p.data = p.data * 0.5
                     else:
                         p.data.clamp_(-0.05, 0.05)
             elif op[0] == "state_dict":
@@ -633,6 +636,19 @@ def _replay(ops: list[tuple[Any, ...]], path: str) -> dict[str, Any]:
 @settings(max_examples=4, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
 @given(ops=st.lists(_OPS, min_size=4, max_size=10).map(lambda ops: [("train",), *ops]))
 def test_with_the_guard_every_read_sees_what_it_sees_without_overlap_allgather(worlds, n, ops):
+    _check_replay(worlds, n, ops)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_param_given_new_storage_between_steps_receives_the_next_gathers(worlds, n):
+    """The views a bucket is written through are made once per storage: ``p.data = ...``
+    between steps moves them, as the eager gather writes the param as it is then."""
+    name = _NAMES[0]
+    ops = [("train",), ("train",), ("write", name, "data ="), ("train",), ("read", name), ("train",)]
+    _check_replay(worlds, n, ops)
+
+
+def _check_replay(worlds: Any, n: int, ops: list[tuple[Any, ...]]) -> None:
     with tempfile.TemporaryDirectory() as path:
         for res in worlds[n].run(_replay, ops, path):
             assert len(res["on"]) == len(res["off"])

@@ -1,4 +1,5 @@
-"""A bucket's static copy plan: where each member sits in the rank-major ``(N, S)`` rows.
+"""A bucket's static copy plan: where each member sits in the rank-major ``(N, S)`` rows,
+and the views of the rows and of full tensors that an unpack copies between.
 
 Every bucket piece (:mod:`zerofn.buckets`) reads member widths and positions from a
 :class:`BucketPlan`, computed once per (layout, bucket) and cached, never from a placement
@@ -9,7 +10,8 @@ from __future__ import annotations
 
 import functools
 import itertools
-from typing import NamedTuple
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
 import torch
 
@@ -134,3 +136,59 @@ def _traced_bucket_plan(fingerprint: str, names: tuple[str, ...], offsets: tuple
     assert layout is not None, "zerofn: a compiled step's layout is alive while it traces"
     plan = bucket_plan(layout, Bucket(names, offsets, shard_numel))
     return plan.widths, tuple(tuple(m) for m in plan.members), plan.split_width, plan.chunked
+
+
+def member_targets(n: int, members: Sequence[MemberPlan], full: Mapping[str, torch.Tensor], separate: bool) -> list:
+    """The views :func:`~zerofn.buckets.unpack_rows` writes ``full``'s members through, in
+    ``members``' order: per split member its full rows as one ``(k, width)`` view (``k`` row
+    views when ``separate``), then the rest of its last row; a whole param, all of it."""
+    dst: list[torch.Tensor] = []
+    for m in members:
+        if m.width == 0:
+            continue
+        if m.owner >= 0:  # a whole param: its owner's row
+            dst.append(full[m.name].view(-1))
+            continue
+        if m.whole == n:  # no padding: one view
+            block = full[m.name].view(n, m.width)
+            dst.extend(block.unbind(0) if separate else (block,))
+            continue
+        flat = full[m.name].view(-1)
+        if m.whole:
+            block = flat[: m.whole * m.width].view(m.whole, m.width)
+            dst.extend(block.unbind(0) if separate else (block,))
+        if m.rest:
+            dst.append(flat[m.whole * m.width :])
+    return dst
+
+
+def member_sources(
+    rows: torch.Tensor | Sequence[torch.Tensor], plan: BucketPlan, members: Sequence[MemberPlan], separate: bool
+) -> list[torch.Tensor]:
+    """What :func:`member_targets`' views receive, in the same order: blocks of the rows' columns."""
+    if separate:  # a member's block is its N row pieces
+        per_row = [r[: plan.split_width].split(plan.widths) for r in rows]
+        split_blocks: Sequence[Any] = [list(pieces) for pieces in zip(*per_row, strict=True)]
+    else:
+        split_blocks = rows[:, : plan.split_width].split(plan.widths, dim=1)  # type: ignore[call-overload]
+    n = len(rows)
+    if not separate and len(members) == len(plan.members) and all(m.owner < 0 and m.whole == n for m in members):
+        return list(split_blocks)  # every member fills its N rows exactly: its block is all of it
+    blocks = dict(zip((m.name for m in plan.split_members), split_blocks, strict=True))
+    src: list[torch.Tensor] = []
+    for m in members:
+        if m.width == 0:
+            continue
+        if m.owner >= 0:
+            src.append(rows[m.owner][m.col : m.col + m.width])
+            continue
+        block = blocks[m.name]
+        if m.whole == n:  # no padding: the whole block
+            src.extend(block if separate else (block,))
+            continue
+        if m.whole:
+            full_rows = block[: m.whole]
+            src.extend(full_rows if separate else (full_rows,))
+        if m.rest:
+            src.append(block[m.whole][: m.rest])
+    return src
