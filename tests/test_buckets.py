@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import assert_bitwise_equal, assert_trees_close, seeded
+from helpers import assert_bitwise_equal, assert_trees_close, assert_trees_equal, seeded
 
 import zerofn as zf
 from zerofn import buckets
@@ -164,6 +164,51 @@ def test_unpack_targets_made_once_write_the_rows_of_every_later_call(n, padded):
             )
             for name in bucket.names:
                 assert_bitwise_equal(mine[name], (full if name in some else again)[name], f"{name}, some written")
+
+
+def test_a_pool_keeps_a_buckets_unpack_views_until_a_member_has_new_storage():
+    layout = make_layout({k: torch.empty(s) for k, s in SHAPES.items()}, 3)
+    pool = buckets.StagingPool()
+    out = {k: torch.zeros(s) for k, s in SHAPES.items()}
+    bucket = max(plan_buckets(layout, 2**20), key=lambda b: len(b.names))
+    kept = pool.unpack_targets(layout, bucket, out)
+    assert pool.unpack_targets(layout, bucket, out) is kept  # the same storage: the same views
+    name = bucket.names[0]
+    out[name] = out[name].clone()  # new storage
+    made = pool.unpack_targets(layout, bucket, out)
+    assert made is not kept
+    full = _full(3, torch.float32)
+    buckets.unpack_rows(_reference_rows(full, layout, bucket, torch.float32), layout, bucket, out, targets=made)
+    for k in bucket.names:
+        assert_bitwise_equal(out[k], full[k], k)
+    pool.clear()
+    assert pool.unpack_targets(layout, bucket, out) is not made
+
+
+def _gather_through_a_pool() -> dict[str, Any]:
+    """A donated functional loop with a pool (``gather_params(out=, staging=)``), against one
+    without: the same params, also after a param got new storage between steps."""
+    n, rank = dist.get_world_size(), dist.get_rank()
+    gen = torch.Generator().manual_seed(seeded(11))
+    init = {k: torch.randn(s, generator=gen) for k, s in SHAPES.items() if k != "bigpad"}
+    runs = []
+    for pool in (buckets.StagingPool(), None):
+        params = {k: v.clone() for k, v in init.items()}
+        state = zf.shard_params(params, zf.optim.adamw(lr=1e-2))
+        for step in range(4):
+            g = torch.Generator().manual_seed(seeded(100 * step + rank))
+            grads = {k: torch.randn(v.shape, generator=g) for k, v in params.items()}
+            state, _ = zf.step_shards(state, zf.reduce_grads(grads, state.layout, bucket_numel=64), donate=True)
+            if step == 2:
+                params["a"] = params["a"].clone()  # new storage: the kept views of its bucket are stale
+            params = zf.gather_params(state, out=params, staging=pool)
+        runs.append(params)
+    return {"pooled": runs[0], "plain": runs[1], "n": n}
+
+
+def test_a_gather_into_out_through_a_pool_writes_params_given_new_storage(world):
+    for res in world.run(_gather_through_a_pool):
+        assert_trees_equal(res["pooled"], res["plain"])
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])

@@ -59,7 +59,7 @@ import torch.utils._pytree as pytree
 from zerofn import _comm as comm
 from zerofn._comm import Group
 from zerofn._offsets import Bucket
-from zerofn.buckets import StagingPool, launch_gather, pack_shards, unpack_rows, unpack_targets
+from zerofn.buckets import StagingPool, launch_gather, pack_shards, unpack_rows
 from zerofn.facade._guards import ParamGuard
 from zerofn.layout import ShardLayout
 from zerofn.state import ZeroState
@@ -115,9 +115,6 @@ class ParamPrefetcher:
         self.pending = 0  # gathers not yet written
         # Per bucket of several params: the row it sends, reused every step.
         self._rows: list[torch.Tensor | None] = [None] * len(buckets)
-        # Per bucket: its params' storage addresses and the views it is written through
-        # (buckets.unpack_targets), made again when a param has new storage.
-        self._targets: list[tuple[list[int], list[torch.Tensor]] | None] = [None] * len(buckets)
         self._hooks: list[Any] = []
         self._me = weakref.ref(self)
         _check_guardable(params)
@@ -184,26 +181,15 @@ class ParamPrefetcher:
                     if written:
                         self._guard.mark_stale(written)
                         names = tuple(n for n in names if n not in written)
-                whole = len(names) == len(self._members[b])
-                targets = self._targets_of(b) if whole else None
-                unpack_rows(rows, self._layout, self._buckets[b], self._params, names=names, targets=targets)
+                bucket = self._buckets[b]
+                # The views the bucket's params are written through, made once (every member written).
+                whole = self._staging is not None and len(names) == len(bucket.names)
+                targets = self._staging.unpack_targets(self._layout, bucket, self._params) if whole else None
+                unpack_rows(rows, self._layout, bucket, self._params, names=names, targets=targets)
                 if self._guard is not None:
                     self._guard.record(names)
                 if entry[2] is not None and self._staging is not None:
                     self._staging.give(entry[2])  # written into the params: free for the next bucket
-
-    def _targets_of(self, b: int) -> list[torch.Tensor]:
-        """Bucket ``b``'s unpack targets (views of its params), made once per storage.
-
-        A view per param costs microseconds, a model of a thousand params milliseconds a
-        step. The cached views keep the storage they were made of alive, so a param given
-        new storage (``p.data = ...``, ``model.to(...)``) has a new address and is seen here.
-        """
-        key = [p.data_ptr() for p in self._members[b]]
-        cached = self._targets[b]
-        if cached is None or cached[0] != key:
-            cached = self._targets[b] = (key, unpack_targets(self._layout, self._buckets[b], self._params))
-        return cached[1]
 
     def wait(self) -> None:
         """Complete every pending gather (``wait_params``). Not a collective."""
@@ -220,7 +206,6 @@ class ParamPrefetcher:
             h.remove()
         self._hooks = []
         self._rows = [None] * len(self._buckets)
-        self._targets = [None] * len(self._buckets)
 
     def _attach(self, module: torch.nn.Module) -> None:
         """Forward pre-hooks that write the buckets of each module's own params before it runs.

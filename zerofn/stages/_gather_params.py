@@ -96,6 +96,7 @@ def gather_params(
     # Without the caller's pool, one for this call: bucket k + 2 reuses bucket k's pages.
     # (Under torch.compile the compiler plans buffers: a caller's pool is left alone.)
     pool = staging if staging is not None and not tracing else StagingPool(keep=MAX_IN_FLIGHT + 1)
+    kept = staging is not None and out is not None and not tracing
 
     def write(item: tuple[Bucket, torch.Tensor | None], pending: Pending) -> None:
         bucket, borrowed = item
@@ -105,8 +106,9 @@ def gather_params(
         with torch.no_grad():  # `out` may be leaf params that require grad
             if tracing:  # the eager copies as opaque nodes: memcpy, not a generated index loop per param
                 _unpack_traced(rows, layout, bucket, result)
-            else:
-                unpack_rows(rows, layout, bucket, result)  # copied out of the (N, S) buffer
+            else:  # copied out of the (N, S) buffer; into `out` through the views the caller's pool keeps
+                targets = staging.unpack_targets(layout, bucket, result) if kept else None
+                unpack_rows(rows, layout, bucket, result, targets=targets)
         pool.give(borrowed)
 
     # Pipelined: earlier buckets' rows are written into the params while this one is on
