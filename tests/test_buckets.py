@@ -72,6 +72,21 @@ def test_pack_grads_is_the_padded_rows_times_the_mean_factor(dtype, n, replicas)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 7])
+def test_a_bucket_of_small_members_packs_in_one_call_as_the_padded_rows(n):
+    """The chunked path (every member small): 2-D gradients whose rows split N ways go in
+    as they are, the others flat (rows that do not split evenly, a transposed gradient)."""
+    shapes = {"w": (4 * n, 3), "odd": (2 * n + 1, 5), "t": (6, 2 * n), "b": (7,), "s": (1, 1)}
+    gen = torch.Generator().manual_seed(seeded(n))
+    grads = {k: torch.randn(s, generator=gen) for k, s in shapes.items()}
+    grads["t"] = torch.randn(2 * n, 6, generator=gen).t()  # not contiguous
+    layout = make_layout(grads, n)
+    (bucket,) = plan_buckets(layout, 2**20)
+    assert buckets.bucket_plan(layout, bucket).chunked
+    want = _reference_rows(grads, layout, bucket, torch.float32).mul_(1.0 / n)
+    assert_bitwise_equal(buckets.pack_grads(grads, layout, bucket), want, "chunked")
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 7])
 @pytest.mark.parametrize("members", [1, 3, 64])
 def test_sub_buckets_are_consecutive_column_runs_whose_rows_unpack_as_the_bucket(n, members):
     """A compiled gather unpacks a bucket of many params as sub-buckets (``_offsets.sub_buckets``):

@@ -88,12 +88,15 @@ def validate_grads(
             f"known params start with {list(layout.names[:5])}"
         )
     present = []
+    accum_of: dict[torch.dtype, torch.dtype] = {}  # per dtype, not per param (a model has few)
     for spec in layout.params:
         g = grads.get(spec.name)
         if g is None:
             continue
-        accum = accum_dtype_for(spec.dtype) if accum_dtype_for is not None else spec.dtype
-        if tuple(g.shape) != spec.shape or g.dtype not in (spec.dtype, accum):
+        accum = accum_of.get(spec.dtype)
+        if accum is None:
+            accum = accum_of[spec.dtype] = accum_dtype_for(spec.dtype) if accum_dtype_for is not None else spec.dtype
+        if g.shape != spec.shape or g.dtype not in (spec.dtype, accum):
             also = f" (or, accumulated, dtype {accum})" if accum != spec.dtype else ""
             raise ValueError(
                 f"{where} on {_rank_tag(group)}: gradient of {spec.name!r} has shape {tuple(g.shape)} "
@@ -109,7 +112,7 @@ def validate_out(out: Mapping[str, torch.Tensor], layout: ShardLayout, where: st
         t = out.get(spec.name)
         if t is None:
             raise KeyError(f"{where}: out has no tensor for param {spec.name!r}")
-        if tuple(t.shape) != spec.shape or t.dtype != spec.dtype or not t.is_contiguous():
+        if t.shape != spec.shape or t.dtype != spec.dtype or not t.is_contiguous():
             raise ValueError(
                 f"{where}: out[{spec.name!r}] has shape {tuple(t.shape)} dtype {t.dtype} "
                 f"contiguous={t.is_contiguous()}, but the param is a contiguous {spec.shape} {spec.dtype}"
