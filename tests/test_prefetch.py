@@ -641,11 +641,22 @@ def test_with_the_guard_every_read_sees_what_it_sees_without_overlap_allgather(w
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_a_param_given_new_storage_between_steps_receives_the_next_gathers(worlds, n):
-    """The views a bucket is written through are made once per storage: ``p.data = ...``
-    between steps moves them, as the eager gather writes the param as it is then."""
+    """The views a bucket is written through are kept per storage: after ``p.data = ...``
+    between steps, every read sees what it sees after the same values written in place
+    (``p.mul_``), with and without overlap_allgather (both gather through the kept views)."""
     name = _NAMES[0]
-    ops = [("train",), ("train",), ("write", name, "data ="), ("train",), ("read", name), ("train",)]
-    _check_replay(worlds, n, ops)
+
+    def ops(how: str) -> list[tuple[Any, ...]]:
+        return [("train",), ("train",), ("write", name, how), ("train",), ("read", name), ("train",)]
+
+    _check_replay(worlds, n, ops("data ="))
+    with tempfile.TemporaryDirectory() as path:
+        rebound = worlds[n].run(_replay, ops("data ="), path)
+        in_place = worlds[n].run(_replay, ops("mul_"), path)
+    for a, b in zip(rebound, in_place, strict=True):
+        for key in ("on", "off"):
+            for x, y in zip(a[key], b[key], strict=True):
+                assert_trees_equal(x, y)
 
 
 def _check_replay(worlds: Any, n: int, ops: list[tuple[Any, ...]]) -> None:
