@@ -325,14 +325,16 @@ class DDPCompiled(DDPSystem):
     def __init__(self, info: SystemInfo, ctx: Context) -> None:
         cold_compiles(ctx.rank)
         torch._dynamo.reset()
-        self._cold = self._first_minus_second(DDPSystem(info, ctx, "fused"), ctx)
+        self._cold = self.first_minus_second(DDPSystem(info, ctx, "fused"), ctx)
         warm_compiles()
         torch._dynamo.reset()
         super().__init__(info, ctx, "fused")
         self.ddp = torch.compile(self.ddp)  # type: ignore[assignment]
         self._firsts: list[float] = []
 
-    def _first_minus_second(self, system: DDPSystem, ctx: Context) -> float:
+    @staticmethod
+    def first_minus_second(system: DDPSystem, ctx: Context) -> float:
+        """A fresh ``torch.compile(system.ddp)``'s first step minus its second (its compile)."""
         compiled = torch.compile(system.ddp)
         firsts = []
         for x, y in ctx.batches[:2]:

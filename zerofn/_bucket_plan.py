@@ -138,27 +138,35 @@ def _traced_bucket_plan(fingerprint: str, names: tuple[str, ...], offsets: tuple
     return plan.widths, tuple(tuple(m) for m in plan.members), plan.split_width, plan.chunked
 
 
+def _pieces(members: Sequence[MemberPlan]) -> list[tuple[MemberPlan, bool]]:
+    """The copies an unpack makes, in order: per member with elements, ``(m, False)`` for its
+    full rows (a whole param: all of it), then ``(m, True)`` for the rest of its last row.
+    Both sides of the copy (:func:`member_targets`, :func:`member_sources`) walk this list."""
+    out: list[tuple[MemberPlan, bool]] = []
+    for m in members:
+        if m.width == 0:
+            continue
+        if m.owner >= 0 or m.whole:
+            out.append((m, False))
+        if m.rest:  # (0 for a whole param, and for a split one that fills its N rows)
+            out.append((m, True))
+    return out
+
+
 def member_targets(n: int, members: Sequence[MemberPlan], full: Mapping[str, torch.Tensor], separate: bool) -> list:
     """The views :func:`~zerofn.buckets.unpack_rows` writes ``full``'s members through, in
     ``members``' order: per split member its full rows as one ``(k, width)`` view (``k`` row
     views when ``separate``), then the rest of its last row; a whole param, all of it."""
     dst: list[torch.Tensor] = []
-    for m in members:
-        if m.width == 0:
-            continue
+    for m, rest in _pieces(members):
+        t = full[m.name]
         if m.owner >= 0:  # a whole param: its owner's row
-            dst.append(full[m.name].view(-1))
-            continue
-        if m.whole == n:  # no padding: one view
-            block = full[m.name].view(n, m.width)
+            dst.append(t.view(-1))
+        elif rest:
+            dst.append(t.view(-1)[m.whole * m.width :])
+        else:
+            block = t.view(n, m.width) if m.whole == n else t.view(-1)[: m.whole * m.width].view(m.whole, m.width)
             dst.extend(block.unbind(0) if separate else (block,))
-            continue
-        flat = full[m.name].view(-1)
-        if m.whole:
-            block = flat[: m.whole * m.width].view(m.whole, m.width)
-            dst.extend(block.unbind(0) if separate else (block,))
-        if m.rest:
-            dst.append(flat[m.whole * m.width :])
     return dst
 
 
@@ -176,19 +184,12 @@ def member_sources(
         return list(split_blocks)  # every member fills its N rows exactly: its block is all of it
     blocks = dict(zip((m.name for m in plan.split_members), split_blocks, strict=True))
     src: list[torch.Tensor] = []
-    for m in members:
-        if m.width == 0:
-            continue
+    for m, rest in _pieces(members):
         if m.owner >= 0:
             src.append(rows[m.owner][m.col : m.col + m.width])
-            continue
-        block = blocks[m.name]
-        if m.whole == n:  # no padding: the whole block
-            src.extend(block if separate else (block,))
-            continue
-        if m.whole:
-            full_rows = block[: m.whole]
-            src.extend(full_rows if separate else (full_rows,))
-        if m.rest:
-            src.append(block[m.whole][: m.rest])
+        elif rest:
+            src.append(blocks[m.name][m.whole][: m.rest])
+        else:
+            part = blocks[m.name] if m.whole == n else blocks[m.name][: m.whole]
+            src.extend(part if separate else (part,))
     return src

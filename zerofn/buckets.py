@@ -413,7 +413,8 @@ def unpack_rows(
     """
     separate = not isinstance(rows, torch.Tensor)
     first = rows[0] if separate else rows
-    members = _members(layout, bucket, names)
+    plan = _bucket_plan(layout, bucket)
+    members = _members(plan, names)
     if out is not None:
         result = {m.name: out[m.name] for m in members}
     else:
@@ -421,7 +422,7 @@ def unpack_rows(
         result = {m.name: make(layout[m.name].shape) for m in members}
     dst = targets if targets is not None else member_targets(layout.world_size, members, result, separate)
     if dst:
-        torch._foreach_copy_(dst, member_sources(rows, _bucket_plan(layout, bucket), members, separate))
+        torch._foreach_copy_(dst, member_sources(rows, plan, members, separate))
     return result
 
 
@@ -440,13 +441,13 @@ def unpack_targets(
     them back as ``unpack_rows(..., targets=)``. ``separate``: for rows given as ``N``
     separate tensors. Collectives: none.
     """
-    members = _members(layout, bucket, names)
+    members = _members(_bucket_plan(layout, bucket), names)
     return member_targets(layout.world_size, members, {m.name: out[m.name] for m in members}, separate)
 
 
-def _members(layout: ShardLayout, bucket: Bucket, names: Iterable[str] | None) -> list[MemberPlan]:
+def _members(plan: BucketPlan, names: Iterable[str] | None) -> list[MemberPlan]:
     """The bucket's members to write (all, or those in ``names``), in bucket order."""
-    members = _bucket_plan(layout, bucket).members
+    members = plan.members
     if names is None:
         return list(members)
     wanted = set(names)
