@@ -295,8 +295,16 @@ def _errors_compiled_and_eager() -> dict[str, tuple[str, str] | None]:
     def step(state: zf.ZeroState, shards: dict[str, torch.Tensor]) -> Any:
         return zf.step_shards(state, shards)
 
+    def gather(state: zf.ZeroState, out: dict[str, torch.Tensor]) -> Any:
+        return zf.gather_params(state, out=out)
+
     compiled_reduce = torch.compile(reduce, fullgraph=True, backend="aot_eager", dynamic=False)
     compiled_step = torch.compile(step, fullgraph=True, backend="aot_eager", dynamic=False)
+    compiled_gather = torch.compile(gather, fullgraph=True, backend="aot_eager", dynamic=False)
+    # A compiled step checks names, shapes and dtypes at trace time on their static metadata.
+    unknown = dict(good, **({"extra.weight": torch.ones(2)} if rank == 1 else {}))
+    bad_out = {n: p.detach().clone() for n, p in params.items()}
+    bad_out["2.bias"] = bad_out["2.bias"].double()
     wrong = dict(good, **({"0.weight": torch.ones(3, 3)} if rank == 1 else {}))
     other = dict(params, **({"2.bias": torch.zeros(2)} if rank == 1 else {}))
     desynced = zf.make_layout(other, dist.get_world_size())
@@ -311,6 +319,8 @@ def _errors_compiled_and_eager() -> dict[str, tuple[str, str] | None]:
     other_buckets = state.replace(bucket_numel=state.bucket_numel // 2) if rank == 1 else state
     for name, fn, eager, args in [
         ("wrong_shape", compiled_reduce, reduce, (wrong, state.layout)),
+        ("unknown", compiled_reduce, reduce, (unknown, state.layout)),
+        ("bad_out", compiled_gather, gather, (state, bad_out)),
         ("desynced", compiled_reduce, reduce, ({n: torch.ones_like(t) for n, t in other.items()}, desynced)),
         ("nonfinite", compiled_step, step, (state, shards)),
         ("nonfinite_flat", compiled_step, step, (state, flat_shards)),
@@ -325,11 +335,17 @@ def _errors_compiled_and_eager() -> dict[str, tuple[str, str] | None]:
 def test_validation_errors_fire_under_compile_on_every_rank_with_the_eager_messages():
     for rank, out in enumerate(get_world(2).run(_errors_compiled_and_eager)):
         assert out["works"] is None
-        for name in ("wrong_shape", "desynced", "nonfinite", "nonfinite_flat", "other_buckets"):
+        # A gather checks ``out`` before any collective and raises on the rank alone, uncaught in
+        # the graph: dynamo reports it as Unsupported, quoting the eager message.
+        assert out["bad_out_eager"][0] == "ValueError" and out["bad_out_eager"][1] in out["bad_out"][1]
+        assert "out['2.bias'] has shape (1,) dtype torch.float64" in out["bad_out_eager"][1]
+        for name in ("wrong_shape", "unknown", "desynced", "nonfinite", "nonfinite_flat", "other_buckets"):
             assert out[name] is not None, (rank, name)
             assert out[name] == out[name + "_eager"], (rank, name, out[name], out[name + "_eager"])
         assert out["wrong_shape"][0] == ("ValueError" if rank == 1 else "RankMismatchError")
         assert "gradient of '0.weight' has shape (3, 3)" in out["wrong_shape"][1]
+        assert out["unknown"][0] == ("KeyError" if rank == 1 else "RankMismatchError")
+        assert "extra.weight" in out["unknown"][1]
         assert out["desynced"][0] == "RankMismatchError" and "'2.bias'" in out["desynced"][1]
         for name in ("nonfinite", "nonfinite_flat"):
             assert out[name][0] == "NonFiniteGradError" and "'0.bias' (in the shards of ranks [1])" in out[name][1]

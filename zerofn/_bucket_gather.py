@@ -15,7 +15,7 @@ import torch
 
 from zerofn import _comm as comm
 from zerofn import _placement, flat
-from zerofn._bucket_plan import BucketPlan, _bucket_plan
+from zerofn._bucket_plan import BucketPlan, _bucket_plan, split_width
 from zerofn._comm import Group
 from zerofn._offsets import Bucket
 from zerofn.layout import ParamSpec, ShardLayout
@@ -63,8 +63,8 @@ def pack_shards(
 
     Collectives: none.
     """
-    plan = _bucket_plan(layout, bucket)
-    if plan.split_width < bucket.shard_numel:
+    if split_width(layout, bucket) < bucket.shard_numel:
+        plan = _bucket_plan(layout, bucket)
         return _pack_whole_row(shards, plan, bucket, dtype=dtype, device=device, out=out, rank=rank)
     lone = flat.bucket_range(shards, bucket.names)
     if lone is not None:  # flat shards: the bucket is one range of a flat buffer, read in place

@@ -129,6 +129,13 @@ def _bucket_plan(layout: ShardLayout, bucket: Bucket) -> BucketPlan:
     return BucketPlan(widths, tuple(MemberPlan(*m) for m in members), split_width, chunked)
 
 
+def split_width(layout: ShardLayout, bucket: Bucket) -> int:
+    """The bucket plan's ``split_width``; in a compiled step without a plan object per member."""
+    if not torch.compiler.is_compiling():
+        return bucket_plan(layout, bucket).split_width
+    return _traced_bucket_plan(layout.fingerprint, bucket.names, bucket.offsets, bucket.shard_numel)[2]
+
+
 @_traced.constant_result
 def _traced_bucket_plan(fingerprint: str, names: tuple[str, ...], offsets: tuple[int, ...], shard_numel: int) -> tuple:
     """The plan as plain tuples (what a trace takes as constants)."""

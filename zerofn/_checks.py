@@ -9,6 +9,7 @@ of collectives. Errors name the rank, the parameter and the shapes, and say what
 from __future__ import annotations
 
 import hashlib
+import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -81,26 +82,71 @@ def validate_grads(
     """
     if not isinstance(grads, Mapping):
         raise TypeError(f"{where}: grads must be a mapping name -> tensor, got {type(grads).__name__}")
-    unknown = [n for n in grads if n not in layout]
+    if torch.compiler.is_compiling():  # the lookups per name run at trace time, natively
+        # operator.index: a dimension made symbolic by automatic dynamic shapes (a second
+        # model through the same code) is specialized, so the metadata is a constant.
+        meta = tuple((n, tuple(map(operator.index, g.shape)), g.dtype) for n, g in grads.items() if g is not None)
+        dtypes = {spec.dtype for spec in layout.params}
+        accum = tuple((d, accum_dtype_for(d) if accum_dtype_for is not None else d) for d in dtypes)
+        present, failure = _traced_grads_verdict(layout.fingerprint, f"{where} on {_rank_tag(group)}", meta, accum)
+        if failure is not None:
+            raise _traced.rebuild_failure(failure)
+        return list(present)
+
+    def shape_dtype(name: str) -> tuple[Any, torch.dtype] | None:
+        g = grads.get(name)
+        return None if g is None else (g.shape, g.dtype)
+
+    return _grads_verdict(grads, shape_dtype, layout, f"{where} on {_rank_tag(group)}", accum_dtype_for)
+
+
+@_traced.constant_result
+def _traced_grads_verdict(
+    fingerprint: str,
+    where: str,
+    meta: tuple[tuple[str, tuple[int, ...], torch.dtype], ...],
+    accum: tuple[tuple[torch.dtype, torch.dtype], ...],
+) -> tuple[tuple[str, ...], tuple[str, str] | None]:
+    """:func:`validate_grads` on the gradients' static metadata: ``(present, failure)``."""
+    layout = layout_by_fingerprint(fingerprint)
+    assert layout is not None, "zerofn: a compiled step's layout is alive while it traces"
+    shapes = {n: (shape, dtype) for n, shape, dtype in meta}
+    accum_of = dict(accum)
+    try:
+        return tuple(_grads_verdict(shapes, shapes.get, layout, where, accum_of.__getitem__)), None
+    except (KeyError, ValueError) as e:
+        return (), _traced.failure_desc(e)
+
+
+def _grads_verdict(
+    names: Iterable[str],
+    shape_dtype: Callable[[str], tuple[Any, torch.dtype] | None],
+    layout: ShardLayout,
+    where: str,
+    accum_dtype_for: Callable[[torch.dtype], torch.dtype] | None,
+) -> list[str]:
+    """:func:`validate_grads`' checks on each gradient's ``(shape, dtype)`` (``None``: no gradient)."""
+    unknown = [n for n in names if n not in layout]
     if unknown:
         raise KeyError(
-            f"{where} on {_rank_tag(group)}: gradients for params the layout does not know: {unknown}; "
+            f"{where}: gradients for params the layout does not know: {unknown}; "
             f"known params start with {list(layout.names[:5])}"
         )
     present = []
     accum_of: dict[torch.dtype, torch.dtype] = {}  # per dtype, not per param (a model has few)
     for spec in layout.params:
-        g = grads.get(spec.name)
-        if g is None:
+        got = shape_dtype(spec.name)
+        if got is None:
             continue
+        shape, dtype = got
         accum = accum_of.get(spec.dtype)
         if accum is None:
             accum = accum_of[spec.dtype] = accum_dtype_for(spec.dtype) if accum_dtype_for is not None else spec.dtype
-        if g.shape != spec.shape or g.dtype not in (spec.dtype, accum):
+        if shape != spec.shape or dtype not in (spec.dtype, accum):
             also = f" (or, accumulated, dtype {accum})" if accum != spec.dtype else ""
             raise ValueError(
-                f"{where} on {_rank_tag(group)}: gradient of {spec.name!r} has shape {tuple(g.shape)} "
-                f"dtype {g.dtype}, but the param has shape {spec.shape} dtype {spec.dtype}{also}"
+                f"{where}: gradient of {spec.name!r} has shape {tuple(shape)} "
+                f"dtype {dtype}, but the param has shape {spec.shape} dtype {spec.dtype}{also}"
             )
         present.append(spec.name)
     return present
@@ -108,14 +154,47 @@ def validate_grads(
 
 def validate_out(out: Mapping[str, torch.Tensor], layout: ShardLayout, where: str) -> None:
     """Destination tensors for gathered params must match the layout exactly."""
+    if torch.compiler.is_compiling():  # the lookups per name run at trace time, natively
+        meta = tuple((n, tuple(map(operator.index, t.shape)), t.dtype, t.is_contiguous()) for n, t in out.items())
+        failure = _traced_out_verdict(layout.fingerprint, where, meta)
+        if failure is not None:
+            raise _traced.rebuild_failure(failure)
+        return
+    _out_verdict(lambda name: _out_meta(out.get(name)), layout, where)
+
+
+def _out_meta(t: torch.Tensor | None) -> tuple[Any, torch.dtype, bool] | None:
+    return None if t is None else (t.shape, t.dtype, t.is_contiguous())
+
+
+@_traced.constant_result
+def _traced_out_verdict(
+    fingerprint: str, where: str, meta: tuple[tuple[str, tuple[int, ...], torch.dtype, bool], ...]
+) -> tuple[str, str] | None:
+    """:func:`validate_out` on the destinations' static metadata: the failure, or ``None``."""
+    layout = layout_by_fingerprint(fingerprint)
+    assert layout is not None, "zerofn: a compiled step's layout is alive while it traces"
+    table = {n: rest for n, *rest in meta}
+    try:
+        _out_verdict(table.get, layout, where)
+    except (KeyError, ValueError) as e:
+        return _traced.failure_desc(e)
+    return None
+
+
+def _out_verdict(
+    meta_of: Callable[[str], tuple[Any, torch.dtype, bool] | None], layout: ShardLayout, where: str
+) -> None:
+    """:func:`validate_out`'s checks on each destination's ``(shape, dtype, contiguous)`` (``None``: missing)."""
     for spec in layout.params:
-        t = out.get(spec.name)
-        if t is None:
+        got = meta_of(spec.name)
+        if got is None:
             raise KeyError(f"{where}: out has no tensor for param {spec.name!r}")
-        if t.shape != spec.shape or t.dtype != spec.dtype or not t.is_contiguous():
+        shape, dtype, contiguous = got
+        if shape != spec.shape or dtype != spec.dtype or not contiguous:
             raise ValueError(
-                f"{where}: out[{spec.name!r}] has shape {tuple(t.shape)} dtype {t.dtype} "
-                f"contiguous={t.is_contiguous()}, but the param is a contiguous {spec.shape} {spec.dtype}"
+                f"{where}: out[{spec.name!r}] has shape {tuple(shape)} dtype {dtype} "
+                f"contiguous={contiguous}, but the param is a contiguous {spec.shape} {spec.dtype}"
             )
 
 

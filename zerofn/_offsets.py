@@ -224,6 +224,23 @@ def sub_buckets(layout: ShardLayout, bucket: Bucket, members: int) -> tuple[tupl
     params (placed by owner, not side by side) is returned whole, as is one of at most
     ``members`` members.
     """
+    if torch.compiler.is_compiling():  # a walk over the members, run at trace time: a constant
+        span = None if bucket.span is None else tuple(bucket.span)
+        fields = (bucket.names, bucket.offsets, bucket.shard_numel, span)
+        return _traced_sub_buckets(layout.fingerprint, fields, members)
+    return _sub_buckets(layout, bucket, members)
+
+
+@_traced.constant_result
+def _traced_sub_buckets(fingerprint: str, fields: tuple[Any, ...], members: int) -> tuple[tuple[Bucket, int], ...]:
+    """:func:`sub_buckets` for a compiled step, the layout passed as its fingerprint and the bucket as its fields."""
+    layout = layout_by_fingerprint(fingerprint)
+    assert layout is not None, "zerofn: a compiled step's layout is alive while it traces"
+    names, offsets, shard_numel, span = fields
+    return _sub_buckets(layout, Bucket(names, offsets, shard_numel, None if span is None else Span(*span)), members)
+
+
+def _sub_buckets(layout: ShardLayout, bucket: Bucket, members: int) -> tuple[tuple[Bucket, int], ...]:
     if len(bucket.names) <= members or any(layout[n].is_whole for n in bucket.names):
         return ((bucket, 0),)
     out = []
@@ -308,8 +325,9 @@ class FlatLayout:
             return True
         if not isinstance(other, FlatLayout):
             return NotImplemented
-        key = (self.world_size, self.rank, self.fingerprint, self.names)
-        return key == (other.world_size, other.rank, other.fingerprint, other.names)
+        # A flat layout is a function of its layout (named by the fingerprint) and rank: a
+        # compiled step compares these three constants, not a tuple per name.
+        return (self.world_size, self.rank, self.fingerprint) == (other.world_size, other.rank, other.fingerprint)
 
     def runs(self, names: tuple[str, ...]) -> tuple[tuple[int, int, int, tuple[str, ...]], ...]:
         """``names`` (a subsequence of :attr:`names`) as maximal contiguous runs, in layout order.
@@ -320,13 +338,24 @@ class FlatLayout:
         """
         if len(names) == len(self.names) and (self.all_runs or not names):  # such a subsequence is the names
             return self.all_runs
-        fn = _runs.__wrapped__ if torch.compiler.is_compiling() else _runs
-        return fn(self, names)
+        if torch.compiler.is_compiling():  # a walk over the names, run at trace time: a constant
+            return _traced_runs(self.fingerprint, operator.index(self.rank), names)
+        return _runs(self, names)
 
 
 @functools.lru_cache(maxsize=512)
 def _runs(flat: FlatLayout, names: tuple[str, ...]) -> tuple[tuple[int, int, int, tuple[str, ...]], ...]:
     return _runs_in(flat.where, names)
+
+
+@_traced.constant_result
+def _traced_runs(
+    fingerprint: str, rank: int, names: tuple[str, ...]
+) -> tuple[tuple[int, int, int, tuple[str, ...]], ...]:
+    """:meth:`FlatLayout.runs` for a compiled step, the layout passed as its fingerprint."""
+    layout = layout_by_fingerprint(fingerprint)
+    assert layout is not None, "zerofn: a compiled step's layout is alive while it traces"
+    return _runs(_flat_layout(layout, rank), names)
 
 
 def _runs_in(

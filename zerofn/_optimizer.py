@@ -288,6 +288,8 @@ def _own(t: torch.Tensor, donate: bool) -> torch.Tensor:
 
 
 def _grads_in_order(opt: Optimizer, grads: Params, params: Params) -> list[str]:
+    if flat.same_flat_layout(grads, params):  # its names are the params' by construction
+        return flat.names_with_values(grads, params)
     unknown = [n for n in grads if n not in params]
     if unknown:
         raise KeyError(f"zerofn.optim.{opt.name}.update: gradients for unknown params {unknown}")

@@ -40,6 +40,7 @@ file one concern.
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Collection, Iterable, Mapping, Sequence
 
 import torch
@@ -181,8 +182,21 @@ def _pack_traced(
 def encode_bucket(layout: ShardLayout, bucket: Bucket) -> str:
     """``bucket`` of ``layout`` as one constant string of a compiled graph (:func:`decode_bucket` reads it)."""
     span = None if bucket.span is None else tuple(bucket.span)
-    desc = (layout.fingerprint, bucket.names, bucket.offsets, bucket.shard_numel, span, layout.world_size)
-    return _traced.encode(desc)
+    return _bucket_desc(
+        layout.fingerprint, operator.index(layout.world_size), bucket.names, bucket.offsets, bucket.shard_numel, span
+    )
+
+
+@_traced.constant_result  # a bucket's fields are constants of the trace (the plan's): written out once, natively
+def _bucket_desc(
+    fingerprint: str,
+    world_size: int,
+    names: tuple[str, ...],
+    offsets: tuple[int, ...],
+    shard_numel: int,
+    span: tuple[int, int, int] | None,
+) -> str:
+    return repr((fingerprint, names, offsets, shard_numel, span, world_size))
 
 
 def decode_bucket(desc: str) -> tuple[str, Bucket, int]:

@@ -57,5 +57,6 @@ from zerofn.flat._forms import named_pieces as named_pieces
 from zerofn.flat._forms import names_with_values as names_with_values
 from zerofn.flat._forms import pack_state as pack_state
 from zerofn.flat._forms import reshare_steps as reshare_steps
+from zerofn.flat._forms import same_flat_layout as same_flat_layout
 
 __all__ = ["FlatDict", "FlatGroup", "FlatLayout", "as_flat", "flat_layout", "pack", "packable"]

@@ -32,6 +32,7 @@ __all__ = [
     "names_with_values",
     "pack_state",
     "reshare_steps",
+    "same_flat_layout",
 ]
 
 
@@ -46,6 +47,17 @@ def names_with_values(grads: Mapping[str, Any], params: Mapping[str, Any]) -> li
             return list(grads.names)
         return [n for n in params if n in grads]
     return [n for n in params if n in grads and grads[n] is not None]
+
+
+def same_flat_layout(sub: Mapping[str, Any], full: Mapping[str, Any]) -> bool:
+    """Whether ``sub`` and ``full`` are FlatDicts on one flat layout and ``full`` holds all its
+    names: then every name of ``sub`` is one of ``full``'s, with no lookup per name."""
+    return (
+        isinstance(sub, FlatDict)
+        and isinstance(full, FlatDict)
+        and full.holds_all
+        and sub.flat_layout == full.flat_layout
+    )
 
 
 def bucket_range(shards: Mapping[str, torch.Tensor], names: tuple[str, ...]) -> torch.Tensor | None:
@@ -79,7 +91,7 @@ def buffer_metadata(
     """For a FlatDict on ``flat``: ``(name, shape, dtype)`` of each buffer (as its group's first
     name; a buffer of the wrong size gives its own shape) and each loose tensor, which is all
     that can be wrong in it; ``None`` for any other mapping (check it per name: :func:`metadata`)."""
-    if not (isinstance(mapping, FlatDict) and mapping.flat_layout is flat):
+    if not (isinstance(mapping, FlatDict) and mapping.flat_layout == flat):
         return None
     out = []
     for group, buf in zip(flat.groups, mapping.buffers, strict=True):
