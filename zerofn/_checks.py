@@ -97,7 +97,7 @@ def validate_grads(
         g = grads.get(name)
         return None if g is None else (g.shape, g.dtype)
 
-    return _grads_verdict(grads, shape_dtype, layout, f"{where} on {_rank_tag(group)}", accum_dtype_for)
+    return _grads_verdict(grads, shape_dtype, layout, lambda: f"{where} on {_rank_tag(group)}", accum_dtype_for)
 
 
 @_traced.constant_result
@@ -113,7 +113,7 @@ def _traced_grads_verdict(
     shapes = {n: (shape, dtype) for n, shape, dtype in meta}
     accum_of = dict(accum)
     try:
-        return tuple(_grads_verdict(shapes, shapes.get, layout, where, accum_of.__getitem__)), None
+        return tuple(_grads_verdict(shapes, shapes.get, layout, lambda: where, accum_of.__getitem__)), None
     except (KeyError, ValueError) as e:
         return (), _traced.failure_desc(e)
 
@@ -122,14 +122,15 @@ def _grads_verdict(
     names: Iterable[str],
     shape_dtype: Callable[[str], tuple[Any, torch.dtype] | None],
     layout: ShardLayout,
-    where: str,
+    where: Callable[[], str],
     accum_dtype_for: Callable[[torch.dtype], torch.dtype] | None,
 ) -> list[str]:
-    """:func:`validate_grads`' checks on each gradient's ``(shape, dtype)`` (``None``: no gradient)."""
+    """:func:`validate_grads`' checks on each gradient's ``(shape, dtype)`` (``None``: no gradient);
+    ``where()`` names the caller and rank in a message (only made for one)."""
     unknown = [n for n in names if n not in layout]
     if unknown:
         raise KeyError(
-            f"{where}: gradients for params the layout does not know: {unknown}; "
+            f"{where()}: gradients for params the layout does not know: {unknown}; "
             f"known params start with {list(layout.names[:5])}"
         )
     present = []
@@ -145,7 +146,7 @@ def _grads_verdict(
         if shape != spec.shape or dtype not in (spec.dtype, accum):
             also = f" (or, accumulated, dtype {accum})" if accum != spec.dtype else ""
             raise ValueError(
-                f"{where}: gradient of {spec.name!r} has shape {tuple(shape)} "
+                f"{where()}: gradient of {spec.name!r} has shape {tuple(shape)} "
                 f"dtype {dtype}, but the param has shape {spec.shape} dtype {spec.dtype}{also}"
             )
         present.append(spec.name)
