@@ -86,7 +86,7 @@ def validate_grads(
         # operator.index: a dimension made symbolic by automatic dynamic shapes (a second
         # model through the same code) is specialized, so the metadata is a constant.
         meta = tuple((n, tuple(map(operator.index, g.shape)), g.dtype) for n, g in grads.items() if g is not None)
-        dtypes = {spec.dtype for spec in layout.params}
+        dtypes = _layout_dtypes(layout.fingerprint)
         accum = tuple((d, accum_dtype_for(d) if accum_dtype_for is not None else d) for d in dtypes)
         present, failure = _traced_grads_verdict(layout.fingerprint, f"{where} on {_rank_tag(group)}", meta, accum)
         if failure is not None:
@@ -98,6 +98,14 @@ def validate_grads(
         return None if g is None else (g.shape, g.dtype)
 
     return _grads_verdict(grads, shape_dtype, layout, lambda: f"{where} on {_rank_tag(group)}", accum_dtype_for)
+
+
+@_traced.constant_result
+def _layout_dtypes(fingerprint: str) -> tuple[torch.dtype, ...]:
+    """The working dtypes of a layout's params, in order of first appearance."""
+    layout = layout_by_fingerprint(fingerprint)
+    assert layout is not None, "zerofn: a compiled step's layout is alive while it traces"
+    return tuple(dict.fromkeys(spec.dtype for spec in layout.params))
 
 
 @_traced.constant_result

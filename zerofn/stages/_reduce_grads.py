@@ -185,8 +185,9 @@ def reduce_grads(
     in_flight: InFlight[tuple[Bucket, torch.dtype, torch.Tensor]] = InFlight(settle, pool)
     # The compressed wire's residual: a bucket not sent (no gradient) keeps its own.
     next_residual = list(residual) if residual is not None else None
+    every = len(present_set) == len(layout)  # (present is a subset of the layout's names)
     for i, bucket in enumerate(buckets):
-        members = [n for n in bucket.names if n in present_set]
+        members = bucket.names if every else [n for n in bucket.names if n in present_set]
         if not members:
             continue
         dtype, shape = grad_dtypes[members[0]], (layout.world_size, bucket.shard_numel)
