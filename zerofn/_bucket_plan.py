@@ -17,7 +17,7 @@ import torch
 
 from zerofn import _traced
 from zerofn._offsets import Bucket
-from zerofn.layout import ShardLayout, layout_by_fingerprint
+from zerofn.layout import ShardLayout, live_layout
 
 # Members of at least this many elements (N * width) are copied and scaled in one pass
 # (``torch.mul(..., out=)``); smaller ones in one batched ``_foreach_copy_`` +
@@ -139,8 +139,7 @@ def split_width(layout: ShardLayout, bucket: Bucket) -> int:
 @_traced.constant_result
 def _traced_bucket_plan(fingerprint: str, names: tuple[str, ...], offsets: tuple[int, ...], shard_numel: int) -> tuple:
     """The plan as plain tuples (what a trace takes as constants)."""
-    layout = layout_by_fingerprint(fingerprint)
-    assert layout is not None, "zerofn: a compiled step's layout is alive while it traces"
+    layout = live_layout(fingerprint)
     plan = bucket_plan(layout, Bucket(names, offsets, shard_numel))
     return plan.widths, tuple(tuple(m) for m in plan.members), plan.split_width, plan.chunked
 

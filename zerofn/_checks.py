@@ -17,7 +17,7 @@ import torch
 
 from zerofn import _comm as comm
 from zerofn import _traced
-from zerofn.layout import ShardLayout, layout_by_fingerprint
+from zerofn.layout import ShardLayout, layout_by_fingerprint, live_layout
 
 __all__ = ["RankMismatchError", "check_ranks_agree", "validate_grads", "validate_params"]
 
@@ -103,8 +103,7 @@ def validate_grads(
 @_traced.constant_result
 def _layout_dtypes(fingerprint: str) -> tuple[torch.dtype, ...]:
     """The working dtypes of a layout's params, in order of first appearance."""
-    layout = layout_by_fingerprint(fingerprint)
-    assert layout is not None, "zerofn: a compiled step's layout is alive while it traces"
+    layout = live_layout(fingerprint)
     return tuple(dict.fromkeys(spec.dtype for spec in layout.params))
 
 
@@ -116,8 +115,7 @@ def _traced_grads_verdict(
     accum: tuple[tuple[torch.dtype, torch.dtype], ...],
 ) -> tuple[tuple[str, ...], tuple[str, str] | None]:
     """:func:`validate_grads` on the gradients' static metadata: ``(present, failure)``."""
-    layout = layout_by_fingerprint(fingerprint)
-    assert layout is not None, "zerofn: a compiled step's layout is alive while it traces"
+    layout = live_layout(fingerprint)
     shapes = {n: (shape, dtype) for n, shape, dtype in meta}
     accum_of = dict(accum)
     try:
@@ -181,8 +179,7 @@ def _traced_out_verdict(
     fingerprint: str, where: str, meta: tuple[tuple[str, tuple[int, ...], torch.dtype, bool], ...]
 ) -> tuple[str, str] | None:
     """:func:`validate_out` on the destinations' static metadata: the failure, or ``None``."""
-    layout = layout_by_fingerprint(fingerprint)
-    assert layout is not None, "zerofn: a compiled step's layout is alive while it traces"
+    layout = live_layout(fingerprint)
     table = {n: rest for n, *rest in meta}
     try:
         _out_verdict(table.get, layout, where)

@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 import torch
 
 from zerofn import _traced
-from zerofn.layout import ParamSpec, ShardLayout, layout_by_fingerprint
+from zerofn.layout import ParamSpec, ShardLayout, live_layout
 
 __all__ = [
     "FULL_ALIGN",
@@ -174,8 +174,7 @@ def _wanted(layout: ShardLayout, names: tuple[str, ...] | None) -> tuple[str, ..
 @_traced.constant_result
 def _traced_plan(fingerprint: str, names: tuple[str, ...] | None, bucket_numel: int) -> tuple[Bucket, ...]:
     """:func:`plan_buckets` for a compiled step: run at trace time, its result a constant."""
-    layout = layout_by_fingerprint(fingerprint)
-    assert layout is not None, "zerofn: a compiled step's layout is alive while it traces"
+    layout = live_layout(fingerprint)
     return _plan_buckets(layout, names, bucket_numel)
 
 
@@ -234,8 +233,7 @@ def sub_buckets(layout: ShardLayout, bucket: Bucket, members: int) -> tuple[tupl
 @_traced.constant_result
 def _traced_sub_buckets(fingerprint: str, fields: tuple[Any, ...], members: int) -> tuple[tuple[Bucket, int], ...]:
     """:func:`sub_buckets` for a compiled step, the layout passed as its fingerprint and the bucket as its fields."""
-    layout = layout_by_fingerprint(fingerprint)
-    assert layout is not None, "zerofn: a compiled step's layout is alive while it traces"
+    layout = live_layout(fingerprint)
     names, offsets, shard_numel, span = fields
     return _sub_buckets(layout, Bucket(names, offsets, shard_numel, None if span is None else Span(*span)), members)
 
@@ -353,8 +351,7 @@ def _traced_runs(
     fingerprint: str, rank: int, names: tuple[str, ...]
 ) -> tuple[tuple[int, int, int, tuple[str, ...]], ...]:
     """:meth:`FlatLayout.runs` for a compiled step, the layout passed as its fingerprint."""
-    layout = layout_by_fingerprint(fingerprint)
-    assert layout is not None, "zerofn: a compiled step's layout is alive while it traces"
+    layout = live_layout(fingerprint)
     return _runs(_flat_layout(layout, rank), names)
 
 
@@ -399,8 +396,7 @@ def _traced_flat_layout(fingerprint: str, rank: int) -> tuple[Any, ...]:
     """:func:`flat_layout`'s fields as plain tuples, the form a trace takes as constants (an
     object or a dict returned from here would be guarded through its constant source,
     which dynamo cannot guard)."""
-    layout = layout_by_fingerprint(fingerprint)
-    assert layout is not None, "zerofn: a compiled step's layout is alive while it traces"
+    layout = live_layout(fingerprint)
     fl = _flat_layout(layout, rank)
     groups = tuple((g.dtype, g.names, g.offsets, g.numels, g.numel) for g in fl.groups)
     where, shapes = tuple(fl.where.items()), tuple(fl.shapes.items())

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["constant_result", "decode", "encode", "failure_desc", "handler", "rebuild_failure", "refuse", "verdict"]
+__all__ = ["constant_result", "decode", "failure_desc", "handler", "rebuild_failure", "refuse", "verdict"]
 
 Handler = Callable[..., None]
 _HANDLERS: dict[str, Handler] = {}
@@ -109,15 +109,8 @@ def verdict(
     return table
 
 
-def encode(desc: tuple[Any, ...]) -> str:
-    """``desc`` (Python constants, tuples of them) as one string that is a constant of the trace
-    (its ints made constants first): the argument a custom op of the graph reads back with
-    :func:`decode`."""
-    return _encode(_constant(desc))
-
-
 def decode(desc: str) -> tuple[Any, ...]:
-    """The tuple :func:`encode` made (parsed once per string)."""
+    """The tuple a description string holds (parsed once per string)."""
     return _decode(desc)
 
 

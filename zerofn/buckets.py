@@ -59,7 +59,7 @@ from zerofn._offsets import Bucket as Bucket
 from zerofn._offsets import Span as Span
 from zerofn._offsets import plan_buckets as plan_buckets
 from zerofn._staging import StagingPool as StagingPool
-from zerofn.layout import ShardLayout, layout_by_fingerprint
+from zerofn.layout import ShardLayout, live_layout
 
 __all__ = [
     "Bucket",
@@ -211,8 +211,7 @@ def _pack_rows_op(
 ) -> torch.Tensor:
     del after  # an input only for the order of the graph's nodes
     fingerprint, bucket, _ = decode_bucket(desc)
-    layout = layout_by_fingerprint(fingerprint)
-    assert layout is not None, "zerofn: a compiled step's layout is alive while it runs"
+    layout = live_layout(fingerprint)
     return pack_grads(dict(zip(present.split("\0"), grads, strict=True)), layout, bucket, replicas=replicas)
 
 

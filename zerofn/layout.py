@@ -239,6 +239,14 @@ def layout_by_fingerprint(fingerprint: str) -> ShardLayout | None:
     return None
 
 
+def live_layout(fingerprint: str) -> ShardLayout:
+    """:func:`layout_by_fingerprint` where the layout must exist: in what a compiled step runs
+    at trace time (its constants) and in its opaque nodes, whose step holds the layout."""
+    layout = layout_by_fingerprint(fingerprint)
+    assert layout is not None, "zerofn: a compiled step's layout is alive while it traces and runs"
+    return layout
+
+
 #: Padded elements per bucket (16 MiB in float32; DDP's buckets are 25 MiB). Every collective
 #: costs a fixed overhead beside its bytes (on gloo a large one), so fewer, larger buckets move
 #: the same bytes in less time; the figures are in docs/functional-loop.md.

@@ -13,7 +13,7 @@ from zerofn._bucket_gather import rows_in_place
 from zerofn._comm import CommPolicy, Group, Pending
 from zerofn._offsets import Bucket, plan_buckets, sub_buckets
 from zerofn.buckets import StagingPool, decode_bucket, encode_bucket, launch_gather, pack_shards, unpack_rows
-from zerofn.layout import ShardLayout, layout_by_fingerprint
+from zerofn.layout import ShardLayout, live_layout
 from zerofn.stages._pipeline import MAX_IN_FLIGHT, InFlight, _check_staging, check_bucket_numel
 from zerofn.state import ZeroState
 
@@ -164,8 +164,7 @@ def _unpack_rows_op(rows: list[torch.Tensor], outs: list[torch.Tensor], desc: st
     ``desc``) into ``outs``, its members' full tensors in bucket order. ``rows``: the
     gathered ``(N, S)`` buffer alone, or its ``N`` rows (one per broadcast)."""
     fingerprint, bucket, _ = decode_bucket(desc)
-    layout = layout_by_fingerprint(fingerprint)
-    assert layout is not None, "zerofn: a compiled step's layout is alive while it runs"
+    layout = live_layout(fingerprint)
     unpack_rows(rows[0] if rows[0].dim() == 2 else rows, layout, bucket, dict(zip(bucket.names, outs, strict=True)))
 
 

@@ -19,7 +19,7 @@ from zerofn import _checks as checks
 from zerofn import _comm as comm
 from zerofn import _traced, flat
 from zerofn._comm import Group
-from zerofn.layout import ShardLayout, layout_by_fingerprint
+from zerofn.layout import live_layout
 from zerofn.precision import NonFiniteGradError, nonfinite_grad_names
 from zerofn.state import ZeroState
 
@@ -140,9 +140,11 @@ def _settle_step(
     if total[2] > 0:
         raise_rejected(None if failure is None else _traced.rebuild_failure(failure), group, veto)
     if agreement is not None and not checks.agreement_holds(total[3:].tolist(), *agreement):
-        checks.check_ranks_agree(_live(fingerprint), group, "step_shards", settings={"bucket_numel": bucket_numel})
+        checks.check_ranks_agree(
+            live_layout(fingerprint), group, "step_shards", settings={"bucket_numel": bucket_numel}
+        )
     if total[1] > 0 and nonfinite == "raise":
-        layout = _live(fingerprint)
+        layout = live_layout(fingerprint)
         names = tuple(joined_names.split("\0")) if joined_names else ()
         if is_flat:
             fl = flat.flat_layout(layout, rank)
@@ -152,13 +154,6 @@ def _settle_step(
                 for t in ([piece] if g < 0 else piece.split([fl.where[m][2] for m in members]))
             ]
         _raise_nonfinite_names(rank, layout.names, dict(zip(names, shards, strict=True)), group)
-
-
-def _live(fingerprint: str) -> ShardLayout:
-    """The layout a running compiled step was traced for (alive while the step runs)."""
-    layout = layout_by_fingerprint(fingerprint)
-    assert layout is not None, "zerofn: a compiled step's layout is alive while it runs"
-    return layout
 
 
 class StepVetoed(RuntimeError):
