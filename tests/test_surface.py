@@ -2,7 +2,7 @@
 
 Adding or removing a public name means editing the list below in the same change, so a
 review sees it. Everything listed is importable; the communication and validation
-modules are private (``zerofn._comm``, ``zerofn._checks``), and what users touch of them
+modules are private (``zerofn._comm``, ``zerofn._agreement``), and what users touch of them
 is at the top level.
 """
 
@@ -58,11 +58,11 @@ def test_the_public_surface_is_pinned():
 
 
 def test_plumbing_is_private_and_what_users_touch_is_top_level():
-    from zerofn import _checks, _comm_count
+    from zerofn import _agreement, _comm_count
 
     assert "comm" not in zf.__all__ and "checks" not in zf.__all__
     assert zf.CommCounter is _comm_count.CommCounter and zf.count_bytes is _comm_count.count_bytes
-    assert zf.RankMismatchError is _checks.RankMismatchError
+    assert zf.RankMismatchError is _agreement.RankMismatchError
     assert zf.CheckpointError is zf.checkpoint.CheckpointError
     with zf.count_bytes() as counter:
         pass

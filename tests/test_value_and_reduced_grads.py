@@ -193,6 +193,49 @@ def test_bad_input_raises_on_every_rank_before_any_bucket_is_sent(worlds, case):
         assert kind == want[0] and want[1] in message, (rank, kind, message)
 
 
+def _agreement_settles_inside_the_backward() -> list[str]:
+    """The order of: the backward's first node, each settle of the agreement, each bucket sent."""
+    from zerofn import _agreement  # internal: the agreement's settle is what the order is about
+
+    params = _params()
+    gen = torch.Generator().manual_seed(seeded(30 + dist.get_rank()))
+    x, y = torch.randn(4, 7, generator=gen), torch.randn(4, 5, generator=gen)
+    layout = zf.make_layout(params, dist.get_world_size())
+    events: list[str] = []
+
+    class First(torch.autograd.Function):  # the loss's own node: the backward's first
+        @staticmethod
+        def forward(ctx, t):
+            return t.view_as(t)
+
+        @staticmethod
+        def backward(ctx, g):
+            events.append("backward")
+            return g
+
+    settle = _agreement.Agreement.settle
+
+    def recorded(self):
+        events.append("settle")
+        return settle(self)
+
+    _agreement.Agreement.settle = recorded
+    try:
+        with zf.count_bytes() as counter:
+            fn = zf.value_and_reduced_grads(lambda p, x, y: First.apply(_loss_fn(p, x, y)), layout, bucket_numel=BUCKET)
+            fn(params, x, y)
+    finally:
+        _agreement.Agreement.settle = settle
+    assert counter.calls_by_collective.get("check", 0) == (1 if dist.get_world_size() > 1 else 0)
+    return events
+
+
+def test_the_agreement_travels_while_the_backward_runs(world):
+    # Launched after the forward, read before the first bucket is sent: the backward began first.
+    for events in world.run(_agreement_settles_inside_the_backward):
+        assert events[0] == "backward" and "settle" in events, events
+
+
 def test_bad_options_raise_when_the_transform_is_made():
     layout = zf.make_layout(_params(), 2)
     for kwargs, match in [

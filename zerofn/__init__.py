@@ -8,7 +8,7 @@ is the drop-in facade. ``__all__`` is the public surface (pinned by a test).
 """
 
 from zerofn import buckets, checkpoint, optim, precision, torch_optim
-from zerofn._checks import RankMismatchError, check_ranks_agree
+from zerofn._agreement import RankMismatchError, check_ranks_agree
 from zerofn._comm import CommPolicy
 from zerofn._comm_count import CommCounter, count_bytes
 from zerofn._comm_join import NotJoinedError

@@ -61,6 +61,7 @@ __all__ = [
     "group_name",
     "group_rank",
     "group_size",
+    "launch_gather_ints",
     "sum_across",
     "sum_rows",
     "tracing",
@@ -399,17 +400,27 @@ def all_reduce_scalars(values: torch.Tensor, op: str, group: Group) -> torch.Ten
 
 def all_gather_ints(values: list[int], group: Group, device: torch.device | str = "cpu") -> torch.Tensor:
     """Every rank's list of ``k`` int64 values, as an ``(N, k)`` tensor. One ``all_gather``."""
+    return launch_gather_ints(values, group, device).wait()
+
+
+def launch_gather_ints(values: list[int], group: Group, device: torch.device | str = "cpu") -> Pending:
+    """:func:`all_gather_ints`, launched: ``wait()`` gives the ``(N, k)`` int64 table.
+
+    Eagerly the all-gather runs while the caller computes (``async_op=True``); under
+    tracing it is the functional collective, waited in the graph.
+    """
     mine = torch.tensor(values, dtype=torch.int64, device=device)
     n = group_size(group)
     if n == 1:
-        return mine.unsqueeze(0)
+        return Pending([], lambda: mine.unsqueeze(0))
     if tracing():
         gathered = funcol.all_gather_single(mine, 0, _functional_group(group))
-        return funcol.wait_tensor(gathered).view(n, mine.numel())
+        table = funcol.wait_tensor(gathered).view(n, mine.numel())
+        return Pending([], lambda: table)
     out = torch.empty(n, mine.numel(), dtype=torch.int64, device=device)
-    _all_gather_flat(out.view(-1), mine, group=group)
+    handle = _all_gather_flat(out.view(-1), mine, group=group, async_op=True)
     record("check", ring_share(n, out.numel(), 8))
-    return out
+    return Pending([handle], lambda: out)
 
 
 def all_gather_objects(obj: object, group: Group) -> list[object]:

@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from zerofn import _comm as comm
-from zerofn._checks import RankMismatchError, text_hash
+from zerofn._agreement import RankMismatchError, text_hash
 from zerofn.layout import ShardLayout
 
 __all__ = ["broadcast_", "broadcast_params", "check_values_agree", "checksums"]

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from zerofn import _checks as checks
+from zerofn import _agreement as agreement
 from zerofn import _comm as comm
 from zerofn import _sync, optim
 from zerofn._comm import CommPolicy
@@ -106,7 +106,7 @@ def build(
 
     Casts the params to the policy's working dtype (``forced_dtype``) once every argument is
     validated. Collectives: the hybrid groups' creation (with ``sub_dp_size``), one small
-    all-gather per group (:func:`~zerofn._checks.check_ranks_agree`), and with
+    all-gather per group (:func:`~zerofn._agreement.check_ranks_agree`), and with
     ``init_sync`` one broadcast per dtype over the data-parallel world.
     """
     _options.check_settings(opts.reduce_bucket_size, opts.norm_type, opts.clip_grad_norm)
@@ -280,13 +280,13 @@ def _agree(
     """Every rank of every group built the same optimizer, or every rank raises, before any
     broadcast. Collectives: one small all-gather per group (``check_ranks_agree``)."""
     layout = state.layout
-    settings = dict(settings, precision=checks.text_hash(repr(policy)))
+    settings = dict(settings, precision=agreement.text_hash(repr(policy)))
     # Equal placements do not mean equal updates ([Adafactor, AdamW] vs [Muon, AdamW]).
-    settings["optimizer"] = checks.text_hash(_options.update_rules(fopt, layout.names))
+    settings["optimizer"] = agreement.text_hash(_options.update_rules(fopt, layout.names))
     # What the init_sync broadcasts move must be alike everywhere (a mismatch inside them would hang).
     settings["module"] = _sync.structure_hash(module_states)
     for g in groups:
-        checks.check_ranks_agree(layout, g, "ZeroOptimizer", settings=settings, device=state.work_device)
+        agreement.check_ranks_agree(layout, g, "ZeroOptimizer", settings=settings, device=state.work_device)
 
 
 def world_size(group: comm.Group, replicate: comm.Group) -> int:

@@ -332,8 +332,8 @@ def update_rules(optimizer: optim.Optimizer, names: Iterable[str]) -> str:
     placements agree may still wrap different optimizers (``[Adafactor(matrices), AdamW]``
     on one rank, ``[Muon(matrices), AdamW]`` on another: every matrix whole on both); each
     owner would then update its whole params with its own rule, silently, and the state
-    dict of "Muon" would hold Adafactor's statistics. Its :func:`zerofn._checks.text_hash`
-    belongs in the construction's :func:`~zerofn._checks.check_ranks_agree` settings.
+    dict of "Muon" would hold Adafactor's statistics. Its :func:`zerofn._agreement.text_hash`
+    belongs in the construction's :func:`~zerofn._agreement.check_ranks_agree` settings.
     Hyperparameters are left out (a callable's repr differs between processes).
     """
     rules = []

@@ -53,7 +53,7 @@ from typing import Any
 
 import torch
 
-from zerofn import _checks as checks
+from zerofn import _agreement as agreement
 from zerofn import _comm as comm
 from zerofn._comm import CommPolicy, Group
 from zerofn._offsets import plan_buckets
@@ -428,9 +428,9 @@ class GradReducer:
                 self._ready[b].add(name)
         present = sorted(ready | leftovers, key=self._position.__getitem__)
         # Every rank must have produced gradients for the same params before the last
-        # buckets go out; one tiny all-gather (see checks.check_ranks_agree).
+        # buckets go out; one tiny all-gather (see agreement.check_ranks_agree).
         device = next(iter(self._params.values())).device
-        checks.check_ranks_agree(self._layout, self._group, "ZeroOptimizer.backward", present=present, device=device)
+        agreement.check_ranks_agree(self._layout, self._group, "ZeroOptimizer.backward", present=present, device=device)
         for b in range(len(self._buckets)):
             if self._ready[b] - self._sent[b]:
                 self._launch(b)

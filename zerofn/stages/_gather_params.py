@@ -6,6 +6,7 @@ from collections.abc import Mapping
 
 import torch
 
+from zerofn import _agreement as agreement
 from zerofn import _checks as checks
 from zerofn import _comm as comm
 from zerofn import flat
@@ -82,14 +83,15 @@ def gather_params(
     checks.validate_world(layout, group, "gather_params")
     bucket_numel = state.bucket_numel if bucket_numel is None else bucket_numel
     # The step confirmed state.bucket_numel on every rank: passing it again changes nothing.
-    confirmed = bucket_numel == state.bucket_numel and state.agreed_in == checks.agreement_key(group)
+    confirmed = bucket_numel == state.bucket_numel and state.agreed_in == agreement.agreement_key(group)
     check_bucket_numel(bucket_numel, "gather_params")
     device = state.work_device
     _check_staging(staging, "gather_params")
     if out is not None:
         checks.validate_out(out, layout, "gather_params")
     if check and not confirmed:
-        checks.check_ranks_agree(layout, group, "gather_params", settings={"bucket_numel": bucket_numel}, device=device)
+        settings = {"bucket_numel": bucket_numel}
+        agreement.check_ranks_agree(layout, group, "gather_params", settings=settings, device=device)
     how = (comm_policy or CommPolicy()).resolve(group)[1]
     tracing = comm.tracing()
     result = dict(out) if out is not None else _fresh_params(layout, device, separate=tracing)

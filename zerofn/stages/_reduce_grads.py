@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from zerofn import _agreement as agreement
 from zerofn import _checks as checks
 from zerofn import _comm as comm
 from zerofn._comm import CommPolicy, Group, Pending
@@ -148,7 +149,7 @@ def reduce_grads(
     except (TypeError, ValueError, KeyError) as e:
         failure, present, grad_dtypes, buckets, wire = e, [], {}, (), None  # (compiled: traced on, never run)
     device = next((grads[n].device for n in present), torch.device("cpu"))  # type: ignore[union-attr]
-    agreed = checks.check_ranks_agree(
+    agreed = agreement.check_ranks_agree(
         layout,
         group,
         "reduce_grads",
@@ -156,8 +157,8 @@ def reduce_grads(
         settings={
             "stage": stage if isinstance(stage, int) else -1,
             "bucket_numel": bucket_numel if isinstance(bucket_numel, int) else -1,
-            "comm_dtype": checks.dtype_code(comm_dtype),
-            "grad_dtypes": checks.dtypes_mask(set(grad_dtypes.values())),
+            "comm_dtype": agreement.dtype_code(comm_dtype),
+            "grad_dtypes": agreement.dtypes_mask(set(grad_dtypes.values())),
             "replicas": comm.group_size(replicate_group) if replicate_group is not None else 1,
             "wire": wire.code if wire is not None else 0,
         },

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
+from zerofn import _agreement as agreement
 from zerofn import _checks as checks
 from zerofn import _comm as comm
 from zerofn import _traced, flat
@@ -139,8 +140,8 @@ def _settle_step(
     group = comm.group_from_name(group_name)
     if total[2] > 0:
         raise_rejected(None if failure is None else _traced.rebuild_failure(failure), group, veto)
-    if agreement is not None and not checks.agreement_holds(total[3:].tolist(), *agreement):
-        checks.check_ranks_agree(
+    if agreement is not None and not agreement.agreement_holds(total[3:].tolist(), *agreement):
+        agreement.check_ranks_agree(
             live_layout(fingerprint), group, "step_shards", settings={"bucket_numel": bucket_numel}
         )
     if total[1] > 0 and nonfinite == "raise":
@@ -179,7 +180,7 @@ def raise_rejected(failure: Exception | None, group: Group, veto: object = None)
         raise failure
     bad = next(((r, w) for r, (w, _) in enumerate(everyone) if w is not None), None)
     if bad is not None:
-        raise checks.RankMismatchError(
+        raise agreement.RankMismatchError(
             f"step_shards: rank {bad[0]} rejected its input ({bad[1]}), so no rank applied this step; fix the input "
             "on that rank"
         )

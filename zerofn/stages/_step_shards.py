@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from zerofn import _checks as checks
+from zerofn import _agreement as agreement
 from zerofn import _comm as comm
 from zerofn import _placement, _traced, flat
 from zerofn._comm import Group
@@ -102,7 +102,7 @@ def step_shards(
     Collectives: one ``all_reduce`` of a few float64 scalars: the norm, the non-finite
     flag, the rejection flag and (at 2 to 16,383 ranks) 20 terms confirming that every
     rank's state has the same layout and ``bucket_numel``
-    (:func:`~zerofn._checks.agreement_terms`). An eager step reads them on the host, a
+    (:func:`~zerofn._agreement.agreement_terms`). An eager step reads them on the host, a
     compiled one in its graph's verdict node; the state it returns records the verdict in
     ``agreed_in``, so ``gather_params`` of it (in the same graph, when compiled) skips its
     agreement. Ranks whose states disagree all raise :class:`~zerofn.RankMismatchError` (after one all-gather for the
@@ -144,12 +144,12 @@ def step_shards(
     # The same all-reduce confirms that every rank steps a state of one layout and bucket
     # size, so the gather after it needs no agreement of its own (ZeroState.agreed_in):
     # eagerly by the host read below, compiled by the graph's verdict node.
-    confirms = 1 < n < checks.MAX_AGREEMENT_RANKS
-    agreement = checks.agreement_terms([state.layout.fingerprint_int, state.bucket_numel], op) if confirms else []
+    confirms = 1 < n < agreement.MAX_AGREEMENT_RANKS
+    terms = agreement.agreement_terms([state.layout.fingerprint_int, state.bucket_numel], op) if confirms else []
     packed = torch.cat(
         [
             torch.stack([torch.where(finite, local, torch.zeros_like(local)), (~finite).to(torch.float64)]),
-            torch.tensor([float(refused), *agreement], dtype=torch.float64, device=device),
+            torch.tensor([float(refused), *terms], dtype=torch.float64, device=device),
         ]
     )
     total = comm.all_reduce_scalars(packed, op, group)
@@ -165,8 +165,9 @@ def step_shards(
         norm_sq, flag, rejected, *agreed, scale = read.tolist()
         if rejected > 0:
             raise_rejected(failure, group, veto)
-        if agreed and not checks.agreement_holds(agreed, n, op):  # every rank raises, with the details
-            checks.check_ranks_agree(state.layout, group, "step_shards", settings={"bucket_numel": state.bucket_numel})
+        if agreed and not agreement.agreement_holds(agreed, n, op):  # every rank raises, with the details
+            settings = {"bucket_numel": state.bucket_numel}
+            agreement.check_ranks_agree(state.layout, group, "step_shards", settings=settings)
         skip, coef, info = _decide(norm_sq, flag, scale, max_norm, norm_type, _FloatMath())
         new_loss_scale = policy.loss_scaler.update(loss_scale, skip)
         if skip:
@@ -184,7 +185,7 @@ def step_shards(
     master, opt_state = state.optimizer.update(grads, state.opt_state, state.master, donate=donate, skip=skip)
     master = flat.hold_like(state.master, master)  # an optimizer that computes per name: packed back
     step = state.step + 1 if found is None else torch.where(found, state.step, state.step + 1)
-    agreed_in = checks.agreement_key(group) if confirms or n == 1 else None
+    agreed_in = agreement.agreement_key(group) if confirms or n == 1 else None
     new_state = state.replace(
         master=master,
         opt_state=opt_state,

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from zerofn import _agreement as agreement
 from zerofn import _checks as checks
 from zerofn import _comm as comm
 from zerofn._comm import CommPolicy, Group, Pending
@@ -186,10 +187,12 @@ class _Reduction:
         pool: StagingPool,
         device: torch.device,
         reachable: set[str],
+        agreed: agreement.Agreement,
         wire: CompressedWire | None = None,
         residual: Sequence[torch.Tensor] | None = None,
     ) -> None:
         self.layout, self.leaves, self.group, self.how = layout, leaves, group, how
+        self.agreed = agreed  # settled before the first bucket is sent
         # The compressed wire's residual, per bucket: a launched bucket's entry becomes its next one.
         self.wire, self.residual = wire, list(residual) if residual is not None else None
         self.comm_dtype, self.replicate_group, self.pool, self.device = comm_dtype, replicate_group, pool, device
@@ -233,6 +236,7 @@ class _Reduction:
 
     def _launch(self, b: int) -> None:
         """Pack bucket ``b`` (absent members as zeros), free its gradients, launch its reduction."""
+        self.agreed.settle()  # every rank agrees before any bucket is sent (else all raise)
         bucket = self.buckets[b]
         self.sent[b] = True
         self.next += 1
@@ -276,6 +280,7 @@ class _Reduction:
 
     def finish(self) -> FrozenDict[torch.Tensor]:
         """After the backward: launch the buckets still waiting (in order), wait, add the replicas' sums."""
+        self.agreed.settle()  # also when no bucket is left to send
         while self.next < len(self.order):
             self._launch(self.order[self.next])
         self.in_flight.settle()
@@ -372,9 +377,10 @@ def value_and_reduced_grads(
       * with ``residual=``: ``(loss, (shards, next_residual))``, ``reduce_grads``'s pair:
         give ``next_residual`` to ``step_shards(..., residual=)``.
 
-    Collectives, per call: one tiny ``all_gather`` after the forward and before the
-    backward (the rank-agreement check of ``reduce_grads``: layout, settings and this
-    rank's verdict on its input, see :func:`~zerofn.check_ranks_agree`), then per bucket
+    Collectives, per call: one tiny ``all_gather`` launched after the forward (the
+    rank-agreement check of ``reduce_grads``: layout, settings and this rank's verdict on
+    its input, see :func:`~zerofn.check_ranks_agree`), in flight while the backward runs
+    and settled before the first bucket is sent, then per bucket
     one ``reduce_scatter`` (stage 2 on NCCL, or ``CommPolicy.byte_optimal()``) or one
     ``all_reduce`` (stage 1, or stage 2 on gloo) of ``N*S`` elements, asynchronous, and
     with replicas one ``all_reduce`` of ``S`` elements per bucket over
@@ -433,21 +439,25 @@ def value_and_reduced_grads(
     def _reduced(leaves: dict[str, torch.Tensor], loss: Any, aux: Any, failure: Exception | None, params: Any) -> Any:
         tensors = params.values() if isinstance(params, Mapping) else ()
         device = next((t.device for t in tensors if isinstance(t, torch.Tensor)), torch.device("cpu"))
-        checks.check_ranks_agree(
+        # Launched here and settled before the first bucket leaves: the backward runs
+        # while the table travels. A rank whose input failed settles (and raises) now.
+        agreed = agreement.launch_agreement(
             layout,
             group,
             _WHERE,
             settings={
                 "stage": stage,
                 "bucket_numel": bucket_numel,
-                "comm_dtype": checks.dtype_code(wire),
+                "comm_dtype": agreement.dtype_code(wire),
                 "replicas": comm.group_size(replicate_group) if replicate_group is not None else 1,
                 "wire": compressed.code if compressed is not None else 0,
             },
             device=device,
             failure=failure,
         )
-        assert loss is not None  # else check_ranks_agree raised
+        if failure is not None:
+            agreed.settle()  # raises on every rank: this one's input or forward failed
+        assert loss is not None
         pool = staging if staging is not None else StagingPool(keep=MAX_IN_FLIGHT + 1)
         reduction = _Reduction(
             layout,
@@ -462,8 +472,8 @@ def value_and_reduced_grads(
             reachable=reached(loss, leaves) if loss.requires_grad else set(),
             wire=compressed,
             residual=residual,
+            agreed=agreed,
         )
-        reduction.launch_ready()  # buckets of params the loss does not reach go out at once, in turn
         kept.listen(reduction.arrived)
         if loss.requires_grad:  # else the loss does not depend on the params: every gradient is zero
             torch.autograd.backward(loss, inputs=list(leaves.values()))
