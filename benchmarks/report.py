@@ -56,8 +56,9 @@ def _ok(run: dict[str, Any], name: str) -> dict[str, Any] | None:
 def zerofn_expected_bytes(n: int, shard_elems: int, elem: int, stage_reduce_all_reduce: bool) -> int:
     """Bucket bytes zerofn's realisation sends per step: reduce + gather (no checks, no scalars).
 
-    reduce: all-reduce 2(N-1)·S·b or reduce-scatter (N-1)·S·b; gather: one broadcast per
-    rank or all-gather, (N-1)·S·b either way; S = sum of this rank's shard elements.
+    reduce: all-reduce (stage 1) 2(N-1)·S·b, or reduce-scatter or all-to-all (N-1)·S·b;
+    gather: one broadcast per rank or all-gather, (N-1)·S·b either way; S = sum of this
+    rank's shard elements.
     """
     reduce = 2 if stage_reduce_all_reduce else 1
     return (n - 1) * shard_elems * elem * (reduce + 1)
@@ -68,7 +69,6 @@ def derive(run: dict[str, Any], reference: str = "ddp-fused") -> None:
     n, psi = run["world_size"], run["psi"]
     ref = _ok(run, reference)
     ref_foreach = _ok(run, "ddp-foreach")
-    gloo = run["backend"] == "gloo"
     byte_theory = 2 * (n - 1) * psi * ELEM_B / n
     for name, s in run["systems"].items():
         if s.get("status") != "ok" or s.get("median_ms") is None:
@@ -115,7 +115,7 @@ def derive(run: dict[str, Any], reference: str = "ddp-fused") -> None:
             s["bytes_source"] = "zerofn count_bytes"
             d0 = desc[0] if desc else None
             if d0 and "shard_elems" in d0:
-                all_reduce = name.startswith("zerofn-s1") or (gloo and name != "zerofn-s2-byteopt")
+                all_reduce = name.startswith("zerofn-s1")  # stage 2: reduce-scatter, or all-to-all on gloo
                 exp = zerofn_expected_bytes(n, d0["shard_elems"], d0["elem_size"], all_reduce)
                 s["bytes_expected_buckets"] = exp
                 s["bytes_extra"] = s["bytes_sent"] - exp if s.get("bytes_sent") is not None else None

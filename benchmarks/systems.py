@@ -957,7 +957,15 @@ def parts(reps: int, bucket_numel: int | None = None) -> list[tuple[str, float, 
 
     timed("zerofn reduce: the same into one reused buffer (the facade's staging)", flatten_reused)
     rows = flatten()
-    timed("zerofn reduce: all_reduce of the buckets (gloo default)", lambda: [dist.all_reduce(r) for r in rows], True)
+    timed(
+        "zerofn reduce: all_to_all of the buckets, rows added in rank order (gloo default)",
+        lambda: [
+            zf.buckets.launch_reduce(r, layout, b, None, "all_to_all").wait()
+            for b, r in zip(buckets, rows, strict=True)
+        ],
+        True,
+    )
+    timed("zerofn reduce: all_reduce of the buckets (stage 1)", lambda: [dist.all_reduce(r) for r in rows], True)
 
     def all_reduce_async() -> None:
         for h in [dist.all_reduce(r, async_op=True) for r in rows]:

@@ -207,9 +207,9 @@ for wire in (torch.float32, torch.bfloat16, torch.float16):
             err = out[wire][1][k][: stop - start].double() - exact[k].reshape(-1)[start:stop]
             worst = max(worst, err.abs().max().item() / scale if err.numel() else 0.0)
     sent = ranks[0][1][wire][0]
-    wire_report[wire] = (sent["all_reduce"], worst)
+    wire_report[wire] = (sent["all_to_all"], worst)  # gloo's reduce: an all-to-all
     name = str(wire).removeprefix("torch.")
-    print(f"wire {name:9s} reduce bytes/rank {sent['all_reduce']:>7,}   max error / max |mean grad| {worst:.1e}")
+    print(f"wire {name:9s} reduce bytes/rank {sent['all_to_all']:>7,}   max error / max |mean grad| {worst:.1e}")
 
 fig, (ax_b, ax_e) = plt.subplots(1, 2, figsize=(7, 2.2))
 names = [str(w).removeprefix("torch.") for w in wire_report]

@@ -122,10 +122,11 @@ for op in comm:
 
 # %% [markdown]
 # In order: the rank-agreement `all_gather` of `reduce_grads` (names, shapes, settings and
-# each rank's verdict on its input) and its verdict; the bucket's `all_reduce` (gloo's
-# realisation of the reduce-scatter; NCCL's would be `reduce_scatter_tensor`); the scalar
-# `all_reduce` of `step_shards` (squared norm, overflow flag, input verdict) and its
-# verdict; and one `broadcast` per rank (gloo's all-gather; the step's all-reduce has
+# each rank's verdict on its input) and its verdict; the bucket's `all_to_all_single` and
+# the adds of the rows it brought, in rank order (gloo's realisation of the reduce-scatter;
+# NCCL's would be `reduce_scatter_tensor`); the scalars of `step_shards` (squared norm,
+# overflow flag, input verdict; on gloo an `all_gather`, added in rank order) and their
+# verdict; and one `broadcast` per rank (gloo's all-gather; the step's scalars have
 # confirmed every rank's layout, so the gather needs no agreement of its own). Every one is
 # waited on inside the graph by a `wait_tensor`: the small ones at once, a bucket's where
 # the bucket pipeline settles it, as eagerly, so the broadcasts of a bucket (and the next
@@ -157,7 +158,8 @@ for r, got in enumerate(ranks):
 
 # %%
 assert all(got["graphs"] == 1 and got["bitwise"] for got in ranks)
-assert sum("all_reduce" in op for op in comm) >= 2 and sum("broadcast" in op for op in comm) == 2
+assert sum("all_to_all" in op for op in comm) == 1 and sum("all_gather" in op for op in comm) == 2
+assert sum("broadcast" in op for op in comm) == 2
 launched = [i for i, op in enumerate(comm) if "_c10d_functional" in op and "wait_tensor" not in op]
 waits = [i for i, op in enumerate(comm) if "wait_tensor" in op]
 assert all(any(w > i for w in waits) for i in launched)  # each collective waited on, inside the graph

@@ -103,17 +103,19 @@ def test_zerofn_bytes_equal_the_formula_of_the_realisation(quick_results: tuple[
         shard_elems = s["describe"][0]["shard_elems"]
         b = s["describe"][0]["elem_size"]
         by = s["zerofn_by_collective"]
+        # gloo's default policy: all-to-all for the reduce (stage 1: all-reduce), one broadcast per
+        # rank for the gather; byte-optimal: reduce-scatter and all-gather.
         if name == "zerofn-s2-byteopt":
-            assert by["reduce_scatter"] == (N - 1) * shard_elems * b
-            assert by["all_gather"] == (N - 1) * shard_elems * b
-        else:  # gloo's default policy: all-reduce for the reduce, one broadcast per rank for the gather
-            assert by["all_reduce"] == 2 * (N - 1) * shard_elems * b
-            assert by["broadcast"] == (N - 1) * shard_elems * b
+            reduce, gather, factor = "reduce_scatter", "all_gather", 1
+        else:
+            reduce, gather, factor = (
+                ("all_reduce", "broadcast", 2) if name.startswith("zerofn-s1") else ("all_to_all", "broadcast", 1)
+            )
+        assert by[reduce] == factor * (N - 1) * shard_elems * b
+        assert by[gather] == (N - 1) * shard_elems * b
         # Beyond the buckets only O(1) bytes: the rank-agreement check and the norm scalars.
         small = {k: v for k, v in by.items() if k in ("check", "scalars")}
-        assert set(by) - set(small) == (
-            {"reduce_scatter", "all_gather"} if name.endswith("byteopt") else {"all_reduce", "broadcast"}
-        )
+        assert set(by) - set(small) == {reduce, gather}
         assert 0 <= sum(small.values()) <= 256
         assert s["bytes_sent"] == sum(by.values())
         assert s["bytes_extra"] == sum(small.values())

@@ -76,12 +76,13 @@ def test_a_step_sends_one_agreement_one_collective_per_bucket_each_way_and_one_s
             if n == 1:
                 assert calls == {}, loop
                 continue
-            # gloo's default realisations: all_reduce to reduce, one broadcast per rank to gather.
-            # A bucket size other than the state's is agreed on by the gather itself.
+            # gloo's default realisations: all_to_all to reduce (stage 1: all_reduce), one
+            # broadcast per rank to gather. A bucket size other than the state's is agreed on by
+            # the gather itself.
             other = loop == f"functional gather bucket_numel={OTHER_BUCKET}"
             expected = {
                 "check": 2 if other else 1,
-                "all_reduce": buckets,
+                "all_reduce" if "stage 1" in loop else "all_to_all": buckets,
                 "scalars": 1,
                 "broadcast": other_buckets if other else buckets,
             }

@@ -226,7 +226,7 @@ def _functional_start() -> dict[str, Any]:
     state = zf.shard_params(params, zf.optim.adamw(lr=1e-2), sync=True)
     out["unchanged"] = _equal_bits(before, {n: p.detach() for n, p in params.items()}) == []
     out["gathered"] = zf.gather_params(state)
-    from zerofn import _comm
+    from zerofn import _comm_setup as _comm
 
     _comm.BROADCAST_NUMEL, numel = 7, _comm.BROADCAST_NUMEL  # several flat buffers (and one param alone)
     try:

@@ -316,10 +316,12 @@ def test_accumulation_sends_nothing_before_the_last_micro_batch(reports: list[di
             assert "one reduction: 0 B sent before the last micro-batch" in text
         else:
             assert "accumulation" not in text
-    # K micro-batches cost one reduction per step: the bytes per step do not grow with K.
-    single = _report(reports, precision="bf16", api="functional", max_norm=None)
-    accumulated = _report(reports, precision="bf16", api="facade")
-    assert accumulated["bytes_sent_per_step"] == pytest.approx(single["bytes_sent_per_step"], rel=0.05)
+    # K micro-batches cost one reduction per step: each step's reduction sends what one
+    # reduction of the model sends (all_reduce 2(N-1)/N·Ψ·b, all_to_all (N-1)/N·Ψ·b: the
+    # demo's layers need no padding at N = 2), whatever K.
+    for r in reports:
+        one = r["theory_bytes_per_step"] * (1 if r["reduce"] == "all_reduce" else 0.5)
+        assert r["bytes_by_collective"][r["reduce"]] == one, (r["accumulate"], r["reduce"])
 
 
 def test_fp16_skips_the_same_overflowing_steps_as_torch_grad_scaler(reports: list[dict[str, Any]]) -> None:

@@ -364,7 +364,7 @@ def _agreements_in_one_compiled_step() -> dict[str, int]:
         del example_inputs
         for node in gm.graph.nodes:
             name = str(node.target)
-            for kind in ("all_gather_into_tensor", "all_reduce", "broadcast"):
+            for kind in ("all_gather_into_tensor", "all_to_all_single", "all_reduce", "broadcast"):
                 if node.op == "call_function" and kind in name and "wait" not in name:
                     counts[kind] = counts.get(kind, 0) + 1
         return gm.forward
@@ -386,9 +386,10 @@ def _agreements_in_one_compiled_step() -> dict[str, int]:
 def test_a_compiled_step_runs_one_agreement_shared_by_its_stages():
     """The step's scalar all-reduce confirms the layout and bucket size for the gather in the
     same graph, so the graph holds one agreement all-gather (``reduce_grads``'), one bucket
-    all-reduce, the scalar all-reduce and one broadcast per rank: an eager step's collectives."""
+    reduction, the scalars' collective and one broadcast per rank: an eager step's collectives."""
     for counts in get_world(2).run(_agreements_in_one_compiled_step):
-        assert counts == {"all_gather_into_tensor": 1, "all_reduce": 2, "broadcast": 2}, counts
+        # gloo: the scalars are all-gathered (and added in rank order), the bucket is an all-to-all.
+        assert counts == {"all_gather_into_tensor": 2, "all_to_all_single": 1, "broadcast": 2}, counts
 
 
 def _bucket_collectives_in_graph_order() -> dict[str, Any]:

@@ -40,8 +40,8 @@ def _params() -> dict[str, torch.Tensor]:
 
 
 class _Probe(torch.autograd.Function):
-    """Identity whose backward records the bytes sent so far: it runs just before the first
-    layer's gradients accumulate, after the second layer's did."""
+    """Identity whose backward records the bucket bytes sent so far: it runs just before the
+    first layer's gradients accumulate, after the second layer's did."""
 
     seen: list[int] = []  # noqa: RUF012 (per rank, reset by each case)
     counter: zf.CommCounter | None = None
@@ -53,7 +53,8 @@ class _Probe(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         if _Probe.counter is not None:
-            _Probe.seen.append(_Probe.counter.by_collective.get("all_reduce", 0))
+            by = _Probe.counter.by_collective
+            _Probe.seen.append(sum(by.get(k, 0) for k in ("all_to_all", "all_reduce", "reduce_scatter")))
         return g
 
 

@@ -34,7 +34,7 @@ def _train(placement, *, stage=2, precision=None, comm_dtype=torch.float64, hybr
     """AdamW on Net with layer drop and a never-used layer; returns the gathered params."""
     torch.manual_seed(seeded(0))
     params = {n: p.detach().clone() for n, p in Net().named_parameters()}
-    group, replicas = zf._comm.grid_groups(None, 2) if hybrid else (None, None)
+    group, replicas = zf._comm_setup.grid_groups(None, 2) if hybrid else (None, None)
     if precision is not None:
         params = {n: p.to(precision.param_dtype) for n, p in params.items()}
     state = zf.shard_params(params, zf.optim.adamw(lr=1e-2), group, precision=precision, placement=placement)

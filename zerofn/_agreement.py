@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from zerofn import _comm as comm
+from zerofn import _comm_setup as comm_setup
 from zerofn import _traced
 from zerofn.layout import ShardLayout, layout_by_fingerprint
 
@@ -247,7 +248,7 @@ def _settle_agreement(
         "settings": dict(settings),
         "failure": None if failure is None else f"{type(failure).__name__}: {failure}",
     }
-    everyone = comm.all_gather_objects(mine, group)
+    everyone = comm_setup.all_gather_objects(mine, group)
     if failure is not None:
         raise failure
     failed = [(r, e["failure"]) for r, e in enumerate(everyone) if e["failure"] is not None]

@@ -11,20 +11,22 @@ sum over ranks of its own row of a ``(world_size, S)`` buffer: a reduce-scatter)
 *gather of rows* (every rank ends with all ranks' rows: an all-gather). Each can be
 realised in more than one way, and which is fastest depends on the backend:
 
-=================  ==========================  =====================================
-collective         realisation                 bytes each rank sends (ring / flat)
-=================  ==========================  =====================================
-sum of rows        ``reduce_scatter``          (N-1)/N * N*S * b
-sum of rows        ``all_reduce`` + own row    2(N-1)/N * N*S * b
-gather of rows     ``all_gather``              (N-1)/N * N*S * b
-gather of rows     ``broadcast`` (one per rank) (N-1) * S * b  (as root of its own row)
-=================  ==========================  =====================================
+=================  ============================  =====================================
+collective         realisation                   bytes each rank sends (ring / flat)
+=================  ============================  =====================================
+sum of rows        ``reduce_scatter``            (N-1)/N * N*S * b
+sum of rows        ``all_to_all`` + rank-order   (N-1) * S * b
+sum of rows        ``all_reduce`` + own row      2(N-1)/N * N*S * b
+gather of rows     ``all_gather``                (N-1)/N * N*S * b
+gather of rows     ``broadcast`` (one per rank)  (N-1) * S * b  (as root of its own row)
+=================  ============================  =====================================
 
 NCCL implements reduce-scatter and all-gather natively and they are byte-optimal, so
-``CommPolicy()`` picks them there. gloo's reduce-scatter and all-gather are slower than
-its all-reduce and broadcast (the figures: docs/functional-loop.md), so on gloo the
-default policy sends more bytes in less time. Pass
-``CommPolicy.byte_optimal()`` to force the byte-optimal pair anywhere.
+``CommPolicy()`` picks them there. gloo runs its reduce-scatter, all-reduce and
+all-gather in several steps (each a round of thread wake-ups) and its all-to-all and
+broadcasts in one (the figures: docs/functional-loop.md), so on gloo the default policy
+sends the same bytes through those. ``CommPolicy.byte_optimal()`` forces reduce-scatter
++ all-gather anywhere.
 
 Bytes
 -----
@@ -49,14 +51,9 @@ __all__ = [
     "CommPolicy",
     "Pending",
     "all_gather_ints",
-    "all_gather_objects",
     "all_reduce_scalars",
-    "barrier",
-    "broadcast_object",
-    "broadcast_tensors_",
     "exchange_rows",
     "gather_rows",
-    "grid_groups",
     "group_from_name",
     "group_name",
     "group_rank",
@@ -131,18 +128,24 @@ class CommPolicy:
     """How the two bucket collectives are realised.
 
     Attributes:
-      reduce: ``"reduce_scatter"``, ``"all_reduce"`` or ``"auto"`` (reduce-scatter on
-        NCCL and other backends, all-reduce on gloo).
+      reduce: ``"reduce_scatter"``, ``"all_to_all"``, ``"all_reduce"`` or ``"auto"``
+        (reduce-scatter on NCCL and other backends, all-to-all on gloo). ``"all_to_all"``
+        hands each rank its row of every rank's bucket in one exchange and the owner adds
+        the ``N`` rows in rank order: the bytes of a reduce-scatter, in one step; gloo's
+        own reduce-scatter and all-reduce take several steps, each a round of thread
+        wake-ups, and are slower at every bucket size.
       gather: ``"all_gather"``, ``"broadcast"`` or ``"auto"`` (all-gather on NCCL and
         other backends, one broadcast per rank on gloo).
     """
 
-    reduce: Literal["auto", "reduce_scatter", "all_reduce"] = "auto"
+    reduce: Literal["auto", "reduce_scatter", "all_to_all", "all_reduce"] = "auto"
     gather: Literal["auto", "all_gather", "broadcast"] = "auto"
 
     def __post_init__(self) -> None:
-        if self.reduce not in ("auto", "reduce_scatter", "all_reduce"):
-            raise ValueError(f"CommPolicy.reduce must be auto, reduce_scatter or all_reduce, got {self.reduce!r}")
+        if self.reduce not in ("auto", "reduce_scatter", "all_to_all", "all_reduce"):
+            raise ValueError(
+                f"CommPolicy.reduce must be auto, reduce_scatter, all_to_all or all_reduce, got {self.reduce!r}"
+            )
         if self.gather not in ("auto", "all_gather", "broadcast"):
             raise ValueError(f"CommPolicy.gather must be auto, all_gather or broadcast, got {self.gather!r}")
 
@@ -154,7 +157,7 @@ class CommPolicy:
     def resolve(self, group: Group) -> tuple[str, str]:
         """The concrete ``(reduce, gather)`` realisations for ``group``'s backend."""
         gloo = dist.get_backend(group) == "gloo"
-        reduce = self.reduce if self.reduce != "auto" else ("all_reduce" if gloo else "reduce_scatter")
+        reduce = self.reduce if self.reduce != "auto" else ("all_to_all" if gloo else "reduce_scatter")
         gather = self.gather if self.gather != "auto" else ("broadcast" if gloo else "all_gather")
         return reduce, gather
 
@@ -206,7 +209,7 @@ def sum_rows(rows: torch.Tensor, group: Group, how: str, *, async_op: bool = Fal
       rows: ``(world_size, S)`` contiguous buffer, any floating dtype. It is consumed:
         the all-reduce realisation writes the sum into it.
       group: the process group, ``None`` for the default.
-      how: ``"reduce_scatter"`` or ``"all_reduce"`` (see :class:`CommPolicy`).
+      how: ``"reduce_scatter"``, ``"all_to_all"`` or ``"all_reduce"`` (see :class:`CommPolicy`).
       async_op: launch and return at once; ``wait()`` on the result.
       whole: keep every row of the sum (the all-reduce realisation only).
 
@@ -214,7 +217,11 @@ def sum_rows(rows: torch.Tensor, group: Group, how: str, *, async_op: bool = Fal
       A :class:`Pending` whose ``wait()`` gives the ``(S,)`` sum of row ``rank`` over all
       ranks, in ``rows.dtype`` (with ``whole``: the ``(N, S)`` sum, ``rows`` itself).
 
-    Collectives: one ``reduce_scatter`` or one ``all_reduce`` of ``N*S`` elements.
+    The all-to-all realisation adds the ``N`` rows it receives in rank order, one add at a
+    time, into ``rows[rank]`` (sent by then): the same bits on every rank and in a compiled
+    step; at ``N = 2`` the bits of an all-reduce (one add, which commutes).
+
+    Collectives: one ``reduce_scatter``, ``all_to_all_single`` or ``all_reduce`` of ``N*S`` elements.
     """
     n, s = rows.shape
     rank = group_rank(group)
@@ -230,11 +237,24 @@ def sum_rows(rows: torch.Tensor, group: Group, how: str, *, async_op: bool = Fal
         handle = _reduce_scatter_flat(out, rows.view(-1), group=group, async_op=async_op)
         record("reduce_scatter", ring_share(n, n * s, elem))
         return Pending([handle], lambda: out)
+    if how == "all_to_all":
+        received = torch.empty_like(rows)
+        handle = dist.all_to_all_single(received.view(-1), rows.view(-1), group=group, async_op=async_op)
+        record("all_to_all", ring_share(n, n * s, elem))
+        return Pending([handle], lambda: _rank_order_sum(received, out=rows[rank]))
     if how == "all_reduce":
         handle = dist.all_reduce(rows, group=group, async_op=async_op)
         record("all_reduce", 2 * ring_share(n, n * s, elem))
         return Pending([handle], (lambda: rows) if whole else (lambda: rows[rank]))
     raise ValueError(f"unknown reduce realisation {how!r}")
+
+
+def _rank_order_sum(rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``rows[0] + rows[1] + ... + rows[N-1]``, one add at a time (into ``out`` when given)."""
+    total = torch.add(rows[0], rows[1], out=out) if out is not None else rows[0] + rows[1]
+    for r in range(2, rows.shape[0]):
+        total = total.add_(rows[r]) if out is not None else total + rows[r]
+    return total
 
 
 def _functional_group(group: Group) -> dist.ProcessGroup:
@@ -256,6 +276,10 @@ def _sum_rows_traced(rows: torch.Tensor, group: Group, how: str, rank: int, whol
     n, name = rows.shape[0], _functional_group(group).group_name
     if how == "reduce_scatter":
         return _launched(_c10d.reduce_scatter_tensor(rows.reshape(-1), "sum", n, name))
+    if how == "all_to_all":
+        splits = [rows.shape[1]] * n
+        received = _c10d.all_to_all_single(rows.reshape(-1), splits, splits, name)
+        return _launched(received, lambda t: _rank_order_sum(t.view(n, -1)))
     if how == "all_reduce":
         summed = _c10d.all_reduce(rows, "sum", name)
         return _launched(summed) if whole else _launched(summed, lambda t: t[rank])
@@ -360,41 +384,32 @@ def _gather_rows_traced(
     raise ValueError(f"unknown gather realisation {how!r}")
 
 
-def grid_groups(group: Group, rows: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """This rank's (row group, column group) of ``group``'s ranks read as a ``rows x N/rows`` grid.
-
-    Ranks in group order fill the grid row by row. Group creation is collective: every
-    rank of ``group`` creates every group, in the same order, so all must call this.
-    ``N`` must be divisible by ``rows`` (the caller checks, with its own message).
-    """
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-    width = len(ranks) // rows
-    grid = [ranks[i * width : (i + 1) * width] for i in range(rows)]
-    me = dist.get_rank()
-    row_group = col_group = None
-    for members in grid:
-        g = dist.new_group(members)
-        row_group = g if me in members else row_group
-    for members in ([row[j] for row in grid] for j in range(width)):
-        g = dist.new_group(members)
-        col_group = g if me in members else col_group
-    assert row_group is not None and col_group is not None  # this rank is in `group`
-    return row_group, col_group
-
-
 def all_reduce_scalars(values: torch.Tensor, op: str, group: Group) -> torch.Tensor:
     """All-reduce a small 1-D tensor (norms, flags) with ``op`` in ``{"sum", "max"}``.
 
-    Returns a new tensor; ``values`` is not changed. Collectives: one ``all_reduce``.
+    Returns a new tensor; ``values`` is not changed. On gloo every rank's values are
+    all-gathered and added in rank order, one add at a time (or their maximum taken): one
+    step where gloo's all-reduce takes several, and the same bits on every rank, eagerly
+    and compiled. Collectives: one ``all_reduce`` (gloo: one ``all_gather``).
     """
     n = group_size(group)
-    if n > 1 and tracing():
-        return funcol.wait_tensor(funcol.all_reduce(values, op, _functional_group(group)))
+    if n == 1:
+        return values.clone()
+    gathered = dist.get_backend(group) == "gloo"
+    if tracing():
+        if not gathered:
+            return funcol.wait_tensor(funcol.all_reduce(values, op, _functional_group(group)))
+        rows = funcol.wait_tensor(funcol.all_gather_tensor(values, 0, _functional_group(group))).view(n, -1)
+        return _rank_order_sum(rows) if op == "sum" else rows.amax(0)
+    if gathered:
+        rows = torch.empty(n, values.numel(), dtype=values.dtype, device=values.device)
+        _all_gather_flat(rows.view(-1), values, group=group)
+        record("scalars", ring_share(n, rows.numel(), rows.element_size()))
+        return _rank_order_sum(rows) if op == "sum" else rows.amax(0)
     out = values.clone()
-    if n > 1:
-        reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
-        dist.all_reduce(out, op=reduce_op, group=group)
-        record("scalars", 2 * ring_share(n, out.numel(), out.element_size()))
+    reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+    dist.all_reduce(out, op=reduce_op, group=group)
+    record("scalars", 2 * ring_share(n, out.numel(), out.element_size()))
     return out
 
 
@@ -423,62 +438,6 @@ def launch_gather_ints(values: list[int], group: Group, device: torch.device | s
     return Pending([handle], lambda: out)
 
 
-def all_gather_objects(obj: object, group: Group) -> list[object]:
-    """Every rank's picklable ``obj``. Slow; only used to explain an error already found."""
-    out: list[object] = [None] * group_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
-
-
-def broadcast_object(obj: object, group: Group, src: int = 0) -> object:
-    """Group rank ``src``'s picklable ``obj`` on every rank (e.g. a checkpoint's temp name)."""
-    box = [obj]
-    global_src = src if group is None else dist.get_global_rank(group, src)
-    dist.broadcast_object_list(box, src=global_src, group=group)
-    return box[0]
-
-
-# Elements per flat buffer of broadcast_tensors_ (2**26: 256 MiB in float32, as DDP's
-# 250 MB broadcast buckets at construction).
-BROADCAST_NUMEL = 2**26
-
-
-def broadcast_tensors_(tensors: list[torch.Tensor], group: Group, src: int = 0) -> None:
-    """Overwrite ``tensors`` on every rank with group rank ``src``'s values, in place.
-
-    Tensors of one dtype and device travel flattened in buffers of at most
-    ``BROADCAST_NUMEL`` elements (params and buffers of a model: a few broadcasts in all,
-    whatever their number; the extra memory is one such buffer). Every rank must pass
-    tensors of the same shapes and dtypes in the same order (the caller checks first).
-
-    Collectives: one ``broadcast`` per (dtype, device) and ``BROADCAST_NUMEL`` elements;
-    none for a group of one.
-    """
-    n = group_size(group)
-    if n == 1 or not tensors:
-        return
-    global_src = src if group is None else dist.get_global_rank(group, src)
-    kinds: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for t in tensors:
-        if t.numel():
-            kinds.setdefault((t.dtype, t.device), []).append(t)
-    chunks: list[list[torch.Tensor]] = []
-    for members in kinds.values():  # flat buffers of at most BROADCAST_NUMEL elements (a bigger tensor alone)
-        chunk: list[torch.Tensor] = []
-        for t in members:
-            if chunk and sum(c.numel() for c in chunk) + t.numel() > BROADCAST_NUMEL:
-                chunks.append(chunk)
-                chunk = []
-            chunk.append(t)
-        chunks.append(chunk)
-    for members in chunks:
-        flat = torch.cat([t.detach().reshape(-1) for t in members])
-        dist.broadcast(flat, src=global_src, group=group)
-        record("broadcast", (n - 1) * flat.numel() * flat.element_size() if group_rank(group) == src else 0)
-        for t, piece in zip(members, flat.split([t.numel() for t in members]), strict=True):
-            t.detach().copy_(piece.view(t.shape))
-
-
 def exchange_rows(rows: torch.Tensor, group: Group) -> Pending:
     """Send row ``k`` of ``(N - 1, W)`` uint8 ``rows`` to the k-th other rank (rank order,
     this rank left out); ``wait()`` gives the ``(N - 1, W)`` rows received, by source rank.
@@ -496,9 +455,3 @@ def exchange_rows(rows: torch.Tensor, group: Group) -> Pending:
     handle = dist.all_to_all_single(received.view(-1), rows.view(-1), splits, splits, group=group, async_op=True)
     record("all_to_all", rows.numel())
     return Pending([handle], lambda: received)
-
-
-def barrier(group: Group) -> None:
-    """Wait until every rank of ``group`` arrives."""
-    if group_size(group) > 1:
-        dist.barrier(group=group)

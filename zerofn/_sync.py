@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from zerofn import _comm as comm
+from zerofn import _comm_setup as comm_setup
 from zerofn._agreement import RankMismatchError, text_hash
 from zerofn.layout import ShardLayout
 
@@ -46,8 +47,8 @@ def broadcast_(tensors: Sequence[torch.Tensor], group: comm.Group, replicate_gro
     (dtype, device) over ``replicate_group`` (if given), then the same over ``group``.
     """
     if replicate_group is not None:
-        comm.broadcast_tensors_(list(tensors), replicate_group)
-    comm.broadcast_tensors_(list(tensors), group)
+        comm_setup.broadcast_tensors_(list(tensors), replicate_group)
+    comm_setup.broadcast_tensors_(list(tensors), group)
 
 
 def broadcast_params(
@@ -122,7 +123,7 @@ def check_structure_agrees(
         if bool((table == table[0]).all()):
             continue
         listing = [(n, tuple(t.shape), str(t.dtype)) for n, t in tensors.items()]
-        everyone = comm.all_gather_objects(listing, g)
+        everyone = comm_setup.all_gather_objects(listing, g)
         for r, other in enumerate(everyone[1:], start=1):
             if other != everyone[0]:
                 width = max(len(other), len(everyone[0]))
@@ -168,7 +169,7 @@ def check_values_agree(layout: ShardLayout, params: Mapping[str, torch.Tensor], 
     table = comm.all_gather_ints([layout.fingerprint_int, text_hash(repr(sums))], group, device=device)
     if not bool((table[:, 0] == table[0, 0]).all()) or bool((table[:, 1] == table[0, 1]).all()):
         return
-    everyone: list = comm.all_gather_objects(sums, group)
+    everyone: list = comm_setup.all_gather_objects(sums, group)
     for r, other in enumerate(everyone[1:], start=1):
         for i, name in enumerate(layout.names):
             if other[i] != everyone[0][i]:

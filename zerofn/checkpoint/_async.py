@@ -53,6 +53,7 @@ import torch
 
 from zerofn import _comm as comm
 from zerofn import _comm_dcp as comm_dcp
+from zerofn import _comm_setup as comm_setup
 from zerofn._comm import Group
 from zerofn.checkpoint._errors import CheckpointError
 from zerofn.checkpoint._format import commit, write_meta
@@ -258,7 +259,7 @@ def start(
                 mine: str | None = None
             except BaseException as e:
                 mine = _why(e, rank)
-            verdicts = comm.all_gather_objects(mine, side)
+            verdicts = comm_setup.all_gather_objects(mine, side)
             bad = next((why for why in verdicts if why is not None), None)
             if rank == 0:  # commits, or removes the partial directory, before the others hear of it
                 if bad is None:
@@ -268,10 +269,10 @@ def start(
                         bad = _why(e, rank)
                 if bad is not None:
                     abandon()
-            bad = comm.broadcast_object(bad, side)
+            bad = comm_setup.broadcast_object(bad, side)
             error = None if bad is None else describe(str(bad))
             if replicas is not None:  # this rank's replicas learn the outcome
-                comm.broadcast_object(None if error is None else str(error), replicas)
+                comm_setup.broadcast_object(None if error is None else str(error), replicas)
             if error is not None:
                 raise error
             handle._future.set_result(target)
@@ -337,14 +338,14 @@ def save(
     side = comm_dcp.side_group(group)
     error = None
     if comm.all_reduce_scalars(torch.tensor([float(mine is not None)]), "max", side).item():
-        bad = [why for why in comm.all_gather_objects(mine, side) if why is not None]
+        bad = [why for why in comm_setup.all_gather_objects(mine, side) if why is not None]
         error = CheckpointError(
             f"{path}: staging the checkpoint in CPU memory failed ({'; '.join(bad)}), so no rank saved; "
             f"{path} still points at the previous checkpoint"
         )
     replicas = None if replicate_group is None else comm_dcp.side_group(replicate_group)
     if replicas is not None:
-        comm.broadcast_object((target, None if error is None else str(error)), replicas)
+        comm_setup.broadcast_object((target, None if error is None else str(error)), replicas)
     if error is not None:
         raise error
 
@@ -390,14 +391,14 @@ def replica(path: str, group: Group, replicate_group: Group) -> PendingCheckpoin
     the staging verdict), one in the background (the outcome).
     """
     replicas = comm_dcp.side_group(replicate_group)
-    target, staging_error = comm.broadcast_object(None, replicas)  # type: ignore[misc]
+    target, staging_error = comm_setup.broadcast_object(None, replicas)  # type: ignore[misc]
     if staging_error is not None:
         raise CheckpointError(staging_error)
     handle = PendingCheckpoint(path, target, 0, comm_dcp.group_key(group))
 
     def finish() -> None:
         try:
-            error = comm.broadcast_object(None, replicas)
+            error = comm_setup.broadcast_object(None, replicas)
             if error is not None:
                 raise CheckpointError(error)
             handle._future.set_result(target)

@@ -21,6 +21,7 @@ import torch
 
 from zerofn import _comm as comm
 from zerofn import _comm_dcp as comm_dcp
+from zerofn import _comm_setup as comm_setup
 from zerofn import lowbit
 from zerofn._comm import Group
 from zerofn.checkpoint import _async, _extras
@@ -240,7 +241,7 @@ def save(
         # once the checkpoint is committed, with the directory it went to.
         if async_save:
             return _async.replica(os.path.abspath(os.fspath(path)), group, replicate_group)
-        return str(comm.broadcast_object(None, replicate_group))
+        return str(comm_setup.broadcast_object(None, replicate_group))
     path = os.path.abspath(os.fspath(path))
     if os.path.isdir(path) and not os.path.islink(path):
         raise CheckpointError(f"{path} is a plain directory; zerofn manages checkpoint paths as symlinks")
@@ -248,7 +249,7 @@ def save(
     payload = _extras.capture(extra, rng, group, "zerofn.checkpoint.save", safe_globals)
     layout = state.layout
     rank = comm.group_rank(group)
-    token = comm.broadcast_object(uuid.uuid4().hex[:12] if rank == 0 else None, group)
+    token = comm_setup.broadcast_object(uuid.uuid4().hex[:12] if rank == 0 else None, group)
     target = f"{path}.{token}"
     mesh = comm_dcp.device_mesh(group, state.state_device.type)
     sd, kinds, master_dtypes = _rank_entries(state, rank, mesh)
@@ -262,7 +263,7 @@ def save(
         sd[f"buffer/{name}"] = t.detach()
     if layout.has_whole:  # rank 0 writes the metadata: it learns the owners' kinds and dtypes
         owned = {n: (kinds[n], master_dtypes[n]) for n in layout.owners if n in kinds}
-        for theirs in comm.all_gather_objects(owned, group):
+        for theirs in comm_setup.all_gather_objects(owned, group):
             for n, (k, d) in theirs.items():  # type: ignore[union-attr]
                 kinds[n], master_dtypes[n] = k, d
     if async_save:  # the extras were captured (deep copies) above: written in the background as they were
@@ -292,11 +293,11 @@ def save(
             state, kinds, master_dtypes, model, buffer_meta(buffers), **entries, residual=tuple(rows)
         )
         write_meta(target, manifest.to_json())
-    comm.barrier(group)
+    comm_setup.barrier(group)
     _before_commit()
     if rank == 0:
         commit(path, target)
-    comm.barrier(group)
+    comm_setup.barrier(group)
     if replicate_group is not None:
-        comm.broadcast_object(target, replicate_group)  # release the replicas: the checkpoint is committed
+        comm_setup.broadcast_object(target, replicate_group)  # release the replicas: the checkpoint is committed
     return target

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from zerofn import _comm as comm
+from zerofn import _comm_setup as comm_setup
 from zerofn._comm import Group
 
 __all__ = ["CheckpointError", "raise_alike"]
@@ -23,7 +24,9 @@ def raise_alike(failure: Exception | None, groups: tuple[Group, ...], where: str
     for group in groups:
         if comm.group_size(group) == 1:
             continue
-        everyone = comm.all_gather_objects(None if failure is None else f"{type(failure).__name__}: {failure}", group)
+        everyone = comm_setup.all_gather_objects(
+            None if failure is None else f"{type(failure).__name__}: {failure}", group
+        )
         if failure is not None:
             raise failure
         bad = next(((r, why) for r, why in enumerate(everyone) if why is not None), None)

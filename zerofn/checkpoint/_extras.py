@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from zerofn import _comm as comm
+from zerofn import _comm_setup as comm_setup
 from zerofn._comm import Group
 from zerofn.checkpoint._errors import CheckpointError
 from zerofn.checkpoint._format import EXTRAS_FORMAT
@@ -144,7 +145,7 @@ def capture(
     except Exception as e:
         failure = f"{type(e).__name__}: {e}"
     mine = (failure, digests, sorted(pickled))
-    everyone: list[Any] = [mine] if comm.group_size(group) == 1 else comm.all_gather_objects(mine, group)
+    everyone: list[Any] = [mine] if comm.group_size(group) == 1 else comm_setup.all_gather_objects(mine, group)
     bad = next(((r, why) for r, (why, _, _) in enumerate(everyone) if why is not None), None)
     if bad is not None:
         raise CheckpointError(f"{where}: rank {bad[0]} could not save its extras ({bad[1]}), so no rank saved")
@@ -290,7 +291,9 @@ def apply(restore: ToRestore, extra: Mapping[str, Any] | None, group: Group, whe
             failure = CheckpointError(f"extra[{key!r}].load_state_dict failed: {type(e).__name__}: {e}")
             failure.__cause__ = e
             break
-    everyone = [failure is None] if comm.group_size(group) == 1 else comm.all_gather_objects(failure is None, group)
+    everyone = (
+        [failure is None] if comm.group_size(group) == 1 else comm_setup.all_gather_objects(failure is None, group)
+    )
     if not all(everyone):
         unrestored = []
         for key, state in kept.items():

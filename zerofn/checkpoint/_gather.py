@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from zerofn import _comm as comm
+from zerofn import _comm_setup as comm_setup
 from zerofn import lowbit
 from zerofn._comm import Group
 from zerofn._offsets import plan_buckets
@@ -65,7 +66,7 @@ def gather_quantized(
         for k, v in e.items()
         if lowbit.is_quantized(v)
     }
-    everyone = comm.all_gather_objects(mine, group)
+    everyone = comm_setup.all_gather_objects(mine, group)
     out = {}
     for n, k in mine:
         dtype = entries[n][k].codes.dtype
@@ -95,7 +96,7 @@ def gather_whole(
     }
     masters: dict[str, torch.Tensor] = {}
     states: dict[str, dict[str, Any]] = {}
-    for theirs in comm.all_gather_objects(mine, group):
+    for theirs in comm_setup.all_gather_objects(mine, group):
         for name, (master, entry) in theirs.items():  # type: ignore[union-attr]
             masters[name] = master
             if entry:

@@ -98,8 +98,8 @@ def format_report(r: dict[str, Any]) -> str:
     lines.append(f"  time per step    zerofn {r['ms_per_step']:.2f} ms, DDP {r['ddp_ms_per_step']:.2f} ms (median)")
     if n > 1 and r["reduce"] != "reduce_scatter" and r["comm"] == "auto":
         lines.append(
-            f"  (on gloo zerofn reduces with {r['reduce']} and gathers with {r['gather']}: more\n"
-            "   bytes, less time; --comm byte-optimal uses reduce_scatter + all_gather)"
+            f"  (on gloo zerofn reduces with {r['reduce']} and gathers with {r['gather']}, gloo's\n"
+            "   fastest; --comm byte-optimal uses reduce_scatter + all_gather)"
         )
     return "\n".join(lines)
 

@@ -3,7 +3,8 @@
 Each run's ``step(micro_batches)`` is one optimizer step of its API, written as you would
 write it in your own loop; it returns (the step's loss, whether the step was skipped):
 
-* :class:`FunctionalRun`: zerofn's four stage functions, the state threaded by hand;
+* :class:`FunctionalRun`: zerofn's stage functions, the state threaded by hand (one
+  micro-batch: ``value_and_reduced_grads``, the gradient and its reduction in one call);
 * :class:`FacadeRun`: ``zf.ZeroOptimizer`` wrapping ``torch.optim.AdamW``;
 * :class:`DDPRun`: the reference, DDP + ``torch.optim.AdamW``.
 
@@ -168,30 +169,42 @@ class FunctionalRun:
             return zf.scale_loss(loss, scale), loss.detach()  # (what to differentiate, aux)
 
         self.grad_fn = torch.func.grad(loss_fn, has_aux=True)  # -> (grads dict like p, loss)
+        # One micro-batch: the loss and this rank's reduced shards in one call, each bucket
+        # sent while the backward still runs (the same shards as reduce_grads of grad_fn's).
+        self.value_and_grads = zf.value_and_reduced_grads(
+            loss_fn, self.state.layout, group, cfg.stage, has_aux=True, comm_policy=comm, precision=self.state.precision
+        )  # -> ((scaled loss, loss), shards)
 
     def step(self, micro_batches: Sequence[Batch]) -> tuple[float, bool]:
-        """One step of the four stage functions; the micro-batch gradients summed locally first."""
-        k, grads, loss = len(micro_batches), None, 0.0
-        with self.sent.count(accumulating=True):  # summing micro-batches is local: nothing is sent
-            for xb, yb in micro_batches:
-                g, micro_loss = self.grad_fn(self.params, xb, yb, self.state.loss_scale, k)
-                grads = g if grads is None else {n: grads[n] + g[n] for n in grads}
-                loss += float(micro_loss)
+        """One step of the four stage functions; several micro-batches' gradients summed locally first."""
+        loss, gshards = self._reduced(micro_batches)  # the mean gradient over ranks, this rank's shards only
         with self.sent.count():
-            gshards = zf.reduce_grads(
-                grads,
-                self.state.layout,
-                self.group,
-                stage=self.stage,
-                comm_policy=self.comm,
-                precision=self.state.precision,
-            )  # the mean gradient over ranks, this rank's shards only
             self.state, info = zf.step_shards(self.state, gshards, self.group, max_norm=self.max_norm)
             if not info.skipped:  # a skipped step (fp16 overflow) changed no shard: nothing to gather
                 self.params = zf.gather_params(
                     self.state, self.group, comm_policy=self.comm
                 )  # full, equal on all ranks
         return loss, info.skipped
+
+    def _reduced(self, micro_batches: Sequence[Batch]) -> tuple[float, Any]:
+        """(the step's loss, this rank's mean-gradient shards) over ``micro_batches``."""
+        k, scale = len(micro_batches), self.state.loss_scale
+        if k == 1:
+            with self.sent.count():
+                (_, loss), gshards = self.value_and_grads(self.params, *micro_batches[0], scale, 1)
+            return float(loss), gshards
+        grads, loss = None, 0.0
+        with self.sent.count(accumulating=True):  # summing micro-batches is local: nothing is sent
+            for xb, yb in micro_batches:
+                g, micro_loss = self.grad_fn(self.params, xb, yb, scale, k)
+                grads = g if grads is None else {n: grads[n] + g[n] for n in grads}
+                loss += float(micro_loss)
+        with self.sent.count():
+            precision = self.state.precision
+            gshards = zf.reduce_grads(
+                grads, self.state.layout, self.group, stage=self.stage, comm_policy=self.comm, precision=precision
+            )
+        return loss, gshards
 
     def named_params(self) -> dict[str, torch.Tensor]:
         """The full params now (equal on every rank)."""

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from zerofn import _comm as comm
+from zerofn import _comm_setup as comm_setup
 from zerofn import optim, torch_optim
 from zerofn.precision import (
     DynamicLossScaler,
@@ -202,7 +203,7 @@ def hybrid_groups(
     size = comm.group_size(dp_group)
     if size % sub_dp_size:
         raise ValueError(f"ZeroOptimizer: sub_dp_size={sub_dp_size} does not divide the {size} data-parallel ranks")
-    return comm.grid_groups(dp_group, sub_dp_size)
+    return comm_setup.grid_groups(dp_group, sub_dp_size)
 
 
 def _torch_named_groups(

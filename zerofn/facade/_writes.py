@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from zerofn import _comm as comm
+from zerofn import _comm_setup as comm_setup
 from zerofn.facade._entry import EntryGuard
 from zerofn.facade._guards import ParamGuard, adopt_params, byte_report, byte_verdict, params_verdict
 from zerofn.state import ZeroState
@@ -71,7 +72,7 @@ class ParamWrites:
         flag = torch.tensor([0.0 if report is None else 1.0], dtype=torch.float64, device=state.work_device)
         if float(comm.all_reduce_scalars(flag, "max", self._group)[0]) == 0.0:
             return state
-        reports = comm.all_gather_objects(report, self._group)
+        reports = comm_setup.all_gather_objects(report, self._group)
         adopt = params_verdict(reports, state.layout.names, where)  # type: ignore[arg-type]
         state = adopt_params(state, self._params, adopt)
         self._guard.record()
@@ -87,7 +88,7 @@ class ParamWrites:
         """
         self._entry.join("check_params")  # a collective: every rank must call it (bounded wait)
         self._wait_params()
-        reports = comm.all_gather_objects(byte_report(state, self._params), self._group)
+        reports = comm_setup.all_gather_objects(byte_report(state, self._params), self._group)
         adopt = byte_verdict(reports, state.layout.names)  # type: ignore[arg-type]
         state = adopt_params(state, self._params, adopt)
         self._guard.record()

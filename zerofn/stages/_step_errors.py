@@ -18,6 +18,7 @@ import torch
 from zerofn import _agreement as agreement
 from zerofn import _checks as checks
 from zerofn import _comm as comm
+from zerofn import _comm_setup as comm_setup
 from zerofn import _traced, flat
 from zerofn._comm import Group
 from zerofn.layout import live_layout
@@ -84,7 +85,7 @@ def traced_verdict(
     failure: Exception | None,
     veto: object,
     total: torch.Tensor,
-    agreement: tuple[int, str] | None,
+    confirm: tuple[int, str] | None,
 ) -> torch.Tensor:
     """A compiled step's verdict on the all-reduced scalars, without a host sync; ``total`` as
     the verdict passed it (decide from this, so the update follows the verdict by data).
@@ -92,7 +93,7 @@ def traced_verdict(
     The local checks ran once, at trace time (shapes and dtypes are static); their
     verdict rides in the scalar all-reduce as eagerly, and :func:`zerofn._traced.verdict`
     raises the eager errors on every rank when a rank rejected its input, when the
-    agreement terms (``agreement``: the group size and the all-reduce's op; ``None``
+    agreement terms (``confirm``: the group size and the all-reduce's op; ``None``
     when none were sent) say the ranks' layouts or bucket sizes differ, or, with
     ``nonfinite="raise"``, when a gradient is not finite. The shards the handler names
     non-finite ones from are flat, one tensor per run of the buffers (so the graph does not
@@ -109,7 +110,7 @@ def traced_verdict(
         state.layout.fingerprint,
         "\0".join(names),
         is_flat,
-        agreement,
+        confirm,
         state.bucket_numel,
     )
     return _traced.verdict(total, "step_shards", desc, tensors)
@@ -127,20 +128,20 @@ def _settle_step(
     fingerprint: str,
     joined_names: str,
     is_flat: bool,
-    agreement: tuple[int, str] | None,
+    confirm: tuple[int, str] | None,
     bucket_numel: int,
 ) -> None:
     """A compiled ``step_shards``' verdict on the all-reduced scalars: return, or raise the eager error everywhere.
 
     ``shards``: one per name (``joined_names``, NUL-separated), or when ``is_flat`` one per
     run of the rank's flat layout under the layout with ``fingerprint`` (cut into its
-    members' shards; a loose tensor is one name). ``agreement``: ``(n, op)`` of the
+    members' shards; a loose tensor is one name). ``confirm``: ``(n, op)`` of the
     agreement terms after the first three scalars, or ``None``.
     """
     group = comm.group_from_name(group_name)
     if total[2] > 0:
         raise_rejected(None if failure is None else _traced.rebuild_failure(failure), group, veto)
-    if agreement is not None and not agreement.agreement_holds(total[3:].tolist(), *agreement):
+    if confirm is not None and not agreement.agreement_holds(total[3:].tolist(), *confirm):
         agreement.check_ranks_agree(
             live_layout(fingerprint), group, "step_shards", settings={"bucket_numel": bucket_numel}
         )
@@ -173,7 +174,7 @@ class StepVetoed(RuntimeError):
 
 def raise_rejected(failure: Exception | None, group: Group, veto: object = None) -> None:
     """Every rank: some rank found its ``step_shards`` input invalid or vetoed; all raise, none changed state."""
-    everyone = comm.all_gather_objects(
+    everyone = comm_setup.all_gather_objects(
         (None if failure is None else f"{type(failure).__name__}: {failure}", veto), group
     )
     if failure is not None:
@@ -199,7 +200,7 @@ def raise_nonfinite(state: ZeroState, grad_shards: Mapping[str, torch.Tensor], g
 def _raise_nonfinite_names(
     rank: int, layout_names: tuple[str, ...], grad_shards: Mapping[str, torch.Tensor], group: Group
 ) -> None:
-    everyone = comm.all_gather_objects(nonfinite_grad_names(grad_shards), group)
+    everyone = comm_setup.all_gather_objects(nonfinite_grad_names(grad_shards), group)
     where = {
         name: [r for r, names in enumerate(everyone) if name in names]  # type: ignore[operator]
         for name in layout_names
