@@ -25,8 +25,8 @@ WIRES = ("working", "fp64")
 # How far zerofn's params may be from DDP's, as "max rel diff" (per tensor max|a - b| /
 # max|b|, the worst tensor on the worst rank). At 1 and 2 ranks without clipping the two
 # runs are bitwise equal in every dtype (the same local gradients; a sum of two addends
-# has one order). At 3+ ranks gloo adds each element's addends in an order that depends on
-# where it sits in the bucket, and DDP's buckets differ from zerofn's rank-major ones: some
+# has one order). At 3+ ranks zerofn adds each element's addends in rank order and DDP's
+# gloo all-reduce in an order that depends on where the element sits in its bucket: some
 # gradient elements differ by one rounding of the working dtype, AdamW turns that into
 # slightly different updates (a near-zero gradient sum can even change sign), and the
 # params drift apart slowly. The bounds hold for runs of up to a few hundred steps (the
