@@ -133,7 +133,8 @@ class CommPolicy:
         hands each rank its row of every rank's bucket in one exchange and the owner adds
         the ``N`` rows in rank order: the bytes of a reduce-scatter, in one step; gloo's
         own reduce-scatter and all-reduce take several steps, each a round of thread
-        wake-ups, and are slower at every bucket size.
+        wake-ups, and were slower from a few scalars to 16 MiB buckets
+        (docs/functional-loop.md).
       gather: ``"all_gather"``, ``"broadcast"`` or ``"auto"`` (all-gather on NCCL and
         other backends, one broadcast per rank on gloo).
     """
@@ -207,7 +208,7 @@ def sum_rows(rows: torch.Tensor, group: Group, how: str, *, async_op: bool = Fal
 
     Args:
       rows: ``(world_size, S)`` contiguous buffer, any floating dtype. It is consumed:
-        the all-reduce realisation writes the sum into it.
+        the all-reduce and all-to-all realisations write the sum into it.
       group: the process group, ``None`` for the default.
       how: ``"reduce_scatter"``, ``"all_to_all"`` or ``"all_reduce"`` (see :class:`CommPolicy`).
       async_op: launch and return at once; ``wait()`` on the result.

@@ -112,9 +112,10 @@ def reduce_grads(
     it unless the step is skipped.
 
     Collectives: one tiny ``all_gather`` (rank agreement and input verdict, see
-    ``check_ranks_agree``), then per bucket one ``reduce_scatter`` (stage 2, NCCL) or one
-    ``all_reduce`` (stage 1, or stage 2 on gloo) of ``N*S`` elements, and with replicas
-    one ``all_reduce`` of ``S`` elements over ``replicate_group``.
+    ``check_ranks_agree``), then per bucket one ``reduce_scatter`` (stage 2, NCCL), one
+    ``all_to_all_single`` (stage 2, gloo: the owner adds the ``N`` rows in rank order) or
+    one ``all_reduce`` (stage 1) of ``N*S`` elements, and with replicas one ``all_reduce``
+    of ``S`` elements over ``replicate_group``.
     """
     comm.group_rank(group)  # a rank outside the group cannot take part: raise here, alone
     # Local validation first; its verdict travels in the agreement all-gather, so a bad

@@ -381,8 +381,9 @@ def value_and_reduced_grads(
     rank-agreement check of ``reduce_grads``: layout, settings and this rank's verdict on
     its input, see :func:`~zerofn.check_ranks_agree`), in flight while the backward runs
     and settled before the first bucket is sent, then per bucket
-    one ``reduce_scatter`` (stage 2 on NCCL, or ``CommPolicy.byte_optimal()``) or one
-    ``all_reduce`` (stage 1, or stage 2 on gloo) of ``N*S`` elements, asynchronous, and
+    one ``reduce_scatter`` (stage 2 on NCCL, or ``CommPolicy.byte_optimal()``), one
+    ``all_to_all_single`` (stage 2 on gloo) or one ``all_reduce`` (stage 1) of ``N*S``
+    elements, asynchronous, and
     with replicas one ``all_reduce`` of ``S`` elements per bucket over
     ``replicate_group`` at the end. With a compressed wire, per bucket one
     ``all_to_all_single`` of codes instead (``reduce_grads``'s, the same bits). The
