@@ -155,7 +155,7 @@ def test_value_and_reduced_grads_on_a_hybrid_layout_is_reduce_grads(worlds):
     assert worlds[4].run(_hybrid) == [True] * 4
 
 
-def _bad(case: str) -> tuple[str, str, dict[str, int]]:
+def _bad(case: str) -> tuple[str, str, dict[str, int], bool]:
     params = _params()
     rank = dist.get_rank()
     layout = zf.make_layout(params, dist.get_world_size())
@@ -176,14 +176,24 @@ def _bad(case: str) -> tuple[str, str, dict[str, int]]:
             fn(params, x, y)
         except Exception as e:
             snap.assert_unchanged(params, case)
-            return type(e).__name__, str(e), dict(counter.by_collective)
-    raise AssertionError(f"{case}: nothing raised")
+            failed = type(e).__name__, str(e), dict(counter.by_collective)
+        else:
+            raise AssertionError(f"{case}: nothing raised")
+    # The next call with good input works: the same transform where its loss_fn is good (on a
+    # rank that raised from inside its backward, its leaves kept a partial gradient).
+    good = _params()
+    again = fn if loss_fn is _loss_fn else zf.value_and_reduced_grads(_loss_fn, layout, bucket_numel=BUCKET)
+    _, shards = again(good, x, y)
+    want = zf.reduce_grads(torch.func.grad(_loss_fn)(good, x, y), layout, bucket_numel=BUCKET)
+    assert_trees_equal(dict(shards), dict(want))
+    return (*failed, True)
 
 
 @pytest.mark.parametrize("case", ["shape", "missing", "not_scalar", "raises"])
 def test_bad_input_raises_on_every_rank_before_any_bucket_is_sent(worlds, case):
     results = worlds[2].run(_bad, case)
-    for rank, (kind, message, sent) in enumerate(results):
+    for rank, (kind, message, sent, recovered) in enumerate(results):
+        assert recovered
         assert set(sent) <= {"check"}, sent  # the agreement all-gather only
         if case == "shape":
             want = ("ValueError", "b.bias") if rank == 0 else ("RankMismatchError", "rank 0 rejected")
