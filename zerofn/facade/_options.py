@@ -192,7 +192,7 @@ def hybrid_groups(
 
     With ``sub_dp_size = k`` the data-parallel ranks, in order, are read as a
     ``(k, N / k)`` grid: row ``i`` is a shard group, column ``j`` the replicas of shard
-    position ``j`` (built by :func:`zerofn._comm.grid_groups`, collectively).
+    position ``j`` (built by :func:`zerofn._comm_setup.grid_groups`, collectively).
     """
     if not isinstance(sub_dp_size, int) or sub_dp_size < 1:
         raise ValueError(f"ZeroOptimizer: sub_dp_size must be an int >= 1, got {sub_dp_size!r}")
