@@ -226,13 +226,13 @@ def _functional_start() -> dict[str, Any]:
     state = zf.shard_params(params, zf.optim.adamw(lr=1e-2), sync=True)
     out["unchanged"] = _equal_bits(before, {n: p.detach() for n, p in params.items()}) == []
     out["gathered"] = zf.gather_params(state)
-    from zerofn import _comm_setup as _comm
+    from zerofn import _comm_setup
 
-    _comm.BROADCAST_NUMEL, numel = 7, _comm.BROADCAST_NUMEL  # several flat buffers (and one param alone)
+    _comm_setup.BROADCAST_NUMEL, numel = 7, _comm_setup.BROADCAST_NUMEL  # several flat buffers (and one param alone)
     try:
         synced = zf.broadcast_params(params, out=params)  # into the model, in place
     finally:
-        _comm.BROADCAST_NUMEL = numel
+        _comm_setup.BROADCAST_NUMEL = numel
     out["model"] = _states(model)
     out["same_tensors"] = all(synced[n] is params[n] for n in params)
     out["checks"] = zf.shard_params(params, zf.optim.adamw(lr=1e-2)).step == 0  # agrees now: no error
