@@ -957,12 +957,14 @@ def parts(reps: int, bucket_numel: int | None = None) -> list[tuple[str, float, 
 
     timed("zerofn reduce: the same into one reused buffer (the facade's staging)", flatten_reused)
     rows = flatten()
+
+    def reduce_each(how: str) -> None:
+        for b, r in zip(buckets, rows, strict=True):
+            zf.buckets.launch_reduce(r, layout, b, None, how).wait()
+
     timed(
         "zerofn reduce: all_to_all of the buckets, rows added in rank order (gloo default)",
-        lambda: [
-            zf.buckets.launch_reduce(r, layout, b, None, "all_to_all").wait()
-            for b, r in zip(buckets, rows, strict=True)
-        ],
+        lambda: reduce_each("all_to_all"),
         True,
     )
     timed("zerofn reduce: all_reduce of the buckets (stage 1)", lambda: [dist.all_reduce(r) for r in rows], True)
@@ -972,14 +974,7 @@ def parts(reps: int, bucket_numel: int | None = None) -> list[tuple[str, float, 
             h.wait()
 
     timed("zerofn reduce: the same, all launched async, then waited", all_reduce_async, True)
-    timed(
-        "zerofn reduce: reduce_scatter of the buckets (byte-optimal)",
-        lambda: [
-            zf.buckets.launch_reduce(r, layout, b, None, "reduce_scatter").wait()
-            for b, r in zip(buckets, rows, strict=True)
-        ],
-        True,
-    )
+    timed("zerofn reduce: reduce_scatter of the buckets (byte-optimal)", lambda: reduce_each("reduce_scatter"), True)
     present = set(layout.names)
     shards: dict[str, torch.Tensor] = {}
 

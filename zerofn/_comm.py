@@ -37,7 +37,7 @@ whose ``count_bytes()`` adds them up. Joining a group in bounded time lives in
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -59,6 +59,7 @@ __all__ = [
     "group_rank",
     "group_size",
     "launch_gather_ints",
+    "rank_order_sum",
     "sum_across",
     "sum_rows",
     "tracing",
@@ -242,7 +243,7 @@ def sum_rows(rows: torch.Tensor, group: Group, how: str, *, async_op: bool = Fal
         received = torch.empty_like(rows)
         handle = dist.all_to_all_single(received.view(-1), rows.view(-1), group=group, async_op=async_op)
         record("all_to_all", ring_share(n, n * s, elem))
-        return Pending([handle], lambda: _rank_order_sum(received, out=rows[rank]))
+        return Pending([handle], lambda: rank_order_sum(received, out=rows[rank]))
     if how == "all_reduce":
         handle = dist.all_reduce(rows, group=group, async_op=async_op)
         record("all_reduce", 2 * ring_share(n, n * s, elem))
@@ -250,10 +251,11 @@ def sum_rows(rows: torch.Tensor, group: Group, how: str, *, async_op: bool = Fal
     raise ValueError(f"unknown reduce realisation {how!r}")
 
 
-def _rank_order_sum(rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``rows[0] + rows[1] + ... + rows[N-1]``, one add at a time (into ``out`` when given)."""
+def rank_order_sum(rows: Sequence[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+    """``rows[0] + rows[1] + ... + rows[N-1]`` (``N >= 2``), one add at a time, into ``out``
+    when given: every rank and a compiled graph add in this order, so the bits are the same."""
     total = torch.add(rows[0], rows[1], out=out) if out is not None else rows[0] + rows[1]
-    for r in range(2, rows.shape[0]):
+    for r in range(2, len(rows)):
         total = total.add_(rows[r]) if out is not None else total + rows[r]
     return total
 
@@ -280,7 +282,7 @@ def _sum_rows_traced(rows: torch.Tensor, group: Group, how: str, rank: int, whol
     if how == "all_to_all":
         splits = [rows.shape[1]] * n
         received = _c10d.all_to_all_single(rows.reshape(-1), splits, splits, name)
-        return _launched(received, lambda t: _rank_order_sum(t.view(n, -1)))
+        return _launched(received, lambda t: rank_order_sum(t.view(n, -1)))
     if how == "all_reduce":
         summed = _c10d.all_reduce(rows, "sum", name)
         return _launched(summed) if whole else _launched(summed, lambda t: t[rank])
@@ -401,12 +403,12 @@ def all_reduce_scalars(values: torch.Tensor, op: str, group: Group) -> torch.Ten
         if not gathered:
             return funcol.wait_tensor(funcol.all_reduce(values, op, _functional_group(group)))
         rows = funcol.wait_tensor(funcol.all_gather_tensor(values, 0, _functional_group(group))).view(n, -1)
-        return _rank_order_sum(rows) if op == "sum" else rows.amax(0)
+        return rank_order_sum(rows) if op == "sum" else rows.amax(0)
     if gathered:
         rows = torch.empty(n, values.numel(), dtype=values.dtype, device=values.device)
         _all_gather_flat(rows.view(-1), values, group=group)
         record("scalars", ring_share(n, rows.numel(), rows.element_size()))
-        return _rank_order_sum(rows) if op == "sum" else rows.amax(0)
+        return rank_order_sum(rows) if op == "sum" else rows.amax(0)
     out = values.clone()
     reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
     dist.all_reduce(out, op=reduce_op, group=group)

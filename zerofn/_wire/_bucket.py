@@ -161,18 +161,14 @@ def launch_compressed(
         got_scales = received[:, plan.c : plan.c + 4 * nb].reshape(-1).clone().view(torch.float32).view(n - 1, nb)
         got_raw = received[:, plan.c + 4 * nb :].reshape(-1).clone().view(torch.float32).view(n - 1, plan.r)
         values = dequantize_rows(received[:, : plan.c], got_scales, fmt)
-        total_c = _rank_order_sum(comp[rank], values, rank, n)
-        total_r = _rank_order_sum(raw[rank], got_raw, rank, n)
+        total_c = comm.rank_order_sum(_with_own(comp[rank], values, rank, n))
+        total_r = comm.rank_order_sum(_with_own(raw[rank], got_raw, rank, n))
         parts = [(total_c if squeezed else total_r)[at : at + width] for squeezed, at, width in plan.order]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     return comm.exchange_rows(packed, group).then(finish), new_residual
 
 
-def _rank_order_sum(own: torch.Tensor, others: torch.Tensor, rank: int, n: int) -> torch.Tensor:
-    """``v_0 + v_1 + ... + v_{N-1}`` in float32, one add at a time (``v_rank = own``, the
-    others the rows of ``others`` in rank order without ``rank``): the same bits on every rank."""
-    total = (own if rank == 0 else others[0]).clone()
-    for i in range(1, n):
-        total += own if i == rank else others[i if i < rank else i - 1]
-    return total
+def _with_own(own: torch.Tensor, others: torch.Tensor, rank: int, n: int) -> list[torch.Tensor]:
+    """The ``N`` rows in rank order: ``own`` at ``rank``, every other rank's row of ``others`` around it."""
+    return [own if i == rank else others[i if i < rank else i - 1] for i in range(n)]
