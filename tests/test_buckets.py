@@ -404,3 +404,40 @@ def test_a_lone_unpadded_param_is_gathered_into_its_own_storage(world, extra):
         assert res["same"]
         padded = extra and res["n"] > 1
         assert res["pooled"] == (1 if padded else 0), res
+
+
+
+def _reduce_through_a_pool() -> dict[str, Any]:
+    """The all-to-all reduce with a pool: it receives into the pool's buffer, lent while the
+    bucket is in flight and given back by ``wait()``; the same sums as without a pool; and
+    ``reduce_grads`` with a pool takes no new buffer from its second call on."""
+    n, rank = dist.get_world_size(), dist.get_rank()
+    shapes = {k: s for k, s in SHAPES.items() if k != "bigpad"}
+    layout = make_layout({k: torch.empty(s) for k, s in shapes.items()}, n)
+    bucket = max(plan_buckets(layout, 2**20), key=lambda b: b.shard_numel)
+    gen = torch.Generator().manual_seed(seeded(7 + rank))
+    grads = {k: torch.randn(s, generator=gen) for k, s in shapes.items()}
+    rows = buckets.pack_grads(grads, layout, bucket)
+    plain = buckets.launch_reduce(rows.clone(), layout, bucket, None, "all_to_all").wait()
+    pool, mine = buckets.StagingPool(), torch.empty(rows.numel())
+    pool.give(mine)
+    pending = buckets.launch_reduce(rows.clone(), layout, bucket, None, "all_to_all", async_op=True, staging=pool)
+    lent = not pool.buffers()
+    pooled = pending.wait()
+    back = [b.data_ptr() for b in pool.buffers()] == [mine.data_ptr()]
+    policy, held, mismatches = zf.CommPolicy(reduce="all_to_all"), [], []
+    for step in range(3):
+        gen = torch.Generator().manual_seed(seeded(100 * step + rank))
+        grads = {k: torch.randn(s, generator=gen) for k, s in shapes.items()}
+        a = zf.reduce_grads(grads, layout, bucket_numel=64, comm_policy=policy, staging=pool)
+        b = zf.reduce_grads(grads, layout, bucket_numel=64, comm_policy=policy)
+        mismatches += [(step, k) for k in b if not torch.equal(a[k], b[k])]
+        held.append(sorted(b.data_ptr() for b in pool.buffers()))
+    return {"equal": torch.equal(pooled, plain), "lent": lent, "back": back, "held": held, "mismatches": mismatches}
+
+
+def test_an_all_to_all_reduce_receives_into_a_pools_buffer(world):
+    for res in world.run(_reduce_through_a_pool):
+        assert res["equal"] and res["back"] and res["mismatches"] == []
+        assert res["lent"] == (world.world_size > 1)  # one rank sends nothing: no all-to-all, nothing lent
+        assert res["held"][1] == res["held"][2]

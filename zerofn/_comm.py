@@ -204,7 +204,15 @@ class Pending:
         return self._result
 
 
-def sum_rows(rows: torch.Tensor, group: Group, how: str, *, async_op: bool = False, whole: bool = False) -> Pending:
+def sum_rows(
+    rows: torch.Tensor,
+    group: Group,
+    how: str,
+    *,
+    async_op: bool = False,
+    whole: bool = False,
+    received: torch.Tensor | None = None,
+) -> Pending:
     """Sum a rank-major ``(N, S)`` buffer over the group and keep this rank's row.
 
     Args:
@@ -214,6 +222,9 @@ def sum_rows(rows: torch.Tensor, group: Group, how: str, *, async_op: bool = Fal
       how: ``"reduce_scatter"``, ``"all_to_all"`` or ``"all_reduce"`` (see :class:`CommPolicy`).
       async_op: launch and return at once; ``wait()`` on the result.
       whole: keep every row of the sum (the all-reduce realisation only).
+      received: an ``(N, S)`` buffer of ``rows``' dtype the all-to-all receives into, free
+        again once ``wait()`` has returned (a staging buffer: fresh multi-MB rows every
+        step fault in new pages); default a new one. The other realisations need none.
 
     Returns:
       A :class:`Pending` whose ``wait()`` gives the ``(S,)`` sum of row ``rank`` over all
@@ -240,7 +251,7 @@ def sum_rows(rows: torch.Tensor, group: Group, how: str, *, async_op: bool = Fal
         record("reduce_scatter", ring_share(n, n * s, elem))
         return Pending([handle], lambda: out)
     if how == "all_to_all":
-        received = torch.empty_like(rows)
+        received = torch.empty_like(rows) if received is None else received
         handle = dist.all_to_all_single(received.view(-1), rows.view(-1), group=group, async_op=async_op)
         record("all_to_all", ring_share(n, n * s, elem))
         return Pending([handle], lambda: rank_order_sum(received, out=rows[rank]))

@@ -29,12 +29,14 @@ class StagingPool:
 
     ``take`` hands out the smallest free buffer with room (or a new one of at least
     ``min_numel`` elements); ``give`` returns one once nothing reads it any more, keeping at
-    most ``keep`` per (dtype, device) (the smallest are dropped). ``unpack_targets`` keeps
+    most ``keep`` per (dtype, device) (the smallest are dropped). The default keeps a whole
+    pipeline's buffers: up to three buckets, each with the rows it sends and the rows the
+    all-to-all reduce receives (``stages._pipeline``). ``unpack_targets`` keeps
     the views a gather writes the same params through every step. Not thread safe; one
     pool per training loop.
     """
 
-    def __init__(self, keep: int = 3, min_numel: int = 0) -> None:
+    def __init__(self, keep: int = 6, min_numel: int = 0) -> None:
         self._keep = keep
         self._min_numel = min_numel
         self._free: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}

@@ -307,6 +307,7 @@ def launch_reduce(
     wire_out: torch.Tensor | None = None,
     async_op: bool = False,
     whole: bool = False,
+    staging: StagingPool | None = None,
 ) -> comm.Pending:
     """Start summing one bucket's packed rows (from :func:`pack_grads`) over the group.
 
@@ -319,19 +320,23 @@ def launch_reduce(
       layout: the layout the rows follow.
       bucket: the bucket of ``layout`` the rows hold.
       group: the sharding process group.
-      how: ``"reduce_scatter"`` or ``"all_reduce"`` (:func:`zerofn.stages._reduce_grads.reduce_realisation`).
+      how: ``"reduce_scatter"``, ``"all_to_all"`` or ``"all_reduce"``
+        (:func:`zerofn.stages._reduce_grads.reduce_realisation`).
       comm_dtype: dtype on the wire; ``None``: the params' working dtype.
       wire_out: an ``(N, S)`` buffer of the wire dtype to cast into (reused by the facade);
         default a new one. Unused when no cast is needed.
       async_op: launch and return at once.
       whole: keep every row of the sum, not just this rank's (needs ``how="all_reduce"``):
         the full mean gradients, for :func:`unpack_rows`.
+      staging: the all-to-all receives into a buffer of this pool, given back when
+        ``wait()`` has added its rows (default: a new buffer per call).
 
     Returns:
       A :class:`~zerofn._comm.Pending` whose ``wait()`` is this rank's ``(S,)`` row of the
       sum (with ``whole``, the ``(N, S)`` sum), in the wire dtype.
 
-    Collectives: one ``reduce_scatter`` or ``all_reduce`` (``how``) of ``N * S`` elements.
+    Collectives: one ``reduce_scatter``, ``all_to_all_single`` or ``all_reduce`` (``how``)
+    of ``N * S`` elements.
     """
     wire = wire_dtype(layout, bucket, comm_dtype)
     if wire != rows.dtype:
@@ -339,7 +344,17 @@ def launch_reduce(
             rows = wire_out.copy_(rows)  # what rows.to(wire) computes
         else:
             rows = rows.to(wire)
-    return comm.sum_rows(rows, group, how, async_op=async_op, whole=whole)
+    if how != "all_to_all" or staging is None or rows.shape[0] == 1 or comm.tracing():
+        return comm.sum_rows(rows, group, how, async_op=async_op, whole=whole)
+    borrowed = staging.take(rows.numel(), rows.dtype, rows.device)
+    received = borrowed[: rows.numel()].view(rows.shape)
+    pending = comm.sum_rows(rows, group, how, async_op=async_op, whole=whole, received=received)
+
+    def given_back(row: torch.Tensor) -> torch.Tensor:
+        staging.give(borrowed)  # the row is rows[rank]: nothing reads ``received`` any more
+        return row
+
+    return pending.then(given_back)
 
 
 def split_row(

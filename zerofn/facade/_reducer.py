@@ -57,7 +57,7 @@ from zerofn import _agreement as agreement
 from zerofn import _comm as comm
 from zerofn._comm import CommPolicy, Group
 from zerofn._offsets import plan_buckets
-from zerofn.buckets import StagingPool, launch_gather, launch_reduce, pack_grads, unpack_rows, wire_dtype
+from zerofn.buckets import launch_gather, launch_reduce, pack_grads, unpack_rows, wire_dtype
 from zerofn.facade._held import Averaged, HeldGrads
 from zerofn.facade._settle import Launched, Settler
 from zerofn.facade._sharded_grad import ShardedGrad, ShardedGradError, sharded_grad
@@ -65,7 +65,7 @@ from zerofn.facade._step_grads import StepGrads
 from zerofn.facade._wire import FacadeWire
 from zerofn.layout import ShardLayout
 from zerofn.precision import PrecisionPolicy, mul_grads_
-from zerofn.stages._pipeline import MAX_IN_FLIGHT, InFlight
+from zerofn.stages._pipeline import MAX_IN_FLIGHT, InFlight, pipeline_pool
 from zerofn.stages._reduce_grads import reduce_realisation, sum_over_replicas
 
 __all__ = ["GradReducer", "ShardedGrad", "ShardedGradError"]
@@ -150,9 +150,9 @@ class GradReducer:
         self._ready: list[set[str]] = [set() for _ in self._buckets]
         self._sent: list[set[str]] = [set() for _ in self._buckets]
         self._ready_empty: set[str] = set()
-        # One staging buffer without overlap: every reduction (and the facade's gathers, which
-        # borrow this pool) is settled as it is launched.
-        self.staging = StagingPool(keep=MAX_IN_FLIGHT + 1 if overlap else 1, min_numel=bucket_numel)
+        # Without overlap one bucket's buffers: every reduction (and the facade's gathers,
+        # which borrow this pool) is settled as it is launched.
+        self.staging = pipeline_pool(MAX_IN_FLIGHT if overlap else 0, min_numel=bucket_numel)
         self._settler = Settler(self.held, layout, stage, self._rank, self.staging, loss_scale)
         self.step_grads = StepGrads(self.held, layout, stage, self._rank, loss_scale)
         self._inflight: InFlight[Launched] = InFlight(self._harvest, self.staging)
@@ -254,7 +254,11 @@ class GradReducer:
         return total + sum(f.rows.numel() * f.rows.element_size() for f in self._replica_rows if f.rows is not None)
 
     def staging_bytes(self) -> int:
-        """Bytes of the staging buffers held now, idle or in flight."""
+        """Bytes of the staging buffers held now: idle, or the rows of a bucket in flight.
+
+        Not counted: the rows an all-to-all reduce receives into, borrowed from the same
+        pool only while their bucket is in flight (idle again once it settles).
+        """
         held = [f.buf for f in (*self._inflight, *self._replica_rows) if f.buf is not None]
         return self.staging.nbytes() + sum(b.numel() * b.element_size() for b in held)
 
@@ -363,7 +367,7 @@ class GradReducer:
             out = wire_buf[: n * s].view(n, s) if wire_buf is not None else None
             pending = launch_reduce(
                 rows, self._layout, bucket, self._group, self._how, comm_dtype=self._precision.comm_dtype,
-                wire_out=out, async_op=self._overlap, whole=whole,
+                wire_out=out, async_op=self._overlap, whole=whole, staging=self.staging,
             )  # fmt: skip
         if wire_buf is not None:
             self.staging.give(buf)  # stream-ordered before any later writer on this device

@@ -15,7 +15,7 @@ from zerofn._comm import CommPolicy, Group, Pending
 from zerofn._offsets import Bucket, plan_buckets, sub_buckets
 from zerofn.buckets import StagingPool, decode_bucket, encode_bucket, launch_gather, pack_shards, unpack_rows
 from zerofn.layout import ShardLayout, live_layout
-from zerofn.stages._pipeline import MAX_IN_FLIGHT, InFlight, _check_staging, check_bucket_numel
+from zerofn.stages._pipeline import InFlight, _check_staging, check_bucket_numel, pipeline_pool
 from zerofn.state import ZeroState
 
 #: Params one ``zerofn::unpack_rows`` node of a compiled gather writes at most. The node
@@ -97,7 +97,7 @@ def gather_params(
     result = dict(out) if out is not None else _fresh_params(layout, device, separate=tracing)
     # Without the caller's pool, one for this call: bucket k + 2 reuses bucket k's pages.
     # (Under torch.compile the compiler plans buffers: a caller's pool is left alone.)
-    pool = staging if staging is not None and not tracing else StagingPool(keep=MAX_IN_FLIGHT + 1)
+    pool = staging if staging is not None and not tracing else pipeline_pool()
     kept = staging is not None and out is not None and not tracing
 
     def write(item: tuple[Bucket, torch.Tensor | None], pending: Pending) -> None:

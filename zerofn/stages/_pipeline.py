@@ -17,9 +17,15 @@ from zerofn.layout import DEFAULT_BUCKET_NUMEL as DEFAULT_BUCKET_NUMEL  # the bu
 from zerofn.precision import PrecisionPolicy
 
 #: Bucket collectives a path keeps pending while it packs the next bucket or settles the
-#: last: each holds an ``(N, S)`` staging buffer, so this bounds a pipeline's extra memory
-#: at ``MAX_IN_FLIGHT + 1`` buckets (the one being packed).
+#: last: each holds up to :data:`BUFFERS_PER_BUCKET` ``(N, S)`` staging buffers, so this
+#: bounds a pipeline's extra memory at that many per bucket for ``MAX_IN_FLIGHT + 1``
+#: buckets (the one being packed).
 MAX_IN_FLIGHT = 2
+
+#: Staging buffers one bucket in flight may hold: the rows it sends and, with the
+#: all-to-all reduce, the rows it receives. ``StagingPool()``'s default ``keep`` is a full
+#: pipeline's: ``BUFFERS_PER_BUCKET * (MAX_IN_FLIGHT + 1)``.
+BUFFERS_PER_BUCKET = 2
 
 T = TypeVar("T")
 
@@ -36,14 +42,14 @@ class InFlight(Generic[T]):
       settle: ``settle(item, pending)`` finishes one bucket (waits on ``pending``).
       pool: the staging pool the buckets' buffers come from: at most ``MAX_IN_FLIGHT``
         stay pending after :meth:`push`, fewer when the pool keeps fewer buffers than a
-        full pipeline takes (``keep - 1``: the one being packed is the last), so that
-        every buffer goes back into the pool and the next pass reuses it. A pool of one
-        buffer makes the pass synchronous.
+        full pipeline takes (``keep // BUFFERS_PER_BUCKET - 1``: the one being packed is
+        the last), so that every buffer goes back into the pool and the next pass reuses
+        it. A pool of ``BUFFERS_PER_BUCKET`` buffers makes the pass synchronous.
     """
 
     def __init__(self, settle: Callable[[T, Pending], None], pool: StagingPool) -> None:
         self._settle = settle
-        self._depth = max(0, min(MAX_IN_FLIGHT, pool.keep - 1))
+        self._depth = max(0, min(MAX_IN_FLIGHT, pool.keep // BUFFERS_PER_BUCKET - 1))
         self._queue: collections.deque[tuple[T, Pending]] = collections.deque()
 
     def push(self, item: T, pending: Pending) -> None:
@@ -66,6 +72,11 @@ class InFlight(Generic[T]):
 
     def __len__(self) -> int:
         return len(self._queue)
+
+
+def pipeline_pool(depth: int = MAX_IN_FLIGHT, min_numel: int = 0) -> StagingPool:
+    """A staging pool that keeps the buffers of a pipeline ``depth`` buckets deep (0: synchronous)."""
+    return StagingPool(keep=BUFFERS_PER_BUCKET * (depth + 1), min_numel=min_numel)
 
 
 def check_bucket_numel(bucket_numel: Any, where: str) -> None:

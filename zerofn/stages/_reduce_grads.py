@@ -21,7 +21,7 @@ from zerofn.buckets import StagingPool, launch_reduce, pack_grads
 from zerofn.layout import ShardLayout
 from zerofn.precision import PrecisionPolicy
 from zerofn.stages._grad_shards import GradShards
-from zerofn.stages._pipeline import DEFAULT_BUCKET_NUMEL, MAX_IN_FLIGHT, InFlight, check_reduce_options
+from zerofn.stages._pipeline import DEFAULT_BUCKET_NUMEL, InFlight, check_reduce_options, pipeline_pool
 from zerofn.state import DEFAULT_POLICY
 
 
@@ -174,7 +174,7 @@ def reduce_grads(
     shards = GradShards(layout, comm.group_rank(group), grad_dtypes, device)
     # Without the caller's pool, one for this call: bucket k + 2 reuses bucket k's pages.
     # (Under torch.compile the compiler plans buffers: a caller's pool is left alone.)
-    pool = staging if staging is not None and not comm.tracing() else StagingPool(keep=MAX_IN_FLIGHT + 1)
+    pool = staging if staging is not None and not comm.tracing() else pipeline_pool()
 
     def settle(item: tuple[Bucket, torch.dtype, torch.Tensor], pending: Pending) -> None:
         bucket, dtype, borrowed = item
@@ -203,7 +203,9 @@ def reduce_grads(
             if next_residual is not None:
                 next_residual[i] = mine  # type: ignore[assignment]
         else:
-            pending = launch_reduce(rows, layout, bucket, group, how, comm_dtype=comm_dtype, async_op=True)
+            pending = launch_reduce(
+                rows, layout, bucket, group, how, comm_dtype=comm_dtype, async_op=True, staging=pool
+            )
         in_flight.push((bucket, dtype, borrowed), pending)
     in_flight.settle()
     if next_residual is not None:

@@ -48,7 +48,7 @@ from zerofn.layout import ShardLayout
 from zerofn.precision import PrecisionPolicy
 from zerofn.stages._grad_shards import GradShards
 from zerofn.stages._leaves import Leaves, reached
-from zerofn.stages._pipeline import DEFAULT_BUCKET_NUMEL, MAX_IN_FLIGHT, InFlight, check_reduce_options
+from zerofn.stages._pipeline import DEFAULT_BUCKET_NUMEL, InFlight, check_reduce_options, pipeline_pool
 from zerofn.stages._reduce_grads import reduce_realisation, sum_over_replicas
 from zerofn.state import DEFAULT_POLICY
 
@@ -205,7 +205,7 @@ class _Reduction:
         self.arrived_names: set[str] = set()
         self.sent = [False] * len(self.buckets)
         self.next = 0  # position in self.order of the next bucket to launch
-        # During the backward a hook that would launch one more bucket than MAX_IN_FLIGHT first
+        # During the backward a hook that would launch one more bucket than the pipeline holds first
         # settles the oldest; finished ones are settled as they are found (their settle runs no
         # collective: the replicas' sums wait for finish()).
         self.in_flight: InFlight[tuple[Bucket, torch.Tensor]] = InFlight(self._harvest, pool)
@@ -254,8 +254,9 @@ class _Reduction:
                 self.residual[b] = mine  # type: ignore[assignment]
         else:
             pending = launch_reduce(
-                rows, self.layout, bucket, self.group, self.how, comm_dtype=self.comm_dtype, async_op=True
-            )
+                rows, self.layout, bucket, self.group, self.how, comm_dtype=self.comm_dtype, async_op=True,
+                staging=self.pool,
+            )  # fmt: skip
         self.in_flight.push((bucket, borrowed), pending)
         self.in_flight.settle_finished()
 
@@ -459,7 +460,7 @@ def value_and_reduced_grads(
         if failure is not None:
             agreed.settle()  # raises on every rank: this one's input or forward failed
         assert loss is not None
-        pool = staging if staging is not None else StagingPool(keep=MAX_IN_FLIGHT + 1)
+        pool = staging if staging is not None else pipeline_pool()
         reduction = _Reduction(
             layout,
             bucket_numel,
