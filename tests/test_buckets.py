@@ -406,7 +406,6 @@ def test_a_lone_unpadded_param_is_gathered_into_its_own_storage(world, extra):
         assert res["pooled"] == (1 if padded else 0), res
 
 
-
 def _reduce_through_a_pool() -> dict[str, Any]:
     """The all-to-all reduce with a pool: it receives into the pool's buffer, lent while the
     bucket is in flight and given back by ``wait()``; the same sums as without a pool; and
