@@ -995,8 +995,8 @@ def parts(reps: int, bucket_numel: int | None = None) -> list[tuple[str, float, 
 
     def adam_shards() -> None:
         s = st["s"]
-        master, opt_state = s.optimizer.update(dict(gshards), s.opt_state, s.master, donate=True)
-        st["s"] = s.replace(master=zf.FrozenDict(master), opt_state=opt_state)
+        master, opt_state = s.optimizer.update(gshards, s.opt_state, s.master, donate=True)
+        st["s"] = s.replace(master=master, opt_state=opt_state)
 
     timed("zerofn step: fused AdamW kernel on the shards (Ψ/N)", adam_shards)
     timed(
