@@ -192,11 +192,9 @@ def reduce_grads(
         members = bucket.names if every else [n for n in bucket.names if n in present_set]
         if not members:
             continue
-        dtype, shape = grad_dtypes[members[0]], (layout.world_size, bucket.shard_numel)
-        borrowed = pool.take(shape[0] * shape[1], dtype, device)
-        rows = pack_grads(
-            grads, layout, bucket, replicas=replicas, out=borrowed[: shape[0] * shape[1]].view(shape), after=agreed
-        )
+        dtype, n, s = grad_dtypes[members[0]], layout.world_size, bucket.shard_numel
+        borrowed = pool.take(n * s, dtype, device)
+        rows = pack_grads(grads, layout, bucket, replicas=replicas, out=borrowed[: n * s].view(n, s), after=agreed)
         if wire is not None:
             mine = next_residual[i] if next_residual is not None else None
             pending, mine = launch_compressed(rows, wire_plan(layout, bucket, wire), wire.format, mine, group)
