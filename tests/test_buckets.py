@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers import assert_bitwise_equal, assert_trees_close, assert_trees_equal, seeded
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import zerofn as zf
 from zerofn import buckets
@@ -440,3 +441,57 @@ def test_an_all_to_all_reduce_receives_into_a_pools_buffer(world):
         assert res["equal"] and res["back"] and res["mismatches"] == []
         assert res["lent"] == (world.world_size > 1)  # one rank sends nothing: no all-to-all, nothing lent
         assert res["held"][1] == res["held"][2]
+
+
+class _CopyTargets(TorchDispatchMode):
+    """The ``(data_ptr, nbytes)`` of every tensor an aten copy writes into."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: list[tuple[int, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.copy_, torch.ops.aten._foreach_copy_):
+            dsts = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
+            self.written += [(t.data_ptr(), t.numel() * t.element_size()) for t in dsts]
+        return func(*args, **(kwargs or {}))
+
+
+def _summed_in_place(how: str) -> dict[str, Any]:
+    """``launch_reduce(out=)`` gives ``out`` itself, bitwise the sum without it; ``reduce_grads``
+    then writes into its flat gradient buffer by the collective's sum alone (no copy there)."""
+    n, rank = dist.get_world_size(), dist.get_rank()
+    shapes = {k: s for k, s in SHAPES.items() if k != "bigpad"}
+    layout = make_layout({k: torch.empty(s) for k, s in shapes.items()}, n)
+    bucket = max(plan_buckets(layout, 2**20), key=lambda b: b.shard_numel)
+    gen = torch.Generator().manual_seed(seeded(11 + rank))
+    grads = {k: torch.randn(s, generator=gen) for k, s in shapes.items()}
+    rows = buckets.pack_grads(grads, layout, bucket)
+    plain = buckets.launch_reduce(rows.clone(), layout, bucket, None, how).wait()
+    dest = torch.full((bucket.shard_numel,), float("nan"))
+    got = buckets.launch_reduce(rows.clone(), layout, bucket, None, how, async_op=True, out=dest).wait()
+    policy = zf.CommPolicy(reduce=how) if how != "all_reduce" else None
+    with _CopyTargets() as mode:
+        shards = zf.reduce_grads(grads, layout, stage=1 if how == "all_reduce" else 2, comm_policy=policy)
+    (buf,) = [b for b in shards.buffers if b is not None]
+    lo, hi = buf.data_ptr(), buf.data_ptr() + buf.numel() * buf.element_size()
+    into = sum(1 for ptr, size in mode.written if ptr < hi and ptr + size > lo)
+    alone = zf.reduce_grads(
+        grads, layout, stage=1 if how == "all_reduce" else 2, comm_policy=policy, staging=buckets.StagingPool()
+    )
+    same = all(torch.equal(shards[k], alone[k]) for k in alone)
+    return {"is_out": got is dest, "equal": torch.equal(got, plain), "copies_into_shards": into, "same": same}
+
+
+@pytest.mark.parametrize("how", ["all_to_all", "reduce_scatter", "all_reduce"])
+def test_a_reduced_row_is_summed_where_the_shards_keep_it(world, how):
+    """The all-to-all's rank-order sum (gloo's default) writes the row straight into the
+    shards' flat buffer: no copy writes there. The reduce-scatter's output is that range
+    (how the backend fills it is its own); the all-reduce (stage 1) and one rank (no
+    collective) copy the row in, once."""
+    for res in world.run(_summed_in_place, how):
+        assert res["is_out"] and res["equal"] and res["same"], res
+        if how == "all_to_all" and world.world_size > 1:
+            assert res["copies_into_shards"] == 0, res
+        elif how == "all_reduce" or world.world_size == 1:
+            assert res["copies_into_shards"] == 1, res

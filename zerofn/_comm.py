@@ -212,6 +212,7 @@ def sum_rows(
     async_op: bool = False,
     whole: bool = False,
     received: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> Pending:
     """Sum a rank-major ``(N, S)`` buffer over the group and keep this rank's row.
 
@@ -225,14 +226,19 @@ def sum_rows(
       received: an ``(N, S)`` buffer of ``rows``' dtype the all-to-all receives into, free
         again once ``wait()`` has returned (a staging buffer: fresh multi-MB rows every
         step fault in new pages); default a new one. The other realisations need none.
+      out: an ``(S,)`` contiguous tensor of ``rows``' dtype the row of the sum lands in
+        (where the caller keeps it, so that nothing copies it there afterwards): the
+        reduce-scatter's output, the all-to-all's rank-order sum. Not with ``whole``;
+        ignored under tracing (a graph plans its buffers).
 
     Returns:
       A :class:`Pending` whose ``wait()`` gives the ``(S,)`` sum of row ``rank`` over all
-      ranks, in ``rows.dtype`` (with ``whole``: the ``(N, S)`` sum, ``rows`` itself).
+      ranks, in ``rows.dtype`` (``out`` when given; with ``whole``: the ``(N, S)`` sum,
+      ``rows`` itself).
 
     The all-to-all realisation adds the ``N`` rows it receives in rank order, one add at a
-    time, into ``rows[rank]`` (sent by then): the same bits on every rank and in a compiled
-    step; at ``N = 2`` the bits of an all-reduce (one add, which commutes).
+    time, into ``out`` or ``rows[rank]`` (sent by then): the same bits on every rank and in
+    a compiled step; at ``N = 2`` the bits of an all-reduce (one add, which commutes).
 
     Collectives: one ``reduce_scatter``, ``all_to_all_single`` or ``all_reduce`` of ``N*S`` elements.
     """
@@ -241,24 +247,33 @@ def sum_rows(
     elem = rows.element_size()
     if whole and how != "all_reduce":
         raise ValueError(f"sum_rows: whole=True keeps every row of an all-reduce; {how!r} leaves one row per rank")
+    if whole and out is not None:
+        raise ValueError("sum_rows: out= is for one row; whole=True keeps the (N, S) sum in rows")
+    traced = tracing()
+    if traced:
+        out = None  # a graph plans its own buffers
+
+    def own_row(summed: torch.Tensor) -> torch.Tensor:  # the realisations that sum elsewhere: copied into ``out``
+        return summed if out is None else out.copy_(summed)
+
     if n == 1:
-        return Pending([], (lambda: rows) if whole else (lambda: rows[0]))
-    if tracing():
+        return Pending([], (lambda: rows) if whole else (lambda: own_row(rows[0])))
+    if traced:
         return _sum_rows_traced(rows, group, how, rank, whole)
     if how == "reduce_scatter":
-        out = torch.empty(s, dtype=rows.dtype, device=rows.device)
-        handle = _reduce_scatter_flat(out, rows.view(-1), group=group, async_op=async_op)
+        dest = torch.empty(s, dtype=rows.dtype, device=rows.device) if out is None else out
+        handle = _reduce_scatter_flat(dest, rows.view(-1), group=group, async_op=async_op)
         record("reduce_scatter", ring_share(n, n * s, elem))
-        return Pending([handle], lambda: out)
+        return Pending([handle], lambda: dest)
     if how == "all_to_all":
         received = torch.empty_like(rows) if received is None else received
         handle = dist.all_to_all_single(received.view(-1), rows.view(-1), group=group, async_op=async_op)
         record("all_to_all", ring_share(n, n * s, elem))
-        return Pending([handle], lambda: rank_order_sum(received, out=rows[rank]))
+        return Pending([handle], lambda: rank_order_sum(received, out=rows[rank] if out is None else out))
     if how == "all_reduce":
         handle = dist.all_reduce(rows, group=group, async_op=async_op)
         record("all_reduce", 2 * ring_share(n, n * s, elem))
-        return Pending([handle], (lambda: rows) if whole else (lambda: rows[rank]))
+        return Pending([handle], (lambda: rows) if whole else (lambda: own_row(rows[rank])))
     raise ValueError(f"unknown reduce realisation {how!r}")
 
 

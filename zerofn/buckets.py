@@ -308,6 +308,7 @@ def launch_reduce(
     async_op: bool = False,
     whole: bool = False,
     staging: StagingPool | None = None,
+    out: torch.Tensor | None = None,
 ) -> comm.Pending:
     """Start summing one bucket's packed rows (from :func:`pack_grads`) over the group.
 
@@ -330,10 +331,14 @@ def launch_reduce(
         the full mean gradients, for :func:`unpack_rows`.
       staging: the all-to-all receives into a buffer of this pool, given back when
         ``wait()`` has added its rows (default: a new buffer per call).
+      out: an ``(S,)`` contiguous tensor of the wire dtype this rank's row of the sum lands
+        in (:meth:`GradShards.target <zerofn.stages._grad_shards.GradShards.target>`: its
+        range of the flat gradient buffer, so no copy puts it there); default: a row of
+        ``rows`` or a new tensor. Not with ``whole``.
 
     Returns:
       A :class:`~zerofn._comm.Pending` whose ``wait()`` is this rank's ``(S,)`` row of the
-      sum (with ``whole``, the ``(N, S)`` sum), in the wire dtype.
+      sum (``out`` when given; with ``whole``, the ``(N, S)`` sum), in the wire dtype.
 
     Collectives: one ``reduce_scatter``, ``all_to_all_single`` or ``all_reduce`` (``how``)
     of ``N * S`` elements.
@@ -345,13 +350,13 @@ def launch_reduce(
         else:
             rows = rows.to(wire)
     if how != "all_to_all" or staging is None or rows.shape[0] == 1 or comm.tracing():
-        return comm.sum_rows(rows, group, how, async_op=async_op, whole=whole)
+        return comm.sum_rows(rows, group, how, async_op=async_op, whole=whole, out=out)
     borrowed = staging.take(rows.numel(), rows.dtype, rows.device)
     received = borrowed[: rows.numel()].view(rows.shape)
-    pending = comm.sum_rows(rows, group, how, async_op=async_op, whole=whole, received=received)
+    pending = comm.sum_rows(rows, group, how, async_op=async_op, whole=whole, received=received, out=out)
 
     def given_back(row: torch.Tensor) -> torch.Tensor:
-        staging.give(borrowed)  # the row is rows[rank]: nothing reads ``received`` any more
+        staging.give(borrowed)  # the row is summed (in rows[rank] or out): nothing reads ``received`` any more
         return row
 
     return pending.then(given_back)

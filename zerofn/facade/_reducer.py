@@ -359,28 +359,31 @@ class GradReducer:
         buf = self.staging.take(n * s, first.dtype, first.device)
         rows = pack_grads(grads, self._layout, bucket, replicas=self._replicas, out=buf[: n * s].view(n, s))
         whole = self._stage == 1  # every rank receives the whole sum: the full averaged gradients
-        if self.wire is not None:  # stage 2 only, always asynchronous: ``rows`` are read until the bucket settles
-            pending, wire_buf = self.wire.launch(b, bucket, rows), None
-        else:
-            wire = wire_dtype(self._layout, bucket, self._precision.comm_dtype)
-            wire_buf = self.staging.take(n * s, wire, first.device) if wire != first.dtype else None
-            out = wire_buf[: n * s].view(n, s) if wire_buf is not None else None
-            pending = launch_reduce(
-                rows, self._layout, bucket, self._group, self._how, comm_dtype=self._precision.comm_dtype,
-                wire_out=out, async_op=self._overlap, whole=whole, staging=self.staging,
-            )  # fmt: skip
-        if wire_buf is not None:
-            self.staging.give(buf)  # stream-ordered before any later writer on this device
-            buf = wire_buf
         # Stage 1: the packed local gradients' storage receives the averaged ones (no new memory).
         outs = {}
         if whole:
             for name, g in grads.items():
                 if name in fresh and g is not None and g.dtype == self._layout[name].dtype and g.is_contiguous():
                     outs[name] = g
+        launched = Launched(bucket, present, first.dtype, buf, outs)
+        if self.wire is not None:  # stage 2 only, always asynchronous: ``rows`` are read until the bucket settles
+            pending, wire_buf = self.wire.launch(b, bucket, rows), None
+        else:
+            wire = wire_dtype(self._layout, bucket, self._precision.comm_dtype)
+            wire_buf = self.staging.take(n * s, wire, first.device) if wire != first.dtype else None
+            out = wire_buf[: n * s].view(n, s) if wire_buf is not None else None
+            # Stage 2: summed straight into the shards' buffer (hybrid: the row waits apart for the replicas' sum).
+            into = self._settler.target(launched, wire, first.device) if self._replicate is None else None
+            pending = launch_reduce(
+                rows, self._layout, bucket, self._group, self._how, comm_dtype=self._precision.comm_dtype,
+                wire_out=out, async_op=self._overlap, whole=whole, staging=self.staging, out=into,
+            )  # fmt: skip
+        if wire_buf is not None:
+            self.staging.give(buf)  # stream-ordered before any later writer on this device
+            launched.buf = wire_buf
         # Each bucket in flight holds an (N, S) buffer; settling finished ones early is what
         # keeps a rank's gradient memory at its shards plus a few buckets (stage 2).
-        self._inflight.push(Launched(bucket, present, first.dtype, buf, outs), pending)
+        self._inflight.push(launched, pending)
         self._inflight.settle_finished()
 
     def _harvest(self, f: Launched, pending: comm.Pending) -> None:

@@ -104,15 +104,34 @@ class Settler:
         if f.buf is not None:
             self._staging.give(f.buf)
 
+    def target(self, f: Launched, wire: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        """Stage 2, at launch: where :meth:`settle` will keep bucket ``f``'s row (its range of the
+        group's flat buffer, :meth:`GradShards.target`), so that the collective sums it there;
+        ``None`` when the row will be copied or cut (stage 1, a cast from the wire dtype
+        ``wire``, a bucket that does not fit). Buckets settle in launch order, so the
+        decision is the one :meth:`settle` takes."""
+        if self._stage != 2 or wire != f.dtype:
+            return None
+        shards = self._shards_for(f, device)
+        return shards.target(f.bucket, wire) if shards is not None else None
+
+    def _shards_for(self, f: Launched, device: torch.device) -> GradShards | None:
+        """The ``GradShards`` bucket ``f``'s row goes into (opened at its group's first bucket), or ``None``."""
+        g = self._flat.where.get(f.bucket.names[0], (-1, 0, 0))[0]
+        if g < 0 or not self._flat_fits(g, f):
+            return None
+        shards = self._open.get(g)
+        if shards is None:
+            names = self._flat.groups[g].names
+            shards = self._open[g] = GradShards(self._layout, self._rank, dict.fromkeys(names, f.dtype), device)
+            self._open_dtype[g], self._open_names[g] = f.dtype, set()
+        return shards
+
     def _settle_row(self, f: Launched, row: torch.Tensor) -> Iterable[torch.Tensor]:
         """Stage 2: the row into its group's ``GradShards``, or cut per name; the tensors kept from it."""
-        g = self._flat.where.get(f.bucket.names[0], (-1, 0, 0))[0]
-        if g >= 0 and self._flat_fits(g, f):
-            shards = self._open.get(g)
-            if shards is None:
-                names = self._flat.groups[g].names
-                shards = self._open[g] = GradShards(self._layout, self._rank, dict.fromkeys(names, f.dtype), row.device)
-                self._open_dtype[g], self._open_names[g] = f.dtype, set()
+        shards = self._shards_for(f, row.device)
+        if shards is not None:
+            g = self._flat.where[f.bucket.names[0]][0]
             self._open_names[g] |= f.present
             return shards.put(f.bucket, row, f.dtype)
         cut = split_row(row, self._layout, f.bucket, f.present, dtype=f.dtype, rank=self._rank)

@@ -38,11 +38,13 @@ class GradShards:
         (its shard is in that dtype); the others get none in the result.
       device: where the gradients live.
 
-    Eagerly each group's buffer is allocated at its first bucket and every row is copied
-    into its range (``copy_``: the cast ``row.to(dtype)`` computes), so a group costs one
-    allocation and a bucket one copy; a group covered by one bucket is its row (cast or
-    copied out of the staging rows, or the row itself when it is a fresh tensor of the
-    right dtype). Ranges no bucket wrote
+    Eagerly each group's buffer is allocated at its first bucket and each row lands in its
+    range: summed there by the collective when the caller asked for the range first
+    (:meth:`target`, no cast between the wire and the shards), else copied in (``copy_``:
+    the cast ``row.to(dtype)`` computes). So a group costs one allocation and a bucket at
+    most one copy; a group covered by one bucket whose row was not summed in place is its
+    row (cast or copied out of the staging rows, or the row itself when it is a fresh
+    tensor of the right dtype). Ranges no bucket wrote
     (buckets without any gradient are not sent) are zeroed in :meth:`result`. Under
     tracing the rows are concatenated once per group instead (a write into a view of
     one buffer becomes a scatter of the whole buffer per bucket in a graph).
@@ -59,6 +61,24 @@ class GradShards:
         self._written: dict[int, list[tuple[int, int]]] = {}
         self._rows: dict[int, list[tuple[int, torch.Tensor]]] = {}  # traced: the rows, concatenated at the end
         self._named: dict[str, torch.Tensor] = {}
+
+    def target(self, bucket: Bucket, dtype: torch.dtype) -> torch.Tensor | None:
+        """Where ``bucket``'s reduced row of ``dtype`` would be copied by :meth:`put`, to sum it there.
+
+        Eagerly, for a split bucket whose group buffer has ``dtype`` (no cast between the
+        wire and the shards): the bucket's ``(S,)`` range of that buffer (allocated here at
+        the group's first bucket); the collective writes the row into it and :meth:`put`
+        finds it in place. ``None`` otherwise (whole params, a cast, a traced step).
+        """
+        if self.tracing or bucket.span is None:
+            return None
+        g, start, stop = bucket.span
+        if self.buffer_dtypes.get(g) != dtype:
+            return None
+        buf = self._buffers.get(g)
+        if buf is None:
+            buf = self._buffers[g] = torch.empty(self.fl.groups[g].numel, dtype=dtype, device=self.device)
+        return buf[start:stop]
 
     def put(self, bucket: Bucket, row: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
         """This rank's reduced ``(S,)`` row of ``bucket`` into the shards, cast to ``dtype``.
@@ -87,7 +107,9 @@ class GradShards:
             return [own]
         if buf is None:
             buf = self._buffers[g] = torch.empty(group.numel, dtype=dtype, device=row.device)
-        buf[start:stop].copy_(row)
+        dest = buf[start:stop]
+        if row.data_ptr() != dest.data_ptr() or row.dtype != dtype:  # not summed in place (see target)
+            dest.copy_(row)
         self._written.setdefault(g, []).append((start, stop))
         return []
 

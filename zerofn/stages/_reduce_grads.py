@@ -17,7 +17,7 @@ from zerofn._offsets import Bucket, plan_buckets
 from zerofn._tree import FrozenDict
 from zerofn._wire._bucket import launch_compressed, wire_plan
 from zerofn._wire._checks import check_wire
-from zerofn.buckets import StagingPool, launch_reduce, pack_grads
+from zerofn.buckets import StagingPool, launch_reduce, pack_grads, wire_dtype
 from zerofn.layout import ShardLayout
 from zerofn.precision import PrecisionPolicy
 from zerofn.stages._grad_shards import GradShards
@@ -170,7 +170,7 @@ def reduce_grads(
     replicas = comm.group_size(replicate_group) if replicate_group is not None else 1
     present_set = set(present)
     # The split buckets' rows go straight into this rank's flat gradient buffers (bucket
-    # order is flat order): one copy (the cast back from the wire) per bucket.
+    # order is flat order): summed there, or one copy (the cast back from the wire) per bucket.
     shards = GradShards(layout, comm.group_rank(group), grad_dtypes, device)
     # Without the caller's pool, one for this call: bucket k + 2 reuses bucket k's pages.
     # (Under torch.compile the compiler plans buffers: a caller's pool is left alone.)
@@ -201,14 +201,13 @@ def reduce_grads(
             if next_residual is not None:
                 next_residual[i] = mine  # type: ignore[assignment]
         else:
+            into = shards.target(bucket, wire_dtype(layout, bucket, comm_dtype))  # summed in place: no copy
             pending = launch_reduce(
-                rows, layout, bucket, group, how, comm_dtype=comm_dtype, async_op=True, staging=pool
+                rows, layout, bucket, group, how, comm_dtype=comm_dtype, async_op=True, staging=pool, out=into
             )
         in_flight.push((bucket, dtype, borrowed), pending)
     in_flight.settle()
-    if next_residual is not None:
-        return shards.result(), tuple(next_residual)
-    return shards.result()
+    return shards.result() if next_residual is None else (shards.result(), tuple(next_residual))
 
 
 def reduce_realisation(stage: int, group: Group, policy: CommPolicy | None) -> str:

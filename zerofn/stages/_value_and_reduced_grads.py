@@ -43,7 +43,7 @@ from zerofn._tree import FrozenDict
 from zerofn._wire._bucket import launch_compressed, wire_plan
 from zerofn._wire._checks import check_wire
 from zerofn._wire._policy import CompressedWire
-from zerofn.buckets import StagingPool, launch_reduce, pack_grads
+from zerofn.buckets import StagingPool, launch_reduce, pack_grads, wire_dtype
 from zerofn.layout import ShardLayout
 from zerofn.precision import PrecisionPolicy
 from zerofn.stages._grad_shards import GradShards
@@ -253,9 +253,12 @@ class _Reduction:
             if self.residual is not None:
                 self.residual[b] = mine  # type: ignore[assignment]
         else:
+            # Summed straight into the shards' buffer (hybrid: the row waits apart for the replicas' sum).
+            wire = wire_dtype(self.layout, bucket, self.comm_dtype)
+            into = self.shards.target(bucket, wire) if self.replicate_group is None else None
             pending = launch_reduce(
                 rows, self.layout, bucket, self.group, self.how, comm_dtype=self.comm_dtype, async_op=True,
-                staging=self.pool,
+                staging=self.pool, out=into,
             )  # fmt: skip
         self.in_flight.push((bucket, borrowed), pending)
         self.in_flight.settle_finished()
