@@ -175,3 +175,22 @@ def _tiny_params_vs_ddp() -> float:
 def test_a_world_bigger_than_every_param_still_trains_on_every_rank(worlds):
     for diff in worlds[4].run(_tiny_params_vs_ddp):
         assert diff <= 1e-6
+
+
+def test_gather_destinations_are_checked_name_by_name_when_one_is_wrong():
+    """``validate_out`` (gather_params' ``out=``): right destinations pass (one comparison of
+    two lists); a missing, reshaped, recast or strided one raises naming the param."""
+    from zerofn._checks import validate_out  # the check itself: no process group needed
+
+    params = {"a": torch.zeros(4, 6), "b": torch.zeros(5), "c": torch.zeros(3, 2, dtype=torch.float64)}
+    layout = zf.make_layout(params, 2)
+    validate_out({n: torch.empty_like(p) for n, p in params.items()}, layout, "gather_params")
+    bad = {
+        "missing": ({"a": params["a"], "c": params["c"]}, KeyError, "out has no tensor for param 'b'"),
+        "shape": ({**params, "a": torch.zeros(6, 4)}, ValueError, r"out\['a'\] has shape \(6, 4\)"),
+        "dtype": ({**params, "c": torch.zeros(3, 2)}, ValueError, r"out\['c'\] has shape \(3, 2\) dtype torch.float32"),
+        "strided": ({**params, "a": torch.zeros(6, 4).t()}, ValueError, r"out\['a'\] .* contiguous=False"),
+    }
+    for out, error, message in bad.values():
+        with pytest.raises(error, match=message):
+            validate_out(out, layout, "gather_params")
