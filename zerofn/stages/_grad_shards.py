@@ -20,10 +20,10 @@ from collections.abc import Mapping
 import torch
 
 from zerofn import _comm as comm
-from zerofn import flat
+from zerofn import _traced, flat
 from zerofn._offsets import Bucket
 from zerofn.buckets import split_row
-from zerofn.layout import ShardLayout
+from zerofn.layout import ShardLayout, live_layout
 
 __all__ = ["GradShards"]
 
@@ -55,8 +55,12 @@ class GradShards:
     ) -> None:
         self.layout, self.rank, self.grad_dtypes, self.device = layout, rank, grad_dtypes, device
         self.fl = flat.flat_layout(layout, rank)
-        self.buffer_dtypes = _buffer_dtypes(self.fl, grad_dtypes)
         self.tracing = comm.tracing()
+        if self.tracing:  # a loop over every name: run natively at trace time, its result a constant
+            pairs = _traced_buffer_dtypes(layout.fingerprint, rank, tuple(grad_dtypes.items()))
+            self.buffer_dtypes = dict(pairs)
+        else:
+            self.buffer_dtypes = _buffer_dtypes(self.fl, grad_dtypes)
         self._buffers: dict[int, torch.Tensor] = {}
         self._written: dict[int, list[tuple[int, int]]] = {}
         self._rows: dict[int, list[tuple[int, torch.Tensor]]] = {}  # traced: the rows, concatenated at the end
@@ -170,3 +174,12 @@ def _buffer_dtypes(fl: flat.FlatLayout, grad_dtypes: Mapping[str, torch.dtype]) 
             if seen != dtype:
                 out[g] = torch.promote_types(seen, dtype)
     return out
+
+
+@_traced.constant_result
+def _traced_buffer_dtypes(
+    fingerprint: str, rank: int, grad_dtypes: tuple[tuple[str, torch.dtype], ...]
+) -> tuple[tuple[int, torch.dtype], ...]:
+    """:func:`_buffer_dtypes` of the layout with ``fingerprint``, for a compiled step (as pairs)."""
+    fl = flat.flat_layout(live_layout(fingerprint), rank)
+    return tuple(_buffer_dtypes(fl, dict(grad_dtypes)).items())
