@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from zerofn.testing import float64_wire_hook
 
@@ -132,6 +133,29 @@ def assert_trees_close(actual: Mapping[str, torch.Tensor], expected: Mapping[str
         assert not math.isnan(d), f"{name!r}: NaN in the comparison"
         worst = max(worst, (d, name), key=lambda x: x[0])
     assert worst[0] <= rel, f"max relative difference {worst[0]:.3e} in {worst[1]!r} > {rel:.1e}"
+
+
+class CopyTargets(TorchDispatchMode):
+    """While active, the ``(data_ptr, nbytes)`` of every tensor an aten copy writes into
+    (``copy_``, ``_foreach_copy_``) or makes (``clone``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: list[tuple[int, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        packet = func.overloadpacket
+        if packet in (torch.ops.aten.copy_, torch.ops.aten._foreach_copy_, torch.ops.aten.clone):
+            dsts = out if packet is torch.ops.aten.clone else args[0]
+            dsts = dsts if isinstance(dsts, (list, tuple)) else [dsts]
+            self.written += [(t.data_ptr(), t.numel() * t.element_size()) for t in dsts]
+        return out
+
+    def into(self, buffers: Iterable[torch.Tensor]) -> int:
+        """How many of the recorded copies wrote into any of ``buffers``' memory."""
+        spans = [(b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in buffers]
+        return sum(1 for ptr, size in self.written if any(ptr < hi and ptr + size > lo for lo, hi in spans))
 
 
 class Snapshot:

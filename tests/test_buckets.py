@@ -18,8 +18,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import assert_bitwise_equal, assert_trees_close, assert_trees_equal, seeded
-from torch.utils._python_dispatch import TorchDispatchMode
+from helpers import CopyTargets, assert_bitwise_equal, assert_trees_close, assert_trees_equal, seeded
 
 import zerofn as zf
 from zerofn import buckets
@@ -443,20 +442,6 @@ def test_an_all_to_all_reduce_receives_into_a_pools_buffer(world):
         assert res["held"][1] == res["held"][2]
 
 
-class _CopyTargets(TorchDispatchMode):
-    """The ``(data_ptr, nbytes)`` of every tensor an aten copy writes into."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.written: list[tuple[int, int]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket in (torch.ops.aten.copy_, torch.ops.aten._foreach_copy_):
-            dsts = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
-            self.written += [(t.data_ptr(), t.numel() * t.element_size()) for t in dsts]
-        return func(*args, **(kwargs or {}))
-
-
 def _summed_in_place(how: str) -> dict[str, Any]:
     """``launch_reduce(out=)`` gives ``out`` itself, bitwise the sum without it; ``reduce_grads``
     then writes into its flat gradient buffer by the collective's sum alone (no copy there)."""
@@ -471,11 +456,9 @@ def _summed_in_place(how: str) -> dict[str, Any]:
     dest = torch.full((bucket.shard_numel,), float("nan"))
     got = buckets.launch_reduce(rows.clone(), layout, bucket, None, how, async_op=True, out=dest).wait()
     policy = zf.CommPolicy(reduce=how) if how != "all_reduce" else None
-    with _CopyTargets() as mode:
+    with CopyTargets() as mode:
         shards = zf.reduce_grads(grads, layout, stage=1 if how == "all_reduce" else 2, comm_policy=policy)
-    (buf,) = [b for b in shards.buffers if b is not None]
-    lo, hi = buf.data_ptr(), buf.data_ptr() + buf.numel() * buf.element_size()
-    into = sum(1 for ptr, size in mode.written if ptr < hi and ptr + size > lo)
+    into = mode.into(b for b in shards.buffers if b is not None)
     alone = zf.reduce_grads(
         grads, layout, stage=1 if how == "all_reduce" else 2, comm_policy=policy, staging=buckets.StagingPool()
     )

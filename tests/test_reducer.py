@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import Net, Wide, batches, gate_used, seeded
+from helpers import CopyTargets, Net, Wide, batches, gate_used, seeded
 
 import zerofn as zf
 from zerofn.buckets import plan_buckets
@@ -137,3 +137,30 @@ def test_staging_buffers_are_reused_across_steps_and_bounded(world, overlap, wir
             assert res["sizes"][1:] == [res["sizes"][1]] * (len(res["sizes"]) - 1)
             assert all(p == res["ptrs"][1] for p in res["ptrs"][2:])
         assert res["after_close"] == 0
+
+
+def _facade_copies_into_shards(overlap: bool) -> dict[str, Any]:
+    """The copies that wrote into the flat gradient buffers a stage-2 backward leaves for step."""
+    torch.manual_seed(seeded(0))
+    model = Net()
+    opt = zf.ZeroOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), partition_grad=True, overlap_communication=overlap
+    )
+    counts = []
+    for step, (x, y) in enumerate(batches(dist.get_rank(), 3)):
+        with CopyTargets() as mode:
+            opt.backward(((model(x, gate_used(step)) - y) ** 2).mean())
+        counts.append(mode.into(opt._reducer.held.grad_bufs.values()))
+        opt.step()
+        opt.zero_grad()
+    spans = sum(b.span is not None for b in plan_buckets(opt.state.layout, opt.state.bucket_numel))
+    return {"copies": counts, "buckets": spans}
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_facade_sums_each_bucket_where_its_shards_stay(world, overlap):
+    """Stage 2 on gloo: each bucket's all-to-all sum lands in its range of the flat gradient
+    buffer that step receives; no copy or clone makes it (one rank: no collective, one copy per bucket)."""
+    for res in world.run(_facade_copies_into_shards, overlap):
+        expected = 0 if world.world_size > 1 else res["buckets"]
+        assert res["buckets"] > 0 and res["copies"] == [expected] * 3, res
