@@ -406,17 +406,25 @@ def test_a_lone_unpadded_param_is_gathered_into_its_own_storage(world, extra):
         assert res["pooled"] == (1 if padded else 0), res
 
 
+def _one_packed_bucket(
+    seed: int,
+) -> tuple[dict[str, tuple[int, ...]], Any, Bucket, dict[str, torch.Tensor], torch.Tensor]:
+    """SHAPES (but the large padded one) at this world size: (shapes, layout, the largest
+    bucket, this rank's random gradients, the bucket's packed ``(N, S)`` rows)."""
+    shapes = {k: s for k, s in SHAPES.items() if k != "bigpad"}
+    layout = make_layout({k: torch.empty(s) for k, s in shapes.items()}, dist.get_world_size())
+    bucket = max(plan_buckets(layout, 2**20), key=lambda b: b.shard_numel)
+    gen = torch.Generator().manual_seed(seeded(seed + dist.get_rank()))
+    grads = {k: torch.randn(s, generator=gen) for k, s in shapes.items()}
+    return shapes, layout, bucket, grads, buckets.pack_grads(grads, layout, bucket)
+
+
 def _reduce_through_a_pool() -> dict[str, Any]:
     """The all-to-all reduce with a pool: it receives into the pool's buffer, lent while the
     bucket is in flight and given back by ``wait()``; the same sums as without a pool; and
     ``reduce_grads`` with a pool takes no new buffer from its second call on."""
-    n, rank = dist.get_world_size(), dist.get_rank()
-    shapes = {k: s for k, s in SHAPES.items() if k != "bigpad"}
-    layout = make_layout({k: torch.empty(s) for k, s in shapes.items()}, n)
-    bucket = max(plan_buckets(layout, 2**20), key=lambda b: b.shard_numel)
-    gen = torch.Generator().manual_seed(seeded(7 + rank))
-    grads = {k: torch.randn(s, generator=gen) for k, s in shapes.items()}
-    rows = buckets.pack_grads(grads, layout, bucket)
+    rank = dist.get_rank()
+    shapes, layout, bucket, grads, rows = _one_packed_bucket(7)
     plain = buckets.launch_reduce(rows.clone(), layout, bucket, None, "all_to_all").wait()
     pool, mine = buckets.StagingPool(), torch.empty(rows.numel())
     pool.give(mine)
@@ -445,13 +453,7 @@ def test_an_all_to_all_reduce_receives_into_a_pools_buffer(world):
 def _summed_in_place(how: str) -> dict[str, Any]:
     """``launch_reduce(out=)`` gives ``out`` itself, bitwise the sum without it; ``reduce_grads``
     then writes into its flat gradient buffer by the collective's sum alone (no copy there)."""
-    n, rank = dist.get_world_size(), dist.get_rank()
-    shapes = {k: s for k, s in SHAPES.items() if k != "bigpad"}
-    layout = make_layout({k: torch.empty(s) for k, s in shapes.items()}, n)
-    bucket = max(plan_buckets(layout, 2**20), key=lambda b: b.shard_numel)
-    gen = torch.Generator().manual_seed(seeded(11 + rank))
-    grads = {k: torch.randn(s, generator=gen) for k, s in shapes.items()}
-    rows = buckets.pack_grads(grads, layout, bucket)
+    _, layout, bucket, grads, rows = _one_packed_bucket(11)
     plain = buckets.launch_reduce(rows.clone(), layout, bucket, None, how).wait()
     dest = torch.full((bucket.shard_numel,), float("nan"))
     got = buckets.launch_reduce(rows.clone(), layout, bucket, None, how, async_op=True, out=dest).wait()
