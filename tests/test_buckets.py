@@ -457,6 +457,11 @@ def _summed_in_place(how: str) -> dict[str, Any]:
     plain = buckets.launch_reduce(rows.clone(), layout, bucket, None, how).wait()
     dest = torch.full((bucket.shard_numel,), float("nan"))
     got = buckets.launch_reduce(rows.clone(), layout, bucket, None, how, async_op=True, out=dest).wait()
+    refused = []  # a wrong destination (short, float64, strided) is refused before the collective: none hangs
+    for bad in (dest[1:], dest.double(), torch.empty(bucket.shard_numel, 2)[:, 0]):
+        with pytest.raises(ValueError) as e:
+            buckets.launch_reduce(rows.clone(), layout, bucket, None, how, out=bad)
+        refused.append(str(e.value))
     policy = zf.CommPolicy(reduce=how) if how != "all_reduce" else None
     with CopyTargets() as mode:
         shards = zf.reduce_grads(grads, layout, stage=1 if how == "all_reduce" else 2, comm_policy=policy)
@@ -465,7 +470,13 @@ def _summed_in_place(how: str) -> dict[str, Any]:
         grads, layout, stage=1 if how == "all_reduce" else 2, comm_policy=policy, staging=buckets.StagingPool()
     )
     same = all(torch.equal(shards[k], alone[k]) for k in alone)
-    return {"is_out": got is dest, "equal": torch.equal(got, plain), "copies_into_shards": into, "same": same}
+    return {
+        "is_out": got is dest,
+        "equal": torch.equal(got, plain),
+        "copies_into_shards": into,
+        "same": same,
+        "refused": refused,
+    }
 
 
 @pytest.mark.parametrize("how", ["all_to_all", "reduce_scatter", "all_reduce"])
@@ -476,6 +487,7 @@ def test_a_reduced_row_is_summed_where_the_shards_keep_it(world, how):
     collective) copy the row in, once."""
     for res in world.run(_summed_in_place, how):
         assert res["is_out"] and res["equal"] and res["same"], res
+        assert len(res["refused"]) == 3 and all("out= takes this rank's row of the sum" in m for m in res["refused"])
         if how == "all_to_all" and world.world_size > 1:
             assert res["copies_into_shards"] == 0, res
         elif how == "all_reduce" or world.world_size == 1:

@@ -228,8 +228,9 @@ def sum_rows(
         step fault in new pages); default a new one. The other realisations need none.
       out: an ``(S,)`` contiguous tensor of ``rows``' dtype the row of the sum lands in
         (where the caller keeps it, so that nothing copies it there afterwards): the
-        reduce-scatter's output, the all-to-all's rank-order sum. Not with ``whole``;
-        ignored under tracing (a graph plans its buffers).
+        reduce-scatter's output, the all-to-all's rank-order sum. Not with ``whole``
+        (``ValueError`` before the collective, as for another shape or dtype); ignored
+        under tracing (a graph plans its buffers).
 
     Returns:
       A :class:`Pending` whose ``wait()`` gives the ``(S,)`` sum of row ``rank`` over all
@@ -247,8 +248,11 @@ def sum_rows(
     elem = rows.element_size()
     if whole and how != "all_reduce":
         raise ValueError(f"sum_rows: whole=True keeps every row of an all-reduce; {how!r} leaves one row per rank")
-    if whole and out is not None:
-        raise ValueError("sum_rows: out= is for one row; whole=True keeps the (N, S) sum in rows")
+    if out is not None and (whole or out.shape != (s,) or out.dtype != rows.dtype or not out.is_contiguous()):
+        raise ValueError(  # before the collective: a bad destination must not leave the other ranks waiting
+            f"sum_rows: out= takes this rank's row of the sum, a contiguous ({s},) {rows.dtype} tensor, not with "
+            f"whole=True; got {tuple(out.shape)} {out.dtype} (contiguous={out.is_contiguous()}, whole={whole})"
+        )
     traced = tracing()
     if traced:
         out = None  # a graph plans its own buffers

@@ -366,6 +366,8 @@ class GradReducer:
                 if name in fresh and g is not None and g.dtype == self._layout[name].dtype and g.is_contiguous():
                     outs[name] = g
         launched = Launched(bucket, present, first.dtype, buf, outs)
+        if self._stage == 2:
+            self._settler.place(launched, first.device)  # where its row will be kept: decided once, here
         if self.wire is not None:  # stage 2 only, always asynchronous: ``rows`` are read until the bucket settles
             pending, wire_buf = self.wire.launch(b, bucket, rows), None
         else:
@@ -373,7 +375,8 @@ class GradReducer:
             wire_buf = self.staging.take(n * s, wire, first.device) if wire != first.dtype else None
             out = wire_buf[: n * s].view(n, s) if wire_buf is not None else None
             # Stage 2: summed straight into the shards' buffer (hybrid: the row waits apart for the replicas' sum).
-            into = self._settler.target(launched, wire, first.device) if self._replicate is None else None
+            shards = launched.shards if self._replicate is None else None
+            into = shards.target(bucket, wire) if shards is not None else None
             pending = launch_reduce(
                 rows, self._layout, bucket, self._group, self._how, comm_dtype=self._precision.comm_dtype,
                 wire_out=out, async_op=self._overlap, whole=whole, staging=self.staging, out=into,

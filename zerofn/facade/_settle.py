@@ -44,9 +44,11 @@ class Launched:
     ``outs``: stage 1, the local gradients just packed, reused as the full averaged
     gradients' storage (name -> tensor of the param's shape and working dtype). ``buf``
     is the staging buffer to give back once settled (None: not a staging buffer).
+    ``shards``: stage 2, the ``GradShards`` its row goes into, decided at launch by
+    :meth:`Settler.place` (None: cut per name).
     """
 
-    __slots__ = ("bucket", "buf", "dtype", "outs", "present", "rows")
+    __slots__ = ("bucket", "buf", "dtype", "outs", "present", "rows", "shards")
 
     def __init__(
         self,
@@ -60,6 +62,7 @@ class Launched:
         self.buf: torch.Tensor | None = buf
         self.outs = outs
         self.rows: torch.Tensor | None = None  # hybrid: what waits for the replicas' sum
+        self.shards: GradShards | None = None
 
 
 class Settler:
@@ -104,36 +107,27 @@ class Settler:
         if f.buf is not None:
             self._staging.give(f.buf)
 
-    def target(self, f: Launched, wire: torch.dtype, device: torch.device) -> torch.Tensor | None:
-        """Stage 2, at launch: where :meth:`settle` will keep bucket ``f``'s row (its range of the
-        group's flat buffer, :meth:`GradShards.target`), so that the collective sums it there;
-        ``None`` when the row will be copied or cut (stage 1, a cast from the wire dtype
-        ``wire``, a bucket that does not fit). Buckets settle in launch order, so the
-        decision is the one :meth:`settle` takes."""
-        if self._stage != 2 or wire != f.dtype:
-            return None
-        shards = self._shards_for(f, device)
-        return shards.target(f.bucket, wire) if shards is not None else None
-
-    def _shards_for(self, f: Launched, device: torch.device) -> GradShards | None:
-        """The ``GradShards`` bucket ``f``'s row goes into (opened at its group's first bucket), or ``None``."""
+    def place(self, f: Launched, device: torch.device) -> None:
+        """Stage 2, at launch: decide where bucket ``f``'s row will be kept (``f.shards``): its
+        group's ``GradShards`` (opened at the group's first bucket), whose range of the flat
+        buffer the collective can sum into (:meth:`GradShards.target`); or none, the row cut
+        per name (a bucket of whole params, one whose names already hold shards, another
+        dtype than its group's). Buckets are placed and settled in launch order."""
         g = self._flat.where.get(f.bucket.names[0], (-1, 0, 0))[0]
         if g < 0 or not self._flat_fits(g, f):
-            return None
+            return
         shards = self._open.get(g)
         if shards is None:
             names = self._flat.groups[g].names
             shards = self._open[g] = GradShards(self._layout, self._rank, dict.fromkeys(names, f.dtype), device)
             self._open_dtype[g], self._open_names[g] = f.dtype, set()
-        return shards
+        f.shards = shards
 
     def _settle_row(self, f: Launched, row: torch.Tensor) -> Iterable[torch.Tensor]:
-        """Stage 2: the row into its group's ``GradShards``, or cut per name; the tensors kept from it."""
-        shards = self._shards_for(f, row.device)
-        if shards is not None:
-            g = self._flat.where[f.bucket.names[0]][0]
-            self._open_names[g] |= f.present
-            return shards.put(f.bucket, row, f.dtype)
+        """Stage 2: the row into the ``GradShards`` placed at launch, or cut per name; the tensors kept from it."""
+        if f.shards is not None:
+            self._open_names[self._flat.where[f.bucket.names[0]][0]] |= f.present
+            return f.shards.put(f.bucket, row, f.dtype)
         cut = split_row(row, self._layout, f.bucket, f.present, dtype=f.dtype, rank=self._rank)
         self._held.merge(cut)
         return cut.values()

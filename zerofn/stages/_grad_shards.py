@@ -112,7 +112,7 @@ class GradShards:
         if buf is None:
             buf = self._buffers[g] = torch.empty(group.numel, dtype=dtype, device=row.device)
         dest = buf[start:stop]
-        if row.data_ptr() != dest.data_ptr() or row.dtype != dtype:  # not summed in place (see target)
+        if row.data_ptr() != dest.data_ptr():  # not summed in place (see target)
             dest.copy_(row)
         self._written.setdefault(g, []).append((start, stop))
         return []
