@@ -13,7 +13,10 @@ lowering, scheduling and code generation, and the C++ compiles (``async_compile.
 
 ``--system ddp-compiled`` gives the same table for the reference, ``torch.compile(DDP(model))``
 and fused AdamW, measured as ``benchmarks.run`` measures it (its first step minus its second,
-cold): the model's own forward and backward, compiled the same way.
+cold): the model's own forward and backward, compiled the same way. ``--system grad-only``
+compiles the functional step with the four stages taken out: the user's
+``torch.func.grad_and_value`` of ``functional_call`` alone, the share of the step's compile
+that is not zerofn's.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import time
 from typing import Any
 
 SYSTEM = "zerofn-fn-compiled-inductor"
+GRAD_ONLY = "grad-only"
 
 
 def _job(model_name: str, system: str) -> tuple[float, str]:
@@ -38,9 +42,18 @@ def _job(model_name: str, system: str) -> tuple[float, str]:
         ddp = systems.DDPSystem(systems.SYSTEMS[system], ctx, "fused")
         seconds = systems.DDPCompiled.first_minus_second(ddp, ctx)
     else:
-        systems.build(system)
+        systems.build(SYSTEM)
+        if system == GRAD_ONLY:
+            step = systems._BUILT[SYSTEM]
+            grad_fn = step.grad_fn
+
+            def grad_only(state: Any, params: Any, x: Any, y: Any) -> Any:
+                grads, loss = grad_fn(params, x, y)
+                return state, grads, loss.detach()  # the gradients are outputs: no backward left out
+
+            step.train_step = grad_only  # type: ignore[attr-defined]
         t0 = time.perf_counter()
-        systems.run_block(system, 0, 1)  # the first call: the compile, cold
+        systems.run_block(SYSTEM, 0, 1)  # the first call: the compile, cold
         seconds = time.perf_counter() - t0
     table: Any = torch._dynamo.utils.compile_times(repr="str", aggregate=True)
     return seconds, str(table)
@@ -53,7 +66,12 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.compile_times", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="mlp-large", choices=("transformer", "mlp-small", "mlp-large"))
     p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--system", default=SYSTEM, choices=(SYSTEM, "ddp-compiled"), help="ddp-compiled: the baseline")
+    p.add_argument(
+        "--system",
+        default=SYSTEM,
+        choices=(SYSTEM, "ddp-compiled", GRAD_ONLY),
+        help="ddp-compiled: the baseline; grad-only: the step without its stages",
+    )
     args = p.parse_args(argv)
     os.environ["ZEROFN_BENCH_WARM_COMPILE"] = "0"  # one compile, cold (the ranks inherit it)
     with World(args.world_size, timeout=3600.0, run_timeout=7200.0) as world:
