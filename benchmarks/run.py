@@ -68,6 +68,11 @@ ALL_SYSTEMS = (
     "zerofn-s2-compiled",
 )
 REFERENCE = "ddp-fused"
+# glibc malloc that keeps what it frees: blocks up to its largest mmap threshold (32 MiB) come
+# from the heap, and the heap's top is never given back. A compiled step allocates its buffers
+# on every call, and with glibc's defaults the pages of the largest are returned to the system
+# and faulted in again each time (docs/jit.md, "Time").
+MALLOC_KEEP = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 32)}
 # Run only when named (--systems): inductor compiles the step for minutes on a small CPU.
 SLOW_TO_BUILD = ("zerofn-fn-compiled-inductor", "ddp-compiled")
 
@@ -100,6 +105,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--compile-backend",
         default=None,
         help="torch.compile backend of zerofn-s2-compiled (default: ZeroOptimizer's compile=True, inductor)",
+    )
+    p.add_argument(
+        "--malloc",
+        choices=("default", "keep"),
+        default="default",
+        help="keep: the ranks' glibc malloc keeps freed memory (MALLOC_*_THRESHOLD_, docs/jit.md)",
     )
     p.add_argument("--memory", choices=("isolated", "off"), default=None, help="peak-RSS phase (default isolated)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
@@ -188,6 +199,8 @@ def _world(n: int, backend: str, args: argparse.Namespace) -> World:
     """N rank processes for one (model, N): gloo on the CPU, or NCCL with rank r on cuda:r."""
     if args.compile_backend:  # read by zerofn-s2-compiled in the rank processes (they inherit the environment)
         os.environ["ZEROFN_BENCH_COMPILE_BACKEND"] = args.compile_backend
+    if args.malloc == "keep":  # read by glibc when a rank process starts: every system runs with it
+        os.environ.update(MALLOC_KEEP)
     return World(
         n,
         backend=backend,
