@@ -313,6 +313,11 @@ def test_a_whole_reduced_bucket_unpacks_into_the_full_mean_gradients(world, dtyp
         assert "whole=True" in res["refused"]
 
 
+def _stacked(rows: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
+    """A gather's rows as one new ``(N, S)`` tensor: an all-gather's buffer, or the broadcasts' rows apart."""
+    return rows.clone() if isinstance(rows, torch.Tensor) else torch.stack(rows)
+
+
 def _gathers_into_given_buffers(dtype_name: str) -> dict[str, object]:
     dtype = getattr(torch, dtype_name)
     n, rank = dist.get_world_size(), dist.get_rank()
@@ -328,15 +333,17 @@ def _gathers_into_given_buffers(dtype_name: str) -> dict[str, object]:
         s = bucket.shard_numel
         row = buckets.pack_shards(shards, layout, bucket, dtype=dtype)
         for how, out in (("broadcast", fresh), ("all_gather", fresh)):
-            out[f"{bucket.names[0]}/{how}"] = buckets.launch_gather(row, None, how).wait().clone()
+            out[f"{bucket.names[0]}/{how}"] = _stacked(buckets.launch_gather(row, None, how).wait())
         recv = torch.full((n, s), float("nan"), dtype=dtype)  # stale contents must not leak through
         got = buckets.launch_gather(row, None, "broadcast", async_op=True, out=recv).wait()
-        assert got.data_ptr() == recv.data_ptr()
-        given[f"{bucket.names[0]}/broadcast"] = got.clone()
+        # The broadcasts' rows where they lie: this rank's is the row it sent, the others recv's.
+        assert [t.data_ptr() for t in got] == [(row if r == rank else recv[r]).data_ptr() for r in range(n)]
+        given[f"{bucket.names[0]}/broadcast"] = _stacked(got)
         # This rank's row packed straight into the receive buffer: no separate row.
         recv = torch.full((n, s), float("nan"), dtype=dtype)
         mine = buckets.pack_shards(shards, layout, bucket, dtype=dtype, out=recv[rank])
-        in_place[f"{bucket.names[0]}/broadcast"] = buckets.launch_gather(mine, None, "broadcast", out=recv).wait()
+        got = buckets.launch_gather(mine, None, "broadcast", out=recv).wait()
+        in_place[f"{bucket.names[0]}/broadcast"] = _stacked(got)
         if mine.data_ptr() == recv[rank].data_ptr():
             try:
                 buckets.launch_gather(mine, None, "all_gather", out=recv)

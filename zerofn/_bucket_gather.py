@@ -120,8 +120,10 @@ def launch_gather(
     """Start gathering every rank's ``(S,)`` row of one bucket (from :func:`pack_shards`).
 
     Args:
-      row: this rank's contiguous ``(S,)`` row; read, never written. With the broadcast
-        realisation it may be ``out[rank]`` (packed in place by ``pack_shards(out=)``).
+      row: this rank's contiguous ``(S,)`` row; read, never written, until the gather
+        completes (a lone shard is its own row: the master buffer must not change until
+        then). With the broadcast realisation it may be ``out[rank]`` (packed in place by
+        ``pack_shards(out=)``).
       group: the sharding process group.
       how: ``"all_gather"`` or ``"broadcast"`` (the gather realisation of a
         :class:`~zerofn.CommPolicy`).
@@ -130,8 +132,9 @@ def launch_gather(
         buffers, idle between ``step`` and the next ``backward``); default a new one.
 
     Returns:
-      A :class:`~zerofn._comm.Pending` whose ``wait()`` is the ``(N, S)`` buffer (row
-      ``r`` from rank ``r``; ``out`` if given), for :func:`unpack_rows`.
+      A :class:`~zerofn._comm.Pending` whose ``wait()`` is, row ``r`` from rank ``r``,
+      the ``(N, S)`` buffer (all-gather; ``out`` if given) or the ``N`` rows apart
+      (broadcasts: ``row`` itself and ``out``'s other rows), for :func:`unpack_rows`.
 
     Collectives: one ``all_gather`` of ``N * S`` elements, or ``N`` broadcasts of ``S``.
     """

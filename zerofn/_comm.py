@@ -342,8 +342,8 @@ def gather_rows(
     """Gather every rank's ``(S,)`` row into an ``(N, S)`` buffer on every rank.
 
     Args:
-      row: this rank's ``(S,)`` contiguous row, any dtype. With the broadcast realisation
-        it may be ``out[rank]`` itself (packed in place: no copy).
+      row: this rank's ``(S,)`` contiguous row, any dtype; read, never written, until the
+        gather completes. With the broadcast realisation it may be ``out[rank]`` itself.
       group: the process group, ``None`` for the default.
       how: ``"all_gather"`` or ``"broadcast"`` (see :class:`CommPolicy`).
       async_op: launch and return at once; ``wait()`` on the result.
@@ -352,10 +352,16 @@ def gather_rows(
         time); default a new one.
 
     Returns:
-      A :class:`Pending` whose ``wait()`` gives the ``(N, S)`` buffer (``out`` if given),
-      row ``r`` from rank ``r``. Under ``torch.compile`` it gives a list instead: that
-      buffer alone (all-gather), or the ``N`` rows apart (broadcasts: each lands in a
-      tensor of its own, and :func:`~zerofn.buckets.unpack_rows` reads them where they are).
+      A :class:`Pending` whose ``wait()`` gives, row ``r`` from rank ``r``:
+
+      - all-gather: the ``(N, S)`` buffer (``out`` if given);
+      - broadcasts: the ``N`` rows apart, a list: row ``rank`` is ``row`` itself, sent from
+        where it lies (a range of the master buffer: no copy of it into ``out``), the
+        others are ``out``'s rows. :func:`~zerofn.buckets.unpack_rows` reads them where
+        they are.
+
+      Under ``torch.compile`` a list either way: the ``(N, S)`` buffer alone (all-gather),
+      or the ``N`` rows (broadcasts: each lands in a tensor of its own).
 
     Collectives: one ``all_gather`` of ``N*S`` elements, or ``N`` broadcasts of ``S``.
     """
@@ -372,26 +378,26 @@ def gather_rows(
             f"gather_rows: out must be a contiguous ({n}, {s}) {row.dtype} buffer on {row.device}, got "
             f"{tuple(out.shape)} {out.dtype} on {out.device}"
         )
-    in_place = row.data_ptr() == out[rank].data_ptr()
-    if in_place and how != "broadcast":
-        raise ValueError("gather_rows: only the broadcast realisation gathers from a row packed into out[rank]")
-    if n == 1:
-        if not in_place:
-            out[0].copy_(row)
-        return Pending([], lambda: out)
     if how == "all_gather":
+        if row.data_ptr() == out[rank].data_ptr():
+            raise ValueError("gather_rows: only the broadcast realisation gathers from a row packed into out[rank]")
+        if n == 1:
+            out[0].copy_(row)
+            return Pending([], lambda: out)
         handle = _all_gather_flat(out.view(-1), row, group=group, async_op=async_op)
         record("all_gather", ring_share(n, n * s, elem))
         return Pending([handle], lambda: out)
     if how == "broadcast":
-        if not in_place:
-            out[rank].copy_(row)
+        # This rank's row is sent from where it lies and read from there: a copy into
+        # out[rank] would be one more pass over S elements, for nothing.
+        rows = [row if r == rank else out[r] for r in range(n)]
         handles = []
-        for r in range(n):
+        for r in range(n if n > 1 else 0):
             src = r if group is None else dist.get_global_rank(group, r)
-            handles.append(dist.broadcast(out[r], src=src, group=group, async_op=async_op))
-        record("broadcast", (n - 1) * s * elem)
-        return Pending(handles, lambda: out)
+            handles.append(dist.broadcast(rows[r], src=src, group=group, async_op=async_op))
+        if n > 1:
+            record("broadcast", (n - 1) * s * elem)
+        return Pending(handles, lambda: rows)  # type: ignore[arg-type,return-value]
     raise ValueError(f"unknown gather realisation {how!r}")
 
 

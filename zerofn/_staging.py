@@ -40,7 +40,7 @@ class StagingPool:
         self._keep = keep
         self._min_numel = min_numel
         self._free: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-        self._targets: dict[tuple[ShardLayout, Bucket], tuple[list[int], list[torch.Tensor]]] = {}
+        self._targets: dict[tuple[ShardLayout, Bucket, bool], tuple[list[int], list[torch.Tensor]]] = {}
 
     @property
     def keep(self) -> int:
@@ -74,7 +74,7 @@ class StagingPool:
             self.give(buf)
 
     def unpack_targets(
-        self, layout: ShardLayout, bucket: Bucket, out: Mapping[str, torch.Tensor]
+        self, layout: ShardLayout, bucket: Bucket, out: Mapping[str, torch.Tensor], *, separate: bool = False
     ) -> list[torch.Tensor]:
         """:func:`~zerofn.buckets.unpack_targets` of every member of ``bucket`` in ``out``,
         made once per storage of those tensors and kept here.
@@ -82,17 +82,19 @@ class StagingPool:
         A view per member costs microseconds, a bucket of a thousand params milliseconds a
         step. The kept views hold the storage they were made of, so a tensor given new
         storage since (``p.data = ...``, ``model.to(...)``) has a new address, and its
-        bucket's views are made again.
+        bucket's views are made again. ``separate``: for rows given as ``N`` tensors apart
+        (a broadcast gather's), kept apart from the views for an ``(N, S)`` buffer.
         """
         members = _bucket_plan(layout, bucket).members
         if torch.compiler.is_compiling():  # no storage addresses in a trace
-            return member_targets(layout.world_size, members, out, separate=False)
+            return member_targets(layout.world_size, members, out, separate)
         key = [out[m.name].data_ptr() for m in members]
-        kept = self._targets.get((layout, bucket))
+        kept = self._targets.get((layout, bucket, separate))
         if kept is None or kept[0] != key:
             if kept is None and len(self._targets) >= _TARGETS_KEPT:
                 self._targets.clear()
-            kept = self._targets[(layout, bucket)] = (key, member_targets(layout.world_size, members, out, False))
+            kept = (key, member_targets(layout.world_size, members, out, separate))
+            self._targets[(layout, bucket, separate)] = kept
         return kept[1]
 
     def buffers(self) -> list[torch.Tensor]:

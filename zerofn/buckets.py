@@ -424,8 +424,8 @@ def unpack_rows(
 
     Args:
       rows: ``(N, S)`` buffer, any dtype; or its ``N`` rows as separate ``(S,)`` tensors
-        (a compiled gather's broadcasts: each lands in a tensor of its own, and stacking
-        them would copy the bucket once more).
+        (a gather's broadcasts: each row is read where it lies, and stacking them would
+        copy the bucket once more).
       layout: the layout the rows follow.
       bucket: the bucket of ``layout`` the rows hold.
       out: name -> destination of the param's shape (contiguous), written in place

@@ -188,7 +188,8 @@ def gather_rows(state: ZeroState, group: Group) -> dict[str, torch.Tensor]:
     if not rows:
         return {}
     how = comm.CommPolicy().resolve(group)[1]
-    everyone = comm.gather_rows(torch.cat(list(rows.values())), group, how).wait().cpu()
+    gathered = comm.gather_rows(torch.cat(list(rows.values())), group, how).wait()
+    everyone = (gathered if how == "all_gather" else torch.stack(gathered)).cpu()  # broadcasts: N rows apart
     out: dict[str, torch.Tensor] = {}
     at = 0
     for name, row in rows.items():

@@ -3,7 +3,8 @@
 ``step`` launches every bucket's gather asynchronously (:meth:`ParamPrefetcher.launch`:
 ``pack_shards`` and ``launch_gather`` into an ``(N, S)`` buffer borrowed from the gradient
 reducer's staging pool, idle between ``step`` and the next ``backward``; with the
-broadcast realisation this rank's row is packed straight into it) and returns. A forward
+broadcast realisation this rank's row is sent from its range of the master shards, or
+packed into its slot where a cast is needed) and returns. A forward
 pre-hook on each module that owns params waits for exactly the buckets those params live
 in and writes them into the params (``unpack_rows``: the same pieces, and so the same
 bits, as :func:`~zerofn.gather_params`); the model's forward post-hook completes the rest.
@@ -135,7 +136,7 @@ class ParamPrefetcher:
             borrowed = self._staging.take(n * s, dtype, device) if self._staging is not None else None
             recv = borrowed[: n * s].view(n, s) if borrowed is not None else None
             if recv is not None and self._how == "broadcast":
-                out = recv[state.rank]  # packed where the gather wants it: no separate row, no copy
+                out = recv[state.rank]  # where a cast is needed: no separate row (else the master is sent)
             else:
                 out = self._send_row(b, bucket, dtype, state)
             row = pack_shards(state.master, self._layout, bucket, dtype=dtype, device=device, out=out, rank=state.rank)
@@ -184,7 +185,9 @@ class ParamPrefetcher:
                 bucket = self._buckets[b]
                 # The views the bucket's params are written through, made once (every member written).
                 whole = self._staging is not None and len(names) == len(bucket.names)
-                targets = self._staging.unpack_targets(self._layout, bucket, self._params) if whole else None
+                apart = self._how == "broadcast"  # the rows as gather_rows gives them
+                staging = self._staging
+                targets = staging.unpack_targets(self._layout, bucket, self._params, separate=apart) if whole else None
                 unpack_rows(rows, self._layout, bucket, self._params, names=names, targets=targets)
                 if self._guard is not None:
                     self._guard.record(names)

@@ -63,8 +63,9 @@ def gather_params(
         all ranks or on none.)
       staging: explicit buffer reuse: a :class:`~zerofn.buckets.StagingPool` the ``(N, S)``
         receive buffers are taken from and given back to (with the broadcast
-        realisation this rank's row is packed straight into its slot); ``None``: fresh
-        buffers. The returned params never alias its buffers.
+        realisation this rank's row is sent from its range of the master buffer where no
+        cast is needed, else packed into its slot); ``None``: fresh buffers. The
+        returned params never alias its buffers.
     Returns:
       A new dict name -> full param (layout order, original shape, working dtype, on the
       params' device ``state.work_device``), equal on every rank. Without ``out`` the
@@ -99,6 +100,7 @@ def gather_params(
     # (Under torch.compile the compiler plans buffers: a caller's pool is left alone.)
     pool = staging if staging is not None and not tracing else pipeline_pool()
     kept = staging is not None and out is not None and not tracing
+    apart = how == "broadcast"  # the broadcasts' rows are read where they lie (gather_rows)
 
     def write(item: tuple[Bucket, torch.Tensor | None], pending: Pending) -> None:
         bucket, borrowed = item
@@ -108,8 +110,8 @@ def gather_params(
         with torch.no_grad():  # `out` may be leaf params that require grad
             if tracing:  # the eager copies as opaque nodes: memcpy, not a generated index loop per param
                 _unpack_traced(rows, layout, bucket, result)
-            else:  # copied out of the (N, S) buffer; into `out` through the views the caller's pool keeps
-                targets = staging.unpack_targets(layout, bucket, result) if kept else None
+            else:  # copied out of the rows; into `out` through the views the caller's pool keeps
+                targets = staging.unpack_targets(layout, bucket, result, separate=apart) if kept else None
                 unpack_rows(rows, layout, bucket, result, targets=targets)
         pool.give(borrowed)
 
@@ -125,8 +127,10 @@ def gather_params(
         if recv is None:
             borrowed = pool.take(n_s, dtype, device)
             recv = borrowed[:n_s].view(n, bucket.shard_numel)
-        in_place = recv[state.rank] if how == "broadcast" else None
+        in_place = recv[state.rank] if apart else None
         row = pack_shards(state.master, layout, bucket, dtype=dtype, device=device, out=in_place, rank=state.rank)
+        if borrowed is None and in_place is not None and row.data_ptr() != in_place.data_ptr():
+            row = in_place.copy_(row)  # the param's own chunk: nothing unpacks a bucket gathered in place
         in_flight.push((bucket, borrowed), launch_gather(row, group, how, async_op=True, out=recv))
     in_flight.settle()
     return result
