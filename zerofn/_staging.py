@@ -85,15 +85,16 @@ class StagingPool:
         bucket's views are made again. ``separate``: for rows given as ``N`` tensors apart
         (a broadcast gather's), kept apart from the views for an ``(N, S)`` buffer.
         """
-        members = _bucket_plan(layout, bucket).members
+        plan = _bucket_plan(layout, bucket)
+        members = plan.members
         if torch.compiler.is_compiling():  # no storage addresses in a trace
-            return member_targets(layout.world_size, members, out, separate)
+            return member_targets(layout.world_size, plan, members, out, separate)
         key = [out[m.name].data_ptr() for m in members]
         kept = self._targets.get((layout, bucket, separate))
         if kept is None or kept[0] != key:
             if kept is None and len(self._targets) >= _TARGETS_KEPT:
                 self._targets.clear()
-            kept = (key, member_targets(layout.world_size, members, out, separate))
+            kept = (key, member_targets(layout.world_size, plan, members, out, separate))
             self._targets[(layout, bucket, separate)] = kept
         return kept[1]
 

@@ -453,7 +453,7 @@ def unpack_rows(
     else:
         make = functools.partial(torch.empty, dtype=dtype or first.dtype, device=first.device)
         result = {m.name: make(layout[m.name].shape) for m in members}
-    dst = targets if targets is not None else member_targets(layout.world_size, members, result, separate)
+    dst = targets if targets is not None else member_targets(layout.world_size, plan, members, result, separate)
     if dst:
         torch._foreach_copy_(dst, member_sources(rows, plan, members, separate))
     return result
@@ -474,8 +474,9 @@ def unpack_targets(
     them back as ``unpack_rows(..., targets=)``. ``separate``: for rows given as ``N``
     separate tensors. Collectives: none.
     """
-    members = _members(_bucket_plan(layout, bucket), names)
-    return member_targets(layout.world_size, members, {m.name: out[m.name] for m in members}, separate)
+    plan = _bucket_plan(layout, bucket)
+    members = _members(plan, names)
+    return member_targets(layout.world_size, plan, members, {m.name: out[m.name] for m in members}, separate)
 
 
 def _members(plan: BucketPlan, names: Iterable[str] | None) -> list[MemberPlan]:
