@@ -159,10 +159,10 @@ def _pieces(members: Sequence[MemberPlan]) -> list[tuple[MemberPlan, bool]]:
     return out
 
 
-def _row_by_row(plan: BucketPlan, members: Sequence[MemberPlan], n: int) -> bool:
-    """Whether an unpack of ``N`` rows apart copies row by row: every member of the bucket is
-    written and fills its ``N`` rows exactly, so each row is one split into member pieces
-    (two views per member and row fewer than member by member)."""
+def _filled(plan: BucketPlan, members: Sequence[MemberPlan], n: int) -> bool:
+    """Every member of the bucket is written and fills its ``N`` rows exactly (no padding,
+    no whole params): one split of the rows' columns gives every member's piece of a row,
+    and an unpack copies the pieces as split (block by block, or row by row for rows apart)."""
     return len(members) == len(plan.members) and all(m.owner < 0 and m.whole == n for m in members)
 
 
@@ -172,8 +172,8 @@ def member_targets(
     """The views :func:`~zerofn.buckets.unpack_rows` writes ``full``'s members through, in
     ``members``' order: per split member its full rows as one ``(k, width)`` view (``k`` row
     views when ``separate``), then the rest of its last row; a whole param, all of it.
-    Rows apart that :func:`_row_by_row` copies: row 0 of every member, then row 1, ..."""
-    if separate and _row_by_row(plan, members, n):
+    Rows apart of a :func:`_filled` bucket: row 0 of every member, then row 1, ..."""
+    if separate and _filled(plan, members, n):
         blocks = [full[m.name].view(n, m.width) for m in members]
         return [b[r] for r in range(n) for b in blocks]
     dst: list[torch.Tensor] = []
@@ -194,15 +194,15 @@ def member_sources(
 ) -> list[torch.Tensor]:
     """What :func:`member_targets`' views receive, in the same order: blocks of the rows' columns."""
     n = len(rows)
-    if separate and _row_by_row(plan, members, n):
-        return [piece for r in rows for piece in r[: plan.split_width].split(plan.widths)]
+    if _filled(plan, members, n):  # the pieces as split: row by row, or the column blocks
+        if separate:
+            return [piece for r in rows for piece in r[: plan.split_width].split(plan.widths)]
+        return list(rows[:, : plan.split_width].split(plan.widths, dim=1))  # type: ignore[call-overload]
     if separate:  # a member's block is its N row pieces
         per_row = [r[: plan.split_width].split(plan.widths) for r in rows]
         split_blocks: Sequence[Any] = [list(pieces) for pieces in zip(*per_row, strict=True)]
     else:
         split_blocks = rows[:, : plan.split_width].split(plan.widths, dim=1)  # type: ignore[call-overload]
-    if not separate and len(members) == len(plan.members) and all(m.owner < 0 and m.whole == n for m in members):
-        return list(split_blocks)  # every member fills its N rows exactly: its block is all of it
     blocks = dict(zip((m.name for m in plan.split_members), split_blocks, strict=True))
     src: list[torch.Tensor] = []
     for m, rest in _pieces(members):

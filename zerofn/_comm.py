@@ -339,7 +339,7 @@ def sum_across(t: torch.Tensor, group: Group) -> torch.Tensor:
 def gather_rows(
     row: torch.Tensor, group: Group, how: str, *, async_op: bool = False, out: torch.Tensor | None = None
 ) -> Pending:
-    """Gather every rank's ``(S,)`` row into an ``(N, S)`` buffer on every rank.
+    """Gather every rank's ``(S,)`` row on every rank: into an ``(N, S)`` buffer, or the ``N`` rows apart.
 
     Args:
       row: this rank's ``(S,)`` contiguous row, any dtype; read, never written, until the
@@ -391,12 +391,13 @@ def gather_rows(
         # This rank's row is sent from where it lies and read from there: a copy into
         # out[rank] would be one more pass over S elements, for nothing.
         rows = [row if r == rank else out[r] for r in range(n)]
+        if n == 1:
+            return Pending([], lambda: rows)  # type: ignore[arg-type,return-value]
         handles = []
-        for r in range(n if n > 1 else 0):
+        for r in range(n):
             src = r if group is None else dist.get_global_rank(group, r)
             handles.append(dist.broadcast(rows[r], src=src, group=group, async_op=async_op))
-        if n > 1:
-            record("broadcast", (n - 1) * s * elem)
+        record("broadcast", (n - 1) * s * elem)
         return Pending(handles, lambda: rows)  # type: ignore[arg-type,return-value]
     raise ValueError(f"unknown gather realisation {how!r}")
 
