@@ -373,10 +373,10 @@ def test_the_plan_a_compiled_step_reads_is_the_eager_plan_for_split_and_whole_me
     params = {"w": torch.zeros(4, 4), "a": torch.zeros(5, 3), "b": torch.zeros(7), "e": torch.zeros(0)}
     layout = zf.make_layout(params, 3, placement={"w": "whole"})
     for bucket in plan_buckets(layout, 16):
-        widths, members, split_width, chunked = _traced_bucket_plan(
+        widths, members, split_width, chunked, filled = _traced_bucket_plan(
             layout.fingerprint, bucket.names, bucket.offsets, bucket.shard_numel
         )
-        rebuilt = BucketPlan(widths, tuple(MemberPlan(*m) for m in members), split_width, chunked)
+        rebuilt = BucketPlan(widths, tuple(MemberPlan(*m) for m in members), split_width, chunked, filled)
         assert rebuilt == buckets.bucket_plan(layout, bucket)
 
 

@@ -60,12 +60,15 @@ class BucketPlan(NamedTuple):
         and exactly ``ceil(numel / N)`` wide, so the split region of the rows is
         ``torch._chunk_cat`` of the flattened gradients (each zero-padded, cut into ``N``
         chunks, chunk ``r`` of each in row ``r``): one call for the whole bucket.
+      filled: every member is split and fills its ``N`` rows exactly (no padding, no whole
+        params): one split of the rows' columns gives every member's piece of a row.
     """
 
     widths: tuple[int, ...]
     members: tuple[MemberPlan, ...]
     split_width: int = 0
     chunked: bool = False
+    filled: bool = False
 
     @property
     def split_members(self) -> tuple[MemberPlan, ...]:
@@ -115,7 +118,8 @@ def bucket_plan(layout: ShardLayout, bucket: Bucket) -> BucketPlan:
         for m in members
         if m.owner < 0
     )
-    return BucketPlan(widths, tuple(members), split_width, chunked)
+    filled = all(m.owner < 0 and m.whole == n for m in members)
+    return BucketPlan(widths, tuple(members), split_width, chunked, filled)
 
 
 def _bucket_plan(layout: ShardLayout, bucket: Bucket) -> BucketPlan:
@@ -123,10 +127,10 @@ def _bucket_plan(layout: ShardLayout, bucket: Bucket) -> BucketPlan:
     (tracing the planner costs per member), the layout passed as its fingerprint."""
     if not torch.compiler.is_compiling():
         return bucket_plan(layout, bucket)
-    widths, members, split_width, chunked = _traced_bucket_plan(
+    widths, members, split_width, chunked, filled = _traced_bucket_plan(
         layout.fingerprint, bucket.names, bucket.offsets, bucket.shard_numel
     )
-    return BucketPlan(widths, tuple(MemberPlan(*m) for m in members), split_width, chunked)
+    return BucketPlan(widths, tuple(MemberPlan(*m) for m in members), split_width, chunked, filled)
 
 
 def split_width(layout: ShardLayout, bucket: Bucket) -> int:
@@ -141,7 +145,7 @@ def _traced_bucket_plan(fingerprint: str, names: tuple[str, ...], offsets: tuple
     """The plan as plain tuples (what a trace takes as constants)."""
     layout = live_layout(fingerprint)
     plan = bucket_plan(layout, Bucket(names, offsets, shard_numel))
-    return plan.widths, tuple(tuple(m) for m in plan.members), plan.split_width, plan.chunked
+    return plan.widths, tuple(tuple(m) for m in plan.members), plan.split_width, plan.chunked, plan.filled
 
 
 def _pieces(members: Sequence[MemberPlan]) -> list[tuple[MemberPlan, bool]]:
@@ -159,11 +163,10 @@ def _pieces(members: Sequence[MemberPlan]) -> list[tuple[MemberPlan, bool]]:
     return out
 
 
-def _filled(plan: BucketPlan, members: Sequence[MemberPlan], n: int) -> bool:
-    """Every member of the bucket is written and fills its ``N`` rows exactly (no padding,
-    no whole params): one split of the rows' columns gives every member's piece of a row,
-    and an unpack copies the pieces as split (block by block, or row by row for rows apart)."""
-    return len(members) == len(plan.members) and all(m.owner < 0 and m.whole == n for m in members)
+def _filled(plan: BucketPlan, members: Sequence[MemberPlan]) -> bool:
+    """A :attr:`BucketPlan.filled` bucket with every member written: an unpack copies the
+    pieces as split (block by block, or row by row for rows apart)."""
+    return plan.filled and len(members) == len(plan.members)
 
 
 def member_targets(
@@ -173,7 +176,7 @@ def member_targets(
     ``members``' order: per split member its full rows as one ``(k, width)`` view (``k`` row
     views when ``separate``), then the rest of its last row; a whole param, all of it.
     Rows apart of a :func:`_filled` bucket: row 0 of every member, then row 1, ..."""
-    if separate and _filled(plan, members, n):
+    if separate and _filled(plan, members):
         blocks = [full[m.name].view(n, m.width) for m in members]
         return [b[r] for r in range(n) for b in blocks]
     dst: list[torch.Tensor] = []
@@ -194,7 +197,7 @@ def member_sources(
 ) -> list[torch.Tensor]:
     """What :func:`member_targets`' views receive, in the same order: blocks of the rows' columns."""
     n = len(rows)
-    if _filled(plan, members, n):  # the pieces as split: row by row, or the column blocks
+    if _filled(plan, members):  # the pieces as split: row by row, or the column blocks
         if separate:
             return [piece for r in rows for piece in r[: plan.split_width].split(plan.widths)]
         return list(rows[:, : plan.split_width].split(plan.widths, dim=1))  # type: ignore[call-overload]

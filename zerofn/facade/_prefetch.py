@@ -166,6 +166,7 @@ class ParamPrefetcher:
 
     def complete(self, buckets: Iterable[int]) -> None:
         """Wait for these buckets' gathers (those still pending) and write them into the params."""
+        apart = self._how == "broadcast"  # broadcasts give the rows apart (gather_rows)
         with torch.no_grad():  # the params are leaves that require grad
             for b in buckets:
                 entry = self._gathers[b]
@@ -184,10 +185,9 @@ class ParamPrefetcher:
                         names = tuple(n for n in names if n not in written)
                 bucket = self._buckets[b]
                 # The views the bucket's params are written through, made once (every member written).
-                whole = self._staging is not None and len(names) == len(bucket.names)
-                apart = self._how == "broadcast"  # the rows as gather_rows gives them
-                staging = self._staging
-                targets = staging.unpack_targets(self._layout, bucket, self._params, separate=apart) if whole else None
+                targets = None
+                if self._staging is not None and len(names) == len(bucket.names):
+                    targets = self._staging.unpack_targets(self._layout, bucket, self._params, separate=apart)
                 unpack_rows(rows, self._layout, bucket, self._params, names=names, targets=targets)
                 if self._guard is not None:
                     self._guard.record(names)
